@@ -1,0 +1,1 @@
+"""Framework adapters: raw PyTorch, accelerate, trl, axolotl."""

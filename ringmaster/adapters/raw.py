@@ -1,0 +1,32 @@
+"""Raw PyTorch: shard one full batch for this rank and follow the loss convention."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping
+
+import torch
+
+from ..shard import CP_SHARD_KEY, global_num_items, shard_collated_batch
+
+
+@contextlib.contextmanager
+def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, num_items_in_batch=None):
+    """Yield this rank's shard of ``batch`` (every rank of the CP group passes the same full batch).
+
+    ``model(**shard).loss`` then follows the convention: the mean over the CP group of each
+    rank's loss and gradients equals the single-device loss and gradients. Pass
+    ``num_items_in_batch`` (global supervised tokens, e.g. over a gradient-accumulation window)
+    to override the count taken from this batch.
+    """
+    from ..runtime import active
+
+    rt = runtime or active()
+    shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance)
+    shard.pop(CP_SHARD_KEY)
+    count = num_items_in_batch if num_items_in_batch is not None else global_num_items(batch)
+    if count is not None and "shift_labels" in shard:
+        count = torch.as_tensor(count, dtype=torch.float32)
+        shard["num_items_in_batch"] = count / rt.cp_size
+    shard["use_cache"] = False
+    yield shard

@@ -1,0 +1,85 @@
+"""Autograd-aware collectives over a CP process group.
+
+Each function is exact in backward: all-to-all's adjoint is the reverse all-to-all,
+all-gather's is reduce-scatter (sum). Bytes are reported to ``rm.profile_comms()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .profiling import timed_comm
+
+
+def _a2a(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    sent = x.numel() * x.element_size() * (P - 1) // P
+    with timed_comm("all_to_all", phase, sent, tag):
+        dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return _a2a(x, group, "forward", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a(grad, ctx.group, "backward", ctx.tag), None, None
+
+
+def all_to_all(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """``x`` is ``[P, ...]``; slice ``i`` goes to rank ``i``; slice ``i`` of the result came from rank ``i``."""
+    P = dist.get_world_size(group)
+    if x.shape[0] != P:
+        raise ValueError(f"all_to_all needs a leading dim of the group size {P}, got shape {tuple(x.shape)}")
+    if P == 1:
+        return x
+    return _AllToAll.apply(x, group, tag)
+
+
+def _all_gather(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    x = x.contiguous()
+    flat = x.reshape(1, -1)
+    out = torch.empty((P, flat.shape[1]), dtype=x.dtype, device=x.device)
+    with timed_comm("all_gather", phase, x.numel() * x.element_size() * (P - 1), tag):
+        dist.all_gather_into_tensor(out, flat, group=group)
+    return out.view(P, *x.shape)
+
+
+def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    with timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
+        if x.device.type == "cpu":  # gloo has no reduce_scatter: sum with all_reduce, keep our slice
+            buf = x.clone()
+            dist.all_reduce(buf, group=group)
+            out.copy_(buf[dist.get_rank(group)])
+        else:
+            dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return _all_gather(x, group, "forward", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, "backward", ctx.tag), None, None
+
+
+def all_gather(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """Stack every rank's ``x`` into ``[P, *x.shape]``; backward sums the gradients back (reduce-scatter)."""
+    if dist.get_world_size(group) == 1:
+        return x.unsqueeze(0)
+    return _AllGather.apply(x, group, tag)

@@ -1,0 +1,189 @@
+"""User-facing configuration: what CP degree, which backend, which layout.
+
+Every enum field also accepts its string value (``backend="ulysses"``), so YAML configs and
+the axolotl plugin can pass strings straight through. ``normalize()`` resolves the ``AUTO``
+fields into concrete choices once the model's KV-head count and the topology are known.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class _StrEnum(str, enum.Enum):
+    def __str__(self) -> str:  # "ulysses", not "Backend.ULYSSES", in messages
+        return self.value
+
+
+class _AutoType:
+    """Sentinel for "let ringmaster choose"; ``rm.AUTO``."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+    def __reduce__(self):
+        return (_AutoType, ())
+
+
+AUTO = _AutoType()
+
+
+class Backend(_StrEnum):
+    AUTO = "auto"
+    ULYSSES = "ulysses"
+    RING = "ring"
+    USP = "usp"
+
+
+class RotateMethod(_StrEnum):
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and value.lower() == "p2p":
+            return cls.ALLTOALL
+        return None
+
+
+class LoadBalance(_StrEnum):
+    AUTO = "auto"
+    NONE = "none"
+    HEAD_TAIL = "head_tail"
+    DISTFLASH = "distflash"
+
+
+class RingImpl(_StrEnum):
+    AUTO = "auto"
+    MATH = "math"
+    TORCH_NATIVE = "torch_native"
+    HF_KERNELS = "hf_kernels"
+
+
+RECURRENT_CHOICES = ("auto", "scan", "sequential")
+
+
+def _coerce(enum_cls: type[enum.Enum], value: Any, name: str):
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value.lower() if isinstance(value, str) else value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"RingmasterConfig.{name}={value!r} is not one of {choices}") from None
+
+
+def _degree(value: Any, name: str):
+    if value is AUTO or value is None:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"RingmasterConfig.{name}={value!r} must be a positive int or rm.AUTO")
+    return value
+
+
+@dataclass
+class RingmasterConfig:
+    """Context-parallel settings. ``size`` is the number of ranks that share one sequence."""
+
+    size: int = 1
+    backend: Backend | str = Backend.AUTO
+    ulysses_size: int | _AutoType = AUTO
+    ring_size: int | _AutoType = AUTO
+    rotate_method: RotateMethod | str = RotateMethod.ALLTOALL
+    load_balance: LoadBalance | str = LoadBalance.AUTO
+    ring_impl: RingImpl | str = RingImpl.AUTO
+    recurrent: str = "auto"
+    ranks_per_node: int | _AutoType = AUTO
+    validate_inputs: bool = True
+    _normalized: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"RingmasterConfig.size={self.size!r} must be a positive int (the CP degree)")
+        self.backend = _coerce(Backend, self.backend, "backend")
+        self.rotate_method = _coerce(RotateMethod, self.rotate_method, "rotate_method")
+        self.load_balance = _coerce(LoadBalance, self.load_balance, "load_balance")
+        self.ring_impl = _coerce(RingImpl, self.ring_impl, "ring_impl")
+        self.ulysses_size = _degree(self.ulysses_size, "ulysses_size")
+        self.ring_size = _degree(self.ring_size, "ring_size")
+        self.ranks_per_node = _degree(self.ranks_per_node, "ranks_per_node")
+        if self.recurrent not in RECURRENT_CHOICES:
+            raise ValueError(
+                f"RingmasterConfig.recurrent={self.recurrent!r} is not one of {', '.join(map(repr, RECURRENT_CHOICES))}"
+            )
+
+    @property
+    def normalized(self) -> bool:
+        return self._normalized
+
+    def normalize(self, num_kv_heads: int | None = None, intra_node_size: int | None = None,
+                  num_heads: int | None = None) -> "RingmasterConfig":
+        """Resolve every ``AUTO`` field in place and check that the split is consistent.
+
+        ``num_kv_heads`` caps the Ulysses degree (each rank needs whole KV heads);
+        ``intra_node_size`` keeps Ulysses inside a node. Returns ``self`` for chaining.
+        """
+        from .strategies.usp import auto_select
+
+        P = self.size
+        if self.ranks_per_node is not AUTO:
+            intra_node_size = self.ranks_per_node
+        u, r = self.ulysses_size, self.ring_size
+        if self.backend is Backend.ULYSSES:
+            if u not in (AUTO, P) or r not in (AUTO, 1):
+                raise ValueError(
+                    f"backend='ulysses' needs ulysses_size=size={P} and ring_size=1, got "
+                    f"ulysses_size={u!r}, ring_size={r!r}; use backend='usp' for a 2D split"
+                )
+            u, r = P, 1
+        elif self.backend is Backend.RING:
+            if r not in (AUTO, P) or u not in (AUTO, 1):
+                raise ValueError(
+                    f"backend='ring' needs ring_size=size={P} and ulysses_size=1, got "
+                    f"ulysses_size={u!r}, ring_size={r!r}; use backend='usp' for a 2D split"
+                )
+            u, r = 1, P
+        else:
+            if u is AUTO and r is AUTO:
+                u, r = auto_select(num_heads=num_heads, num_kv_heads=num_kv_heads, world=P,
+                                   ranks_per_node=intra_node_size)
+            elif u is AUTO:
+                if P % r:
+                    raise ValueError(f"ring_size={r} does not divide size={P}")
+                u = P // r
+            elif r is AUTO:
+                if P % u:
+                    raise ValueError(f"ulysses_size={u} does not divide size={P}")
+                r = P // u
+            if u * r != P:
+                raise ValueError(
+                    f"ulysses_size({u}) * ring_size({r}) = {u * r} != size({P}); pick degrees whose product is size"
+                )
+            if self.backend is Backend.AUTO:
+                self.backend = Backend.ULYSSES if r == 1 else Backend.RING if u == 1 else Backend.USP
+        self.ulysses_size, self.ring_size = u, r
+
+        if self.load_balance is LoadBalance.AUTO:
+            self.load_balance = LoadBalance.HEAD_TAIL if (r > 1 and u == 1) else LoadBalance.NONE
+        if self.recurrent == "auto":
+            self.recurrent = "sequential" if P <= 2 else "scan"
+        self._normalized = True
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else ("auto" if v is AUTO else v)
+        return out

@@ -1,0 +1,116 @@
+"""Tiny random models and the CP-vs-single-device comparison the demo and the tests run.
+
+``compare`` runs on every rank of a CP group: the same seeded model once without CP (the
+reference, on the full sequence) and once wired for CP on its shard, then reports the
+loss error, the gathered-logit error and every parameter's gradient error (gradients
+averaged over the CP group, as DDP/FSDP2 would). Errors are relative: ``|a-b| / |b|`` in
+the max norm, per tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# the smallest configs that still exercise each family's attention features
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16),
+    "gemma3_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+    "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                    num_experts_per_tok=2),
+}
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """A random tiny causal LM of ``model_type`` in fp32, identical for a given seed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**COMMON, **TINY.get(model_type, {}), **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                             dtype=torch.float32)
+    return model.train()
+
+
+def tiny_batch(vocab_size: int, seq_len: int, batch_size: int = 1, seed: int = 1, ignore_frac: float = 0.25):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+    labels = input_ids.clone()
+    labels[torch.rand(batch_size, seq_len, generator=g) < ignore_frac] = -100
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / max(scale, 1e-12)
+
+
+def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
+            attn_implementation: str = "sdpa", seed: int = 0, **overrides) -> dict[str, Any]:
+    """Run the reference and the CP model on this rank; return errors and what CP cost."""
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+
+    model = tiny_model(model_type, attn_implementation, seed, **overrides)
+    reference = copy.deepcopy(model)
+    batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
+
+    ref_out = reference(**batch, use_cache=False)
+    ref_out.loss.backward()
+
+    runtime = rm.wire(model, cfg, device_mesh=device_mesh)
+    group = runtime.cp_group
+    P = runtime.cp_size
+    try:
+        with rm.profile_comms() as comms, rm.profile_memory() as mem:
+            with context_parallel_region(batch) as shard:
+                out = model(**shard)
+            out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        loss = loss / P
+        logits = rm.gather_sequence(out.logits.detach(), dim=1)
+        grad_errs, missing = {}, []
+        for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+            if p_ref.grad is None:
+                continue
+            if p.grad is None:
+                missing.append(name)
+                continue
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=group)
+            grad_errs[name] = rel_err(g / P, p_ref.grad)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    worst = max(grad_errs, key=grad_errs.get)
+    return {
+        "cp_size": P,
+        "loss_ref": ref_out.loss.item(),
+        "loss_cp": loss.item(),
+        "loss_err": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
+        "logits_err": rel_err(logits, ref_out.logits),
+        "grad_err": grad_errs[worst],
+        "worst_param": worst,
+        "n_grads": len(grad_errs),
+        "n_params": sum(1 for _ in reference.parameters()),
+        "missing_grads": missing,
+        "attention_layers": len(runtime.report.attention),
+        "bytes_sent": comms.total_bytes(),
+        "a2a_bytes": comms.total_bytes("all_to_all"),
+        "saved_bytes": mem.peak_saved_bytes,
+        "peak_rss": mem.peak_rss_bytes,
+    }

@@ -1,0 +1,223 @@
+"""Cut a full batch into this rank's sequence shard, and put sharded outputs back together.
+
+Labels are shifted *before* sharding (``shift_labels``) so the target of a shard's last
+token, which lives on the next rank, is not lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from . import balancers
+from .comm import all_gather
+
+CP_SHARD_KEY = "_cp_shard"
+IGNORE_INDEX = -100
+
+# batch keys that run along the sequence, and the dim they run along
+SEQUENCE_KEYS: dict[str, int] = {
+    "input_ids": 1,
+    "labels": 1,
+    "shift_labels": 1,
+    "attention_mask": 1,
+    "position_ids": -1,
+    "inputs_embeds": 1,
+    "token_type_ids": 1,
+}
+
+
+def shard_tensor(x: torch.Tensor, dim: int, rank: int, size: int, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` for the given layout."""
+    seq_len = x.shape[dim]
+    balancers.check_divisible(seq_len, size, layout)
+    n = balancers.chunks_per_rank(layout)
+    chunk = seq_len // (size * n)
+    parts = [x.narrow(dim, c * chunk, chunk) for c in balancers.shard_chunks(layout, size, rank)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels[..., 1:]`` padded with ``ignore_index`` to the full length: the target of token t."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def sequence_length(batch: Mapping[str, Any]) -> int:
+    for key in ("input_ids", "inputs_embeds", "labels", "shift_labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.shape[1]
+    raise ValueError(
+        f"cannot find the sequence in the batch (keys: {sorted(batch)}); pass input_ids or inputs_embeds "
+        "of shape [batch, seq, ...]"
+    )
+
+
+def _check_packing_and_padding(batch: Mapping[str, Any]) -> None:
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool((mask == 1).all()):
+        raise NotImplementedError(
+            "attention_mask has padding (zeros) or packed-sequence ids; this ringmaster build shards only "
+            "unpadded batches: drop the padding (pad_to_multiple_of with labels -100 and attention_mask all "
+            "ones) or pass one row per sequence"
+        )
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] > 1:
+        steps = torch.diff(pos.reshape(-1, pos.shape[-1]), dim=-1)
+        if not bool((steps == 1).all()):
+            raise NotImplementedError(
+                "position_ids restart inside a row (packed documents); this ringmaster build would let documents "
+                "attend across their boundary under CP, so it refuses: pass one document per row"
+            )
+
+
+def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
+                         load_balance: str = "contiguous") -> dict[str, Any]:
+    """Return this rank's shard of a full collated batch (no collective runs here).
+
+    Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
+    carries both ``labels`` and ``shift_labels`` (HF's causal-LM loss uses the latter);
+    ``position_ids`` are made global (``arange`` when absent) so RoPE sees true positions.
+    The result carries ``_cp_shard`` metadata so a later forward hook does not shard again.
+    """
+    layout = balancers.check_layout(load_balance)
+    if not (0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
+    if CP_SHARD_KEY in batch:
+        raise ValueError("this batch is already a CP shard (it carries _cp_shard); shard the full batch once")
+    seq_len = sequence_length(batch)
+    balancers.check_divisible(seq_len, cp_size, layout)
+    _check_packing_and_padding(batch)
+
+    full = dict(batch)
+    if full.get("attention_mask") is not None:
+        full.pop("attention_mask")  # all ones: the CP attention builds the causal mask globally
+    if isinstance(full.get("labels"), torch.Tensor) and full.get("shift_labels") is None:
+        full["shift_labels"] = shift_labels(full["labels"])
+    if full.get("position_ids") is None:
+        ref = full.get("input_ids", full.get("inputs_embeds"))
+        full["position_ids"] = torch.arange(seq_len, device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        dim = SEQUENCE_KEYS.get(key)
+        if dim is not None and isinstance(value, torch.Tensor):
+            if value.shape[dim] != seq_len:
+                raise ValueError(
+                    f"batch[{key!r}] has length {value.shape[dim]} along dim {dim} but the sequence is {seq_len}"
+                )
+            out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout)
+        else:
+            out[key] = value
+    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len}
+    return out
+
+
+def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str | None = None) -> torch.Tensor:
+    """Undo the shard: all-gather ``local`` along ``dim`` over the CP group and restore sequence order.
+
+    Differentiable (backward reduce-scatters). ``group``/``layout`` default to the active runtime's.
+    """
+    if group is None or layout is None:
+        from .runtime import active
+
+        rt = active()
+        group = rt.cp_group if group is None else group
+        layout = rt.shard_load_balance if layout is None else layout
+    layout = balancers.check_layout(layout)
+    stacked = all_gather(local, group, tag="gather_sequence")  # [P, ..., S/P, ...]
+    P = stacked.shape[0]
+    dim = dim % local.dim()
+    full = torch.cat(stacked.unbind(0), dim=dim)
+    if layout == "contiguous":
+        return full
+    order = balancers.gathered_positions(full.shape[dim], P, layout, device=full.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return full.index_select(dim, inverse)
+
+
+def global_num_items(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor | None:
+    """Supervised tokens in a *full* batch (labels shifted first), or None without labels."""
+    labels = batch.get("shift_labels")
+    if labels is None and isinstance(batch.get("labels"), torch.Tensor):
+        labels = shift_labels(batch["labels"], ignore_index)
+    return None if labels is None else labels.ne(ignore_index).sum()
+
+
+class ContextParallelContextManager:
+    """Shard every forward of ``models`` over ``cp_group`` with forward pre-hooks.
+
+    The hook takes the full batch the trainer passes, cuts this rank's shard, and sets
+    ``num_items_in_batch`` to (global supervised tokens) / P, so the mean over the CP group
+    of each rank's loss, and of its gradients, equals the single-device value. Batches that
+    were already cut in the collator (they carry ``_cp_shard``) are not cut again; their
+    token count is summed over the group. ``gather_outputs`` all-gathers the logits back to
+    the full sequence after the forward (for losses that need every position).
+    """
+
+    def __init__(self, models, cp_group, gradient_accumulation_steps: int = 1, gather_outputs: bool = False,
+                 load_balance: str = "contiguous"):
+        import torch.distributed as dist
+
+        self.models = list(models) if isinstance(models, (list, tuple)) else [models]
+        self.cp_group = cp_group
+        self.cp_size = dist.get_world_size(cp_group)
+        self.cp_rank = dist.get_rank(cp_group)
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps or 1)
+        self.gather_outputs = gather_outputs
+        self.load_balance = balancers.check_layout(load_balance)
+        self._local_valid: torch.Tensor | None = None
+
+    def _make_pre_hook(self, forward_params):
+        params = list(forward_params)
+
+        def pre_hook(module, args, kwargs):
+            kwargs = dict(kwargs)
+            for name, value in zip(params, args):
+                kwargs.setdefault(name, value)
+            meta = kwargs.pop(CP_SHARD_KEY, None)
+            if meta is None:
+                full_count = global_num_items(kwargs)
+                tensors = {k: v for k, v in kwargs.items() if k in SEQUENCE_KEYS and v is not None}
+                shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, self.load_balance)
+                shard.pop(CP_SHARD_KEY)
+                for key in tensors:
+                    kwargs.pop(key)
+                kwargs.update(shard)
+            else:
+                full_count = None
+                local = kwargs.get("shift_labels")
+                if local is not None:
+                    import torch.distributed as dist
+
+                    full_count = local.ne(IGNORE_INDEX).sum()
+                    dist.all_reduce(full_count, group=self.cp_group)
+            local = kwargs.get("shift_labels")
+            self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
+            if kwargs.get("num_items_in_batch") is None and full_count is not None:
+                kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
+            kwargs["use_cache"] = False
+            return (), kwargs
+
+        return pre_hook
+
+    def _post_hook(self, module, args, kwargs, output):
+        logits = getattr(output, "logits", None)
+        if self.gather_outputs and isinstance(logits, torch.Tensor):
+            output.logits = gather_sequence(logits, dim=1, group=self.cp_group, layout=self.load_balance)
+        return output
+
+    def install(self) -> list:
+        """Register the hooks on every model; returns the handles (``handle.remove()`` undoes)."""
+        import inspect
+
+        handles = []
+        for model in self.models:
+            params = [p for p in inspect.signature(model.forward).parameters if p not in ("self", "args", "kwargs")]
+            handles.append(model.register_forward_pre_hook(self._make_pre_hook(params), with_kwargs=True))
+            if self.gather_outputs:
+                handles.append(model.register_forward_hook(self._post_hook, with_kwargs=True))
+        return handles

@@ -1,0 +1,197 @@
+"""Ulysses: trade the sequence shard for a head shard, run the model's own kernel, trade back.
+
+Each rank enters attention with ``[B, H, S/P, D]`` (all heads, its slice of the sequence),
+one fused all-to-all turns q, k and v into ``[B, H/P, S, D]`` (its slice of the heads, the
+whole sequence), the kernel the model was configured with runs unchanged, and a second
+all-to-all returns ``[B, S/P, H, D]``. Everything the kernel needs to know about the whole
+sequence (the causal / sliding-window mask) is built for the global length by a mask
+function registered next to the attention function, from HF's own mask builders.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_to_all
+
+# kwargs that describe the local shard only: the inner kernel must not see them
+_LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def attention_name(inner: str) -> str:
+    """The name registered with transformers: no '/' (read as a hub repo), no 'flash' (HF
+    special-cases names containing it)."""
+    short = re.sub(r"[^0-9a-zA-Z]+", "_", inner).strip("_").replace("flash", "fa")
+    return f"ringmaster_ulysses_{short}"
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """How many times each KV head is repeated so that ``size`` ranks each hold whole heads.
+
+    Raises with the splits that would work when no replication can make it fit.
+    """
+    if num_heads % size:
+        ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"Ulysses needs the query heads ({num_heads}) divisible by the CP size ({size}); "
+            f"sizes that divide the heads: {ok}. Use one of them, or backend='ring' (no head cap)"
+        )
+    if num_kv_heads % size == 0:
+        return 1
+    if size % num_kv_heads == 0:
+        return size // num_kv_heads
+    raise ValueError(
+        f"Ulysses cannot split {num_kv_heads} KV heads over {size} ranks (neither divides the other); "
+        f"use a CP size that divides {num_kv_heads} or is a multiple of it, or backend='ring'"
+    )
+
+
+class _HeadSliceModule:
+    """Stands in for the attention module inside the inner kernel.
+
+    Same attributes, except the head-dependent ones (GQA ratio, sinks) describe only the
+    heads this rank computes, so the model's unmodified kernel does the right thing.
+    """
+
+    def __init__(self, module: torch.nn.Module, overrides: dict):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_module"), name)
+
+
+def _inner_attention(inner: str, module: torch.nn.Module) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if inner == "eager":
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        return fn
+    if inner not in ALL_ATTENTION_FUNCTIONS:
+        raise KeyError(
+            f"ringmaster wraps attn_implementation={inner!r}, which transformers has not registered; "
+            "load the model with that implementation first (model.set_attn_implementation)"
+        )
+    return ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def seq_to_head(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """``[B, H_i, S/P, D]`` each -> ``[B, H_i/P, S, D]`` each, in one fused all-to-all."""
+    P = dist.get_world_size(group)
+    B, _, S, D = tensors[0].shape
+    if any(t.shape[-1] != D for t in tensors):  # different head dims cannot share one buffer
+        return [seq_to_head([t], group)[0] for t in tensors]
+    heads = [t.shape[1] // P for t in tensors]
+    x = torch.cat([t.reshape(B, P, h, S, D) for t, h in zip(tensors, heads)], dim=2).transpose(0, 1)
+    y = all_to_all(x, group, tag="ulysses_qkv")  # [P (source = sequence chunk), B, h, S, D]
+    y = y.permute(1, 2, 0, 3, 4).reshape(B, sum(heads), P * S, D)
+    return list(y.split(heads, dim=1))
+
+
+def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
+    """``[B, S, H/P, D]`` -> ``[B, S/P, H, D]``."""
+    P = dist.get_world_size(group)
+    B, S_full, h, D = out.shape
+    S = S_full // P
+    x = out.reshape(B, P, S, h, D).transpose(0, 1)
+    y = all_to_all(x, group, tag="ulysses_out")  # [P (source = head group), B, S, h, D]
+    return y.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, **kwargs):
+    """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``."""
+    from ..runtime import active
+
+    rt = active()
+    group = rt.ulysses_group
+    P = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    num_heads, num_kv = query.shape[1], key.shape[1]
+    rep = kv_replication(num_heads, num_kv, P)
+    if rep > 1:
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    q, k, v = seq_to_head([query, key, value], group)
+    hq, hk = q.shape[1], k.shape[1]
+
+    heads = slice(rank * hq, (rank + 1) * hq)
+    overrides = {"num_key_value_groups": hq // hk}
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor) and sinks.shape[0] == num_heads:
+        overrides["sinks"] = sinks[heads]
+    s_aux = kwargs.get("s_aux")
+    if isinstance(s_aux, torch.Tensor) and s_aux.shape[0] == num_heads:
+        kwargs["s_aux"] = s_aux[heads]
+    for name in _LOCAL_ONLY_KWARGS:
+        kwargs.pop(name, None)
+
+    fn = _inner_attention(inner, module)
+    out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, attention_mask, **kwargs)
+    return head_to_seq(out, group), None
+
+
+def _inner_mask_function(inner: str) -> Callable:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
+
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if inner in mapping:
+        return mapping[inner]
+    if "flash" in inner or "/" in inner:  # hub flash kernels
+        return flash_attention_mask
+    return sdpa_mask
+
+
+def global_mask(*, inner: str, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                attention_mask=None, **kwargs):
+    """Mask-interface function: the inner implementation's own mask, built for the whole sequence.
+
+    transformers calls it with the local shard's lengths; after the all-to-all the kernel sees
+    the full sequence, so the lengths are scaled by the Ulysses degree. The mask function it
+    receives (causal, sliding window, chunked) is index based, so it holds for global indices.
+    """
+    from ..runtime import active
+
+    rt = active()
+    P = dist.get_world_size(rt.ulysses_group)
+    if (isinstance(q_offset, int) and q_offset) or kv_offset or q_length != kv_length:
+        raise NotImplementedError(
+            f"ringmaster CP runs training/prefill forwards without a KV cache (q_offset={q_offset}, "
+            f"q_length={q_length}, kv_length={kv_length}); call the model with use_cache=False"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError(
+            "a padding attention_mask reached ringmaster's Ulysses attention; shard batches with "
+            "context_parallel_region / shard_collated_batch, which reject padding with a clear message"
+        )
+    return _inner_mask_function(inner)(batch_size=batch_size, q_length=q_length * P, kv_length=kv_length * P,
+                                       q_offset=0, kv_offset=0, attention_mask=None, **kwargs)
+
+
+def register_ulysses_attention(inner: str) -> str | None:
+    """Register the Ulysses wrapper of ``inner`` (and its global mask) with transformers; return its name.
+
+    Built-in names are never overwritten. Returns None when transformers is not installed
+    (the collectives in this module still work on raw tensors).
+    """
+    from ..compat import has_module
+
+    if not has_module("transformers"):
+        return None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = attention_name(inner)
+    AttentionInterface.register(name, partial(ulysses_attention, inner=inner))
+    AttentionMaskInterface.register(name, partial(global_mask, inner=inner))
+    return name

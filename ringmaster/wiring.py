@@ -1,0 +1,119 @@
+"""``rm.wire``: one walk over ``named_modules()`` that checks every layer against the family
+spec, switches attention to the CP wrapper, and reports what it changed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .architectures import STATEFUL_PATTERN, ArchitectureSpec, get_architecture, text_config
+from .config import Backend, RingmasterConfig
+
+_ATTENTION_LIKE = re.compile(r"(Attention|Attn)$")
+
+
+class UnsupportedLayerError(RuntimeError):
+    """A layer ringmaster cannot make exact under CP (fail closed, never silently wrong)."""
+
+
+@dataclass
+class WireReport:
+    family: str
+    attn_implementation: str | None
+    inner_attn: str | None
+    attention: list[str] = field(default_factory=list)
+    recurrent: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
+                 f"  {len(self.attention)} attention layers" + (f": {self.attention[0]} ..." if self.attention else "")]
+        lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
+        return "\n".join(lines)
+
+
+def classify_layers(model, spec: ArchitectureSpec) -> tuple[list[str], list[tuple[str, str]]]:
+    """Paths of attention and recurrent layers; raises on anything stateful or attention-like
+    that the spec does not declare (a renamed class in a new transformers, a swapped-in kernel)."""
+    attention, recurrent = [], []
+    for path, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in spec.attention_classes:
+            attention.append(path)
+        elif cls in spec.recurrent_classes:
+            recurrent.append((path, spec.recurrent_classes[cls]))
+        elif cls in spec.ignore_classes:
+            continue
+        elif STATEFUL_PATTERN.search(cls):
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({cls}) carries state along the sequence and family {spec.name!r} does not "
+                "declare how to pass it across CP ranks; sharding it would train silently wrong. Declare it in "
+                "the family's ArchitectureSpec.recurrent_classes (or ignore_classes if it is stateless) and "
+                "re-register with rm.register_architecture(spec, override=True)"
+            )
+        elif _ATTENTION_LIKE.search(cls) and hasattr(module, "q_proj"):
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({cls}) looks like attention but family {spec.name!r} declares only "
+                f"{spec.attention_classes}; add it to attention_classes and re-register the spec"
+            )
+    if not attention and not recurrent:
+        raise UnsupportedLayerError(
+            f"found no layer of {spec.attention_classes} in {type(model).__name__}; the family spec "
+            f"{spec.name!r} does not match this model's classes"
+        )
+    return attention, recurrent
+
+
+def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp"):
+    """Make ``model`` context parallel: look up its family, validate, set up the runtime,
+    switch attention in place. Returns the runtime; ``runtime.report`` says what changed and
+    ``runtime.report`` + ``unwire(model)`` undo it."""
+    from .runtime import setup
+    from .strategies.ulysses import kv_replication
+
+    if getattr(model, "_ringmaster_runtime", None) is not None:
+        raise RuntimeError(
+            f"{type(model).__name__} is already wired by ringmaster; call rm.unwire(model) before wiring again"
+        )
+    import torch.distributed as dist
+
+    if cfg is None:
+        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        cfg = RingmasterConfig(size=size)
+    spec = get_architecture(model)
+    tcfg = text_config(model.config)
+    num_heads = getattr(tcfg, spec.num_heads_attr, None)
+    num_kv = getattr(tcfg, spec.num_kv_heads_attr, None) or num_heads
+    inner = model.config._attn_implementation or "sdpa"
+    if spec.supported_inner is not None and inner not in spec.supported_inner:
+        raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
+                         f"the model uses {inner!r}")
+    attention, recurrent = classify_layers(model, spec)
+    if recurrent:
+        raise UnsupportedLayerError(
+            f"{len(recurrent)} recurrent layers ({recurrent[0][0]}, ...) need cross-rank state passing, which "
+            "this ringmaster build does not provide yet"
+        )
+    if not cfg.normalized:
+        from .mesh import intra_node_size
+
+        cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
+    if cfg.ulysses_size > 1 and num_heads is not None:
+        kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
+    runtime = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
+                    num_heads=num_heads)
+    runtime.extras["original_attn_implementation"] = inner
+    if runtime.attn_implementation is not None:
+        model.set_attn_implementation(runtime.attn_implementation)
+    runtime.report = WireReport(family=spec.name, attn_implementation=runtime.attn_implementation,
+                                inner_attn=inner, attention=attention, recurrent=recurrent)
+    model._ringmaster_runtime = runtime
+    return runtime
+
+
+def unwire(model) -> None:
+    """Restore the model's original attention implementation and forget the wiring."""
+    runtime = getattr(model, "_ringmaster_runtime", None)
+    if runtime is None:
+        return
+    model.set_attn_implementation(runtime.extras["original_attn_implementation"])
+    model._ringmaster_runtime = None
