@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single, reduce_scatter_single
 from .profiling import timed_comm
 
 
@@ -49,7 +50,7 @@ def _all_gather(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
     flat = x.reshape(1, -1)
     out = torch.empty((P, flat.shape[1]), dtype=x.dtype, device=x.device)
     with timed_comm("all_gather", phase, x.numel() * x.element_size() * (P - 1), tag):
-        dist.all_gather_into_tensor(out, flat, group=group)
+        all_gather_single(out, flat, group=group)
     return out.view(P, *x.shape)
 
 
@@ -63,7 +64,7 @@ def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tenso
             dist.all_reduce(buf, group=group)
             out.copy_(buf[dist.get_rank(group)])
         else:
-            dist.reduce_scatter_tensor(out, x, group=group)
+            reduce_scatter_single(out, x, group=group)
     return out
 
 

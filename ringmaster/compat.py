@@ -38,3 +38,19 @@ def require_transformers() -> None:
             "this ringmaster feature wraps Hugging Face attention and needs transformers; "
             "install it with `pip install 'axolotl-ringmaster[hf]'`"
         )
+
+
+def all_gather_single(output, input, group=None):
+    """``dist.all_gather_single`` (torch>=2.13) or its older name ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group)
+
+
+def reduce_scatter_single(output, input, group=None):
+    """``dist.reduce_scatter_single`` (torch>=2.13) or its older name ``reduce_scatter_tensor``."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group)

@@ -59,8 +59,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
-            attn_implementation: str = "sdpa", seed: int = 0, **overrides) -> dict[str, Any]:
-    """Run the reference and the CP model on this rank; return errors and what CP cost."""
+            attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", **overrides) -> dict[str, Any]:
+    """Run the reference and the CP model on this rank; return errors and what CP cost.
+
+    ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
+    passes the full batch to a model hooked by ``ContextParallelContextManager`` (trainers).
+    """
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
 
@@ -68,16 +72,28 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     reference = copy.deepcopy(model)
     batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
 
-    ref_out = reference(**batch, use_cache=False)
-    ref_out.loss.backward()
+    with rm.profile_memory() as ref_mem:
+        ref_out = reference(**batch, use_cache=False)
+        ref_out.loss.backward()
 
     runtime = rm.wire(model, cfg, device_mesh=device_mesh)
     group = runtime.cp_group
     P = runtime.cp_size
     try:
         with rm.profile_comms() as comms, rm.profile_memory() as mem:
-            with context_parallel_region(batch) as shard:
-                out = model(**shard)
+            if via == "region":
+                with context_parallel_region(batch) as shard:
+                    out = model(**shard)
+            elif via == "hooks":
+                manager = rm.ContextParallelContextManager([model], group, load_balance=runtime.shard_load_balance)
+                handles = manager.install()
+                try:
+                    out = model(**batch)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+            else:
+                raise ValueError(f"via={via!r}: use 'region' or 'hooks'")
             out.loss.backward()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
@@ -112,5 +128,6 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "bytes_sent": comms.total_bytes(),
         "a2a_bytes": comms.total_bytes("all_to_all"),
         "saved_bytes": mem.peak_saved_bytes,
+        "ref_saved_bytes": ref_mem.peak_saved_bytes,
         "peak_rss": mem.peak_rss_bytes,
     }

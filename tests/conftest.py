@@ -1,0 +1,38 @@
+"""One pool of 4 CPU gloo ranks per test session: spawning per test is too slow on 2 cores.
+
+P=2 cases run on a ("dp", "cp") = (2, 2) mesh, so two CP groups run the same case at once;
+P=4 cases on (1, 4).
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+WORLD = 4
+
+
+class PoolHolder:
+    def __init__(self, world: int):
+        self.world = world
+        self._pool = None
+
+    def run(self, fn, *args, **kwargs):
+        from ringmaster.launch import LocalPool
+
+        if self._pool is None or self._pool.broken:
+            self._pool = LocalPool(self.world, timeout=240, grace=15)
+        return self._pool.run(fn, *args, **kwargs)
+
+    def close(self):
+        if self._pool is not None and not self._pool.broken:
+            self._pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool():
+    holder = PoolHolder(WORLD)
+    yield holder
+    holder.close()
