@@ -29,7 +29,8 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+              max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
