@@ -75,16 +75,32 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
             f"load_balance={cfg.load_balance.value!r} only helps Ring; Ulysses computes the whole sequence "
             "on every rank, so use load_balance='none' (or 'auto')"
         )
-    if cfg.backend is not Backend.ULYSSES:
+    if cfg.backend is Backend.USP:
         raise NotImplementedError(
-            f"backend={cfg.backend.value!r} (ulysses_size={cfg.ulysses_size}, ring_size={cfg.ring_size}) is not "
-            "available in this ringmaster build yet; use backend='ulysses' with a size that divides the heads"
+            f"backend='usp' (ulysses_size={cfg.ulysses_size}, ring_size={cfg.ring_size}) is not available in this "
+            "ringmaster build yet; use backend='ulysses' (heads permitting) or backend='ring'"
         )
-    rt = Runtime(config=cfg, cp_group=group, cp_rank=group_rank(group), cp_size=size,
-                 ulysses_group=group, inner_attn=inner_attn or "sdpa", num_kv_heads=num_kv_heads)
-    from .strategies.ulysses import register_ulysses_attention
+    if cfg.load_balance is LoadBalance.DISTFLASH:
+        raise NotImplementedError(
+            "load_balance='distflash' is not implemented: head_tail already balances causal work to within 1% "
+            "(balancers.work_figure); use load_balance='head_tail'"
+        )
+    inner = inner_attn or "sdpa"
+    rt = Runtime(config=cfg, cp_group=group, cp_rank=group_rank(group), cp_size=size, inner_attn=inner,
+                 num_kv_heads=num_kv_heads)
+    if cfg.backend is Backend.ULYSSES:
+        from .strategies.ulysses import register_ulysses_attention
 
-    rt.attn_implementation = register_ulysses_attention(rt.inner_attn)
+        rt.ulysses_group = group
+        rt.attn_implementation = register_ulysses_attention(inner)
+    else:
+        from .ring.kernels import get_kernel
+        from .strategies.ring import register_ring_attention, resolve_ring_impl
+
+        rt.ring_group = group
+        rt.extras["ring_impl"] = resolve_ring_impl(cfg.ring_impl, inner)
+        rt.extras["ring_kernel"] = get_kernel(rt.extras["ring_impl"])
+        rt.attn_implementation = register_ring_attention(inner)
     _ACTIVE = rt
     return rt
 

@@ -15,3 +15,67 @@ def resolve_ring_impl(ring_impl, inner_attn: str | None) -> RingImpl:
     if "flash" in inner or "/" in inner:
         return RingImpl.HF_KERNELS
     return RingImpl.TORCH_NATIVE
+
+
+def resolve_rotate(rotate_method) -> str:
+    from ..config import RotateMethod
+
+    return "allgather" if RotateMethod(rotate_method) is RotateMethod.ALLGATHER else "alltoall"
+
+
+def ring_attention_hf(module, query, key, value, attention_mask, *, inner: str, **kwargs):
+    """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``.
+
+    Masks come from global positions (the layout's chunks), not from HF's per-shard mask;
+    the sliding window from the ``sliding_window`` kwarg; sinks from ``s_aux`` / ``module.sinks``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .. import balancers
+    from ..ring.loop import RingPlan, ring_attention
+    from ..runtime import active
+
+    rt = active()
+    group = rt.ring_group
+    if kwargs.get("dropout") and getattr(module, "training", False):
+        raise NotImplementedError(
+            f"ring attention is exact only without attention dropout (got {kwargs['dropout']}); "
+            "set attention_dropout=0 in the model config"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("ring attention does not implement logit soft-capping; use backend='ulysses'")
+    layout = rt.shard_load_balance
+    chunk = query.shape[2] // balancers.chunks_per_rank(layout)
+    plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
+                    causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+                    window=kwargs.get("sliding_window"))
+    sinks = kwargs.get("s_aux")
+    if not isinstance(sinks, torch.Tensor):
+        sinks = getattr(module, "sinks", None)
+    out = ring_attention(query, key, value, group, plan, rt.extras["ring_kernel"],
+                         rotate=resolve_rotate(rt.config.rotate_method), scale=kwargs.get("scaling"),
+                         sinks=sinks if isinstance(sinks, torch.Tensor) else None)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_mask(**kwargs):
+    """Mask-interface function for ring names: the ring builds its masks from global positions."""
+    return None
+
+
+def register_ring_attention(inner: str) -> str | None:
+    from functools import partial
+
+    from ..compat import has_module
+    from .ulysses import attention_name
+
+    if not has_module("transformers"):
+        return None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = attention_name(inner).replace("ringmaster_ulysses_", "ringmaster_ring_")
+    AttentionInterface.register(name, partial(ring_attention_hf, inner=inner))
+    AttentionMaskInterface.register(name, no_mask)
+    return name

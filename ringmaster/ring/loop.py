@@ -1,0 +1,208 @@
+"""The ring loop: every rank's queries meet every rank's K/V block, forward and backward.
+
+Rotation ``alltoall`` ("p2p"): K/V blocks travel around the ring with isend/irecv; the next
+block is in flight while the current one computes. Backward walks the same ring with dK/dV
+accumulators travelling beside the blocks, so no rank ever holds more than two K/V blocks.
+Rotation ``allgather``: K/V are gathered once (O(S) resident); backward reduce-scatters dK/dV.
+
+Blocks are planned per chunk pair from global positions (the layout's chunks), so causal,
+sliding-window and head_tail layouts share one code path; pairs that are fully masked are
+skipped, never computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from .. import balancers
+from ..comm import _all_gather, _reduce_scatter
+from ..profiling import timed_comm
+from .merge import merge, merge_sink
+
+SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """Where this rank's tokens sit in the sequence and which keys each query may see."""
+
+    layout: str
+    size: int
+    rank: int
+    chunk: int                # tokens per layout chunk
+    causal: bool = True
+    window: int | None = None  # HF sliding_window: key visible iff 0 <= q - k < window
+
+    def chunks(self, rank: int) -> list[int]:
+        return balancers.shard_chunks(self.layout, self.size, rank)
+
+
+@lru_cache(maxsize=4096)
+def _pair_kind(a: int, b: int, c: int, causal: bool, window: int | None):
+    """Mask of query chunk ``a`` against key chunk ``b`` (chunk length ``c``):
+    SKIP, None (all visible), "causal" (diagonal) or ("window", a, b) for an explicit mask."""
+    if causal and b > a:
+        return SKIP
+    if window is not None:
+        if not causal:
+            raise NotImplementedError("ring attention supports sliding windows only for causal attention")
+        nearest, farthest = (a - b) * c - (c - 1), (a - b) * c + (c - 1)
+        if nearest >= window:
+            return SKIP
+        if farthest >= window:
+            return ("window", a, b)
+    if causal and a == b:
+        return "causal"
+    return None
+
+
+def _mask(kind, c: int, window: int | None, device):
+    if not isinstance(kind, tuple):
+        return kind
+    _, a, b = kind
+    d = (a * c + torch.arange(c, device=device))[:, None] - (b * c + torch.arange(c, device=device))[None, :]
+    return (d >= 0) & (d < window)
+
+
+def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, object]]:
+    """(query chunk index, key chunk index, mask) for this rank's queries vs ``src``'s block."""
+    pairs = []
+    for qi, a in enumerate(plan.chunks(plan.rank)):
+        for kj, b in enumerate(plan.chunks(src)):
+            kind = _pair_kind(a, b, plan.chunk, plan.causal, plan.window)
+            if kind != SKIP:
+                pairs.append((qi, kj, _mask(kind, plan.chunk, plan.window, device)))
+    return pairs
+
+
+def _sl(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
+    return x[..., i * c:(i + 1) * c, :]
+
+
+class _Ring:
+    """Point-to-point neighbours on the CP group: send to rank+1, receive from rank-1."""
+
+    def __init__(self, group):
+        self.group = group
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (r + 1) % P)
+        self.prev = dist.get_global_rank(group, (r - 1) % P)
+
+    def start(self, tensor: torch.Tensor, phase: str, tag: str, channel: int = 0):
+        recv = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag=channel),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag=channel)]
+        nbytes = tensor.numel() * tensor.element_size()
+        return recv, dist.batch_isend_irecv(ops), (phase, nbytes, tag)
+
+    @staticmethod
+    def wait(pending):
+        recv, works, (phase, nbytes, tag) = pending
+        with timed_comm("p2p", phase, nbytes, tag):
+            for w in works:
+                w.wait()
+        return recv
+
+
+def _forward_block(kernel, plan, q, kv, src, scale, acc):
+    c = plan.chunk
+    for qi, kj, mask in block_pairs(plan, src, q.device):
+        o, lse = kernel.forward(_sl(q, qi, c), _sl(kv[0], kj, c), _sl(kv[1], kj, c), scale, mask)
+        acc[qi] = merge(*(acc[qi] or (None, None)), o, lse)
+
+
+def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv):
+    c = plan.chunk
+    for qi, kj, mask in block_pairs(plan, src, q.device):
+        dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(kv[0], kj, c), _sl(kv[1], kj, c),
+                                           _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask)
+        _sl(dq, qi, c).add_(dq_i.float())
+        _sl(dkv[0], kj, c).add_(dk_j.float())
+        _sl(dkv[1], kj, c).add_(dv_j.float())
+
+
+def _finish(acc, q, sinks):
+    parts_out, parts_lse = [], []
+    for item, qc in zip(acc, q.split(q.shape[-2] // len(acc), dim=-2)):
+        if item is None:  # no visible key at all (cannot happen for causal: the diagonal is always seen)
+            item = (qc.new_zeros(qc.shape, dtype=torch.float32),
+                    qc.new_full(qc.shape[:-1], float("-inf"), dtype=torch.float32))
+        parts_out.append(item[0])
+        parts_lse.append(item[1])
+    out, lse = torch.cat(parts_out, dim=-2), torch.cat(parts_lse, dim=-1)
+    if sinks is not None:
+        out, lse = merge_sink(out, lse, sinks)
+    return out, lse
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: RingPlan, group, kernel, rotate: str, scale: float):
+        P = plan.size
+        kv = torch.stack([k, v]).contiguous()
+        acc = [None] * len(plan.chunks(plan.rank))
+        if rotate == "allgather":
+            kv_all = _all_gather(kv, group, "forward", "ring_kv")
+            for src in range(P):
+                _forward_block(kernel, plan, q, kv_all[src], src, scale, acc)
+        else:
+            ring, cur, kv_all = _Ring(group), kv, None
+            for step in range(P):
+                pending = ring.start(cur, "forward", "ring_kv") if step < P - 1 else None
+                _forward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, acc)
+                if pending is not None:
+                    cur = ring.wait(pending)
+        out, lse = _finish(acc, q, sinks)
+        saved = [q, k, v, out, lse] + ([sinks] if sinks is not None else []) + ([kv_all] if kv_all is not None else [])
+        ctx.save_for_backward(*saved)
+        ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.rotate, ctx.scale = (
+            sinks is not None, plan, group, kernel, rotate, scale)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        sinks = rest.pop(0) if ctx.has_sinks else None
+        plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
+        P = plan.size
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if ctx.rotate == "allgather":
+            kv_all = rest[0]
+            dkv_all = torch.zeros(kv_all.shape, dtype=torch.float32, device=q.device)
+            for src in range(P):
+                _backward_block(kernel, plan, q, kv_all[src], src, scale, dout, out, lse, dq, dkv_all[src])
+            dkv = _reduce_scatter(dkv_all, group, "backward", "ring_dkv")
+        else:
+            ring = _Ring(group)
+            cur = torch.stack([k, v]).contiguous()
+            dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+            for step in range(P):
+                pending = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
+                _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv)
+                # the accumulated dK/dV travel with their block; after P hops they are home
+                dkv = ring.wait(ring.start(dkv, "backward", "ring_dkv", channel=1))
+                if pending is not None:
+                    cur = ring.wait(pending)
+        dsinks = None
+        if sinks is not None:
+            delta = (dout.float() * out).sum(-1)                     # [B, H, S]
+            p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)   # the sink's share of each row
+            dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
+
+
+def ring_attention(q, k, v, group, plan: RingPlan, kernel, rotate: str = "alltoall", scale: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention of this rank's queries over the whole sharded sequence.
+
+    q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` in the layout of ``plan``; returns
+    ``[B, Hq, S/P, D]``. ``sinks`` (``[Hq]``) adds gpt-oss style attention sinks.
+    """
+    if rotate not in ("alltoall", "allgather"):
+        raise ValueError(f"rotate={rotate!r}: use 'alltoall' (p2p) or 'allgather'")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, sinks, plan, group, kernel, rotate, scale)
