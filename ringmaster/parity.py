@@ -116,6 +116,8 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     worst = max(grad_errs, key=grad_errs.get)
     return {
         "cp_size": P,
+        "backend": runtime.config.backend.value,
+        "layout": runtime.shard_load_balance,
         "loss_ref": ref_out.loss.item(),
         "loss_cp": loss.item(),
         "loss_err": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),

@@ -7,10 +7,11 @@ import torch
 import ringmaster as rm
 
 
-def parity(ctx, model_type, P, attn="sdpa", overrides=None, backend="ulysses", seq_len=64, via="region"):
+def parity(ctx, model_type, P, attn="sdpa", overrides=None, backend="ulysses", seq_len=64, via="region",
+           cfg_kwargs=None):
     from ringmaster.parity import compare
 
-    cfg = rm.RingmasterConfig(size=P, backend=backend)
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), attn_implementation=attn,
                    via=via, **(overrides or {}))
 
@@ -123,3 +124,28 @@ def collectives(ctx, P, layout):
     stacked = all_gather(torch.full((2,), float(r)), group)
     errs["all_gather"] = rel_err(stacked, torch.arange(P, dtype=torch.float32)[:, None].expand(P, 2))
     return errs
+
+
+def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
+    """Bytes autograd keeps for backward in one ring attention call, and the exactness of its output."""
+    import torch.distributed as dist
+
+    from ringmaster.config import RingImpl
+    from ringmaster.parity import rel_err
+    from ringmaster.ring.kernels import get_kernel
+    from ringmaster.ring.loop import RingPlan, ring_attention
+    from ringmaster.ring.merge import reference_attention
+    from ringmaster.shard import shard_tensor
+
+    group = ctx.mesh(P)["cp"].get_group()
+    r = dist.get_rank(group)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, S, D, generator=g) for h in (H, Hkv, Hkv))
+    local = [shard_tensor(t, 2, r, P, "head_tail").clone().requires_grad_(True) for t in (q, k, v)]
+    plan = RingPlan("head_tail", P, r, S // (2 * P))
+    with rm.profile_memory() as mem:
+        out = ring_attention(*local, group, plan, get_kernel(RingImpl.TORCH_NATIVE), rotate=rotate)
+    ref, _ = reference_attention(q, k, v, D ** -0.5, torch.ones(S, S, dtype=torch.bool).tril())
+    err = rel_err(out, shard_tensor(ref, 2, r, P, "head_tail"))
+    kv_local = 2 * local[1].numel() * 4
+    return {"saved": mem.peak_saved_bytes, "kv_local": kv_local, "kv_full": kv_local * P, "err": err}

@@ -120,9 +120,11 @@ class TorchNativeKernel:
         g, kx, vx, causal, additive = self._args(q, k, v, mask)
         if q.device.type != "cpu":
             return MathKernel().backward(dout, q, k, v, out, lse, scale, mask)
+        # a row no key can see anywhere has lse=-inf; any finite value gives it P=0 through the mask
+        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).float().contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q.contiguous(), kx, vx, out.to(q.dtype).contiguous(),
-            lse.float().contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
+            lse, 0.0, causal, attn_mask=additive, scale=scale)
         return dq, _reduce_groups(dk, g), _reduce_groups(dv, g)
 
 

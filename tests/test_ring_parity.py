@@ -1,0 +1,67 @@
+"""Ring CP against the same model without CP: loss, gathered logits, every gradient (fp32),
+for both rotations, both layouts and both CPU block-kernel providers."""
+
+import itertools
+
+import jobs
+import pytest
+from test_ulysses_parity import check
+
+FAMILIES = [
+    ("llama-gqa", "llama", "sdpa", dict(num_attention_heads=8, num_key_value_heads=2)),
+    ("qwen3-mqa", "qwen3", "sdpa", dict(num_attention_heads=4, num_key_value_heads=1)),
+    ("mistral-sliding", "mistral", "sdpa", dict(sliding_window=16)),
+    ("gemma3-mixed", "gemma3_text", "sdpa", {}),
+    ("gpt-oss-sinks", "gpt_oss", "eager", {}),
+]
+VARIANTS = list(itertools.product(["alltoall", "allgather"], ["head_tail", "none"], ["math", "torch_native"]))
+
+
+def _check_ring(results, P):
+    for r in results:
+        r["a2a_bytes"] = r["bytes_sent"]  # ring sends p2p/all-gather, not all-to-all
+    check(results, P)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_ring_matches_single_device(pool, family, P):
+    _, model_type, attn, overrides = family
+    for rotate, balance, impl in VARIANTS:
+        results = pool.run(jobs.parity, model_type, P, attn, overrides, backend="ring",
+                           cfg_kwargs=dict(rotate_method=rotate, load_balance=balance, ring_impl=impl))
+        try:
+            _check_ring(results, P)
+        except AssertionError as exc:
+            raise AssertionError(f"rotate={rotate} load_balance={balance} ring_impl={impl}: {exc}") from exc
+
+
+def test_p2p_alias_and_auto_layout(pool):
+    results = pool.run(jobs.parity, "llama", 4, "sdpa", dict(num_attention_heads=8, num_key_value_heads=2),
+                       backend="ring", cfg_kwargs=dict(rotate_method="p2p"))
+    _check_ring(results, 4)
+
+
+def test_ring_memory_p2p_is_o_s_over_p_allgather_is_o_s(pool):
+    """p2p keeps only this rank's K/V for backward (O(S/P)); allgather keeps the whole gathered K/V (O(S))."""
+    seen = {}
+    for P in (2, 4):
+        for rotate in ("alltoall", "allgather"):
+            r = pool.run(jobs.ring_memory, P, rotate)[0]
+            assert r["err"] <= 1e-5, r
+            seen[(P, rotate)] = r
+    for P in (2, 4):
+        p2p, ag = seen[(P, "alltoall")], seen[(P, "allgather")]
+        assert ag["saved"] - p2p["saved"] == ag["kv_full"], (P, p2p, ag)  # exactly the gathered K/V more
+    # p2p: everything saved scales with the shard; halving the shard halves it
+    assert seen[(4, "alltoall")]["saved"] * 2 == pytest.approx(seen[(2, "alltoall")]["saved"], rel=0.02)
+    # allgather: the gathered K/V does not shrink with P
+    assert seen[(4, "allgather")]["saved"] > 0.6 * seen[(2, "allgather")]["saved"]
+
+
+def test_auto_backend_picks_ring_for_mqa_and_trains_exactly(pool):
+    """kv_heads=1 caps Ulysses at 1, so AUTO resolves to pure Ring (head_tail) and stays exact."""
+    results = pool.run(jobs.parity, "qwen3", 4, "sdpa", dict(num_attention_heads=4, num_key_value_heads=1),
+                       backend="auto")
+    assert {(r["backend"], r["layout"]) for r in results} == {("ring", "head_tail")}
+    _check_ring(results, 4)
