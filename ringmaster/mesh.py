@@ -46,3 +46,36 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return dist.get_rank(group)
+
+
+_SPLITS: dict = {}
+
+
+def cp_groups_ranks(device_mesh, cp_dim: str, cp_group) -> list[list[int]]:
+    """Global ranks of every CP group in the job (each in CP-rank order)."""
+    if device_mesh is None:
+        return [dist.get_process_group_ranks(cp_group)]
+    mesh = device_mesh[cp_dim]
+    full = getattr(device_mesh, "mesh", None)
+    names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+    if full is None or cp_dim not in names or full.dim() != len(names):
+        return [list(mesh.mesh.flatten().tolist())]
+    idx = names.index(cp_dim)
+    return full.movedim(idx, -1).reshape(-1, full.shape[idx]).tolist()
+
+
+def split_usp_groups(device_mesh, cp_dim: str, cp_group, ulysses_size: int, ring_size: int):
+    """(ulysses_group, ring_group) for this rank: Ulysses over contiguous CP ranks (inside a node),
+    Ring over the ranks at the same Ulysses index. A mesh that already has ``cp_ulysses`` and
+    ``cp_ring`` dims (axolotl's RingmasterMesh) is used as is; otherwise the groups of every CP
+    group in the job are created once (all ranks call this together) and cached."""
+    names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+    if "cp_ulysses" in names and "cp_ring" in names:
+        return device_mesh["cp_ulysses"].get_group(), device_mesh["cp_ring"].get_group()
+    groups = cp_groups_ranks(device_mesh, cp_dim, cp_group)
+    uly = [g[j * ulysses_size:(j + 1) * ulysses_size] for g in groups for j in range(ring_size)]
+    ring = [g[i::ulysses_size] for g in groups for i in range(ulysses_size)]
+    key = (tuple(map(tuple, uly)), tuple(map(tuple, ring)))
+    if key not in _SPLITS:
+        _SPLITS[key] = (dist.new_subgroups_by_enumeration(uly)[0], dist.new_subgroups_by_enumeration(ring)[0])
+    return _SPLITS[key]

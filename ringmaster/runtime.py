@@ -54,8 +54,9 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
           inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
     """Resolve the config against the CP group and register the wrapped attention.
 
-    Everything here is local or a pure group lookup: no collective runs, so a bad
-    argument raises on every rank instead of hanging one of them.
+    Every check runs before anything collective, so a bad argument raises on every rank
+    instead of hanging one of them; the only collective step, creating the USP sub-groups,
+    comes last.
     """
     global _ACTIVE
     if not isinstance(cfg, RingmasterConfig):
@@ -70,15 +71,16 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
         )
     if not cfg.normalized:
         cfg.normalize(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
-    if cfg.backend is Backend.ULYSSES and cfg.load_balance is not LoadBalance.NONE:
+    ulysses_only = cfg.backend is Backend.ULYSSES or (cfg.backend is Backend.USP and cfg.ring_size == 1)
+    if ulysses_only and cfg.load_balance is not LoadBalance.NONE:
         raise ValueError(
             f"load_balance={cfg.load_balance.value!r} only helps Ring; Ulysses computes the whole sequence "
             "on every rank, so use load_balance='none' (or 'auto')"
         )
-    if cfg.backend is Backend.USP:
-        raise NotImplementedError(
-            f"backend='usp' (ulysses_size={cfg.ulysses_size}, ring_size={cfg.ring_size}) is not available in this "
-            "ringmaster build yet; use backend='ulysses' (heads permitting) or backend='ring'"
+    if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.load_balance is LoadBalance.HEAD_TAIL:
+        raise ValueError(
+            "backend='usp' shards the sequence contiguously (each Ulysses group holds one span of the ring); "
+            "use load_balance='none' (or 'auto'), or backend='ring' for head_tail balancing"
         )
     if cfg.load_balance is LoadBalance.DISTFLASH:
         raise NotImplementedError(
@@ -88,19 +90,25 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
     inner = inner_attn or "sdpa"
     rt = Runtime(config=cfg, cp_group=group, cp_rank=group_rank(group), cp_size=size, inner_attn=inner,
                  num_kv_heads=num_kv_heads)
-    if cfg.backend is Backend.ULYSSES:
+    if ulysses_only:
         from .strategies.ulysses import register_ulysses_attention
 
         rt.ulysses_group = group
         rt.attn_implementation = register_ulysses_attention(inner)
     else:
+        from .mesh import split_usp_groups
         from .ring.kernels import get_kernel
         from .strategies.ring import register_ring_attention, resolve_ring_impl
 
-        rt.ring_group = group
+        if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
+            rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
+                                                               cfg.ring_size)
+            backend = "usp"
+        else:  # a 1 x P USP split is plain Ring
+            rt.ring_group, backend = group, "ring"
         rt.extras["ring_impl"] = resolve_ring_impl(cfg.ring_impl, inner)
         rt.extras["ring_kernel"] = get_kernel(rt.extras["ring_impl"])
-        rt.attn_implementation = register_ring_attention(inner)
+        rt.attn_implementation = register_ring_attention(inner, backend)
     _ACTIVE = rt
     return rt
 

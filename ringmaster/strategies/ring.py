@@ -23,21 +23,23 @@ def resolve_rotate(rotate_method) -> str:
     return "allgather" if RotateMethod(rotate_method) is RotateMethod.ALLGATHER else "alltoall"
 
 
-def ring_attention_hf(module, query, key, value, attention_mask, *, inner: str, **kwargs):
-    """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``.
-
-    Masks come from global positions (the layout's chunks), not from HF's per-shard mask;
-    the sliding window from the ``sliding_window`` kwarg; sinks from ``s_aux`` / ``module.sinks``.
-    """
+def module_sinks(module, kwargs):
+    """gpt-oss style sinks ``[Hq]``: the ``s_aux`` kwarg or the module's ``sinks`` parameter."""
     import torch
+
+    sinks = kwargs.get("s_aux")
+    if not isinstance(sinks, torch.Tensor):
+        sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def ring_core(rt, module, query, key, value, group, layout: str, kwargs, sinks):
+    """Ring attention over ``group`` for q ``[B, H, n, D]`` in ``layout``; returns ``[B, H, n, D]``."""
     import torch.distributed as dist
 
     from .. import balancers
     from ..ring.loop import RingPlan, ring_attention
-    from ..runtime import active
 
-    rt = active()
-    group = rt.ring_group
     if kwargs.get("dropout") and getattr(module, "training", False):
         raise NotImplementedError(
             f"ring attention is exact only without attention dropout (got {kwargs['dropout']}); "
@@ -45,17 +47,25 @@ def ring_attention_hf(module, query, key, value, attention_mask, *, inner: str, 
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("ring attention does not implement logit soft-capping; use backend='ulysses'")
-    layout = rt.shard_load_balance
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
                     window=kwargs.get("sliding_window"))
-    sinks = kwargs.get("s_aux")
-    if not isinstance(sinks, torch.Tensor):
-        sinks = getattr(module, "sinks", None)
-    out = ring_attention(query, key, value, group, plan, rt.extras["ring_kernel"],
-                         rotate=resolve_rotate(rt.config.rotate_method), scale=kwargs.get("scaling"),
-                         sinks=sinks if isinstance(sinks, torch.Tensor) else None)
+    return ring_attention(query, key, value, group, plan, rt.extras["ring_kernel"],
+                          rotate=resolve_rotate(rt.config.rotate_method), scale=kwargs.get("scaling"), sinks=sinks)
+
+
+def ring_attention_hf(module, query, key, value, attention_mask, *, inner: str, **kwargs):
+    """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``.
+
+    Masks come from global positions (the layout's chunks), not from HF's per-shard mask;
+    the sliding window from the ``sliding_window`` kwarg; sinks from ``s_aux`` / ``module.sinks``.
+    """
+    from ..runtime import active
+
+    rt = active()
+    out = ring_core(rt, module, query, key, value, rt.ring_group, rt.shard_load_balance, kwargs,
+                    module_sinks(module, kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -64,7 +74,8 @@ def no_mask(**kwargs):
     return None
 
 
-def register_ring_attention(inner: str) -> str | None:
+def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
+    """Register the Ring (or USP) wrapper of ``inner`` with transformers; return its name."""
     from functools import partial
 
     from ..compat import has_module
@@ -75,7 +86,11 @@ def register_ring_attention(inner: str) -> str | None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    name = attention_name(inner).replace("ringmaster_ulysses_", "ringmaster_ring_")
-    AttentionInterface.register(name, partial(ring_attention_hf, inner=inner))
+    if backend == "usp":
+        from .usp import usp_attention_hf as fn
+    else:
+        fn = ring_attention_hf
+    name = attention_name(inner).replace("ringmaster_ulysses_", f"ringmaster_{backend}_")
+    AttentionInterface.register(name, partial(fn, inner=inner))
     AttentionMaskInterface.register(name, no_mask)
     return name

@@ -29,3 +29,27 @@ def auto_select(num_heads: int | None, num_kv_heads: int | None, world: int,
             continue
         best = max(best, u)
     return best, world // best
+
+
+def usp_attention_hf(module, query, key, value, attention_mask, *, inner: str, **kwargs):
+    """Attention-interface function for USP: Ulysses all-to-all inside the Ulysses group turns
+    ``[B, H, S/P, D]`` into ``[B, H/u, S/r, D]`` (the Ulysses group's contiguous span), Ring runs
+    over the ring group on that span, and the reverse all-to-all returns ``[B, S/P, H, D]``."""
+    import torch.distributed as dist
+
+    from ..runtime import active
+    from .ring import module_sinks, ring_core
+    from .ulysses import head_to_seq, kv_replication, seq_to_head
+
+    rt = active()
+    ug = rt.ulysses_group
+    u, i = dist.get_world_size(ug), dist.get_rank(ug)
+    rep = kv_replication(query.shape[1], key.shape[1], u)
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    q, k, v = seq_to_head([query, key, value], ug)
+    sinks = module_sinks(module, kwargs)
+    if sinks is not None:
+        sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]
+    out = ring_core(rt, module, q, k, v, rt.ring_group, "contiguous", kwargs, sinks)
+    return head_to_seq(out.transpose(1, 2), ug), None

@@ -1,0 +1,25 @@
+"""USP (Ulysses inside a group of contiguous ranks x Ring across them) against the non-CP model."""
+
+import jobs
+import pytest
+from test_ring_parity import _check_ring
+
+SPLITS = [(2, 2), (1, 4), (4, 1)]
+FAMILIES = [
+    ("llama-gqa", "llama", "sdpa", dict(num_attention_heads=8, num_key_value_heads=2)),
+    ("gemma3-mixed", "gemma3_text", "sdpa", {}),
+    ("gpt-oss-sinks", "gpt_oss", "eager", {}),
+    ("qwen3-mqa", "qwen3", "sdpa", dict(num_attention_heads=4, num_key_value_heads=1)),
+]
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=[f"u{u}xr{r}" for u, r in SPLITS])
+@pytest.mark.parametrize("family", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_usp_matches_single_device(pool, family, split):
+    _, model_type, attn, overrides = family
+    u, r = split
+    for impl in ("math", "torch_native"):
+        results = pool.run(jobs.parity, model_type, 4, attn, overrides, backend="usp",
+                           cfg_kwargs=dict(ulysses_size=u, ring_size=r, ring_impl=impl))
+        assert {x["backend"] for x in results} == {"usp"}
+        _check_ring(results, 4)
