@@ -55,6 +55,14 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+def plan(args) -> int:
+    from .planning import plan_table
+
+    print(plan_table(args.heads, args.kv_heads, args.world, args.ranks_per_node, args.seq, args.hidden, args.layers,
+                     args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringmaster",
@@ -77,6 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", default=None, help="inner attention kernel (default: sdpa; eager for gpt_oss)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck rank is killed")
     p.set_defaults(func=demo)
+
+    p = sub.add_parser(
+        "plan",
+        help="choose the Ulysses x Ring split for a model and cluster and print each alternative's cost",
+        description="Print the split auto_select chooses and, per rank and attention layer, the bytes each "
+                    "alternative (Ulysses, Ring p2p, Ring allgather, USP splits) sends forward and backward and "
+                    "the K/V it keeps resident, from closed-form formulas the tests check against gloo runs.",
+    )
+    p.add_argument("--heads", type=int, required=True, help="query heads")
+    p.add_argument("--kv-heads", type=int, required=True, help="KV heads")
+    p.add_argument("--world", type=int, required=True, help="CP degree (ranks sharing one sequence)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
+    p.add_argument("--hidden", type=int, required=True, help="hidden size (head_dim = hidden / heads)")
+    p.add_argument("--layers", type=int, default=1, help="attention layers (for the whole-model column)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.set_defaults(func=plan)
     return parser
 
 

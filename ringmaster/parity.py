@@ -26,6 +26,21 @@ TINY: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
                     num_experts_per_tok=2),
+    # hybrids: gated DeltaNet (grouped value heads: 4 value heads over 2 key heads) and Mamba2
+    # (2 B/C groups, a scan chunk of 12 that does not divide the shards)
+    "qwen3_5_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8),
+    "qwen3_next": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
+    "nemotron_h": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+                       hybrid_override_pattern="M*ME", mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                       ssm_state_size=16, chunk_size=12, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2),
 }
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -60,16 +75,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
-            attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", **overrides) -> dict[str, Any]:
+            attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", prepare=None,
+            **overrides) -> dict[str, Any]:
     """Run the reference and the CP model on this rank; return errors and what CP cost.
 
     ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
     passes the full batch to a model hooked by ``ContextParallelContextManager`` (trainers).
+    ``prepare(model)`` (optional) edits the fresh model before it is copied for the reference.
+    The result has every parameter's error (``grad_errs``) and the whole gradient's
+    (``grad_err_total``: all parameters concatenated, same relative max-norm).
     """
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
 
     model = tiny_model(model_type, attn_implementation, seed, **overrides)
+    if prepare is not None:
+        prepare(model)
     reference = copy.deepcopy(model)
     batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
 
@@ -100,7 +121,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         dist.all_reduce(loss, group=group)
         loss = loss / P
         logits = rm.gather_sequence(out.logits.detach(), dim=1)
-        grad_errs, missing = {}, []
+        grad_errs, missing, cp_flat, ref_flat = {}, [], [], []
         for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
             if p_ref.grad is None:
                 continue
@@ -110,6 +131,8 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
             g = p.grad.detach().clone()
             dist.all_reduce(g, group=group)
             grad_errs[name] = rel_err(g / P, p_ref.grad)
+            cp_flat.append((g / P).reshape(-1))
+            ref_flat.append(p_ref.grad.reshape(-1))
     finally:
         rm.unwire(model)
         rm.teardown()
@@ -124,11 +147,16 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "logits_err": rel_err(logits, ref_out.logits),
         "grad_err": grad_errs[worst],
         "worst_param": worst,
+        "grad_errs": grad_errs,
+        "grad_err_total": rel_err(torch.cat(cp_flat), torch.cat(ref_flat)),
+        "recurrent_layers": len(runtime.report.recurrent),
         "n_grads": len(grad_errs),
         "n_params": sum(1 for _ in reference.parameters()),
         "missing_grads": missing,
         "attention_layers": len(runtime.report.attention),
         "bytes_sent": comms.total_bytes(),
+        "bytes_fwd": comms.total_bytes(phase="forward"),
+        "bytes_bwd": comms.total_bytes(phase="backward"),
         "a2a_bytes": comms.total_bytes("all_to_all"),
         "saved_bytes": mem.peak_saved_bytes,
         "ref_saved_bytes": ref_mem.peak_saved_bytes,
