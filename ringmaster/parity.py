@@ -74,14 +74,59 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(scale, 1e-12)
 
 
+def _plain_forward(model, batch):
+    return model(**batch, use_cache=False)
+
+
+def packed_batch(vocab_size: int, doc_lens: list[int], seed: int = 1, ignore_frac: float = 0.2,
+                 pad: int = 0) -> dict[str, torch.Tensor]:
+    """One packed row as DataCollatorWithFlattening makes it: position_ids restart per document and
+    the label of each document's first token is -100. ``pad`` appends padding (label -100) as
+    a last document of its own."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(doc_lens) + pad
+    input_ids = torch.randint(0, vocab_size, (1, S), generator=g)
+    labels = input_ids.clone()
+    labels[torch.rand(1, S, generator=g) < ignore_frac] = -100
+    position_ids = torch.cat([torch.arange(n) for n in doc_lens] + ([torch.arange(pad)] if pad else []))[None]
+    labels[position_ids == 0] = -100
+    if pad:
+        labels[:, S - pad:] = -100
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def per_document_forward(model, batch):
+    """Reference for a packed row: every document run alone (positions from 0), losses weighted by
+    the global token count, logits concatenated back into the row."""
+    from types import SimpleNamespace
+
+    from ringmaster.documents import doc_ids_from_positions
+    from ringmaster.shard import global_num_items, shift_labels
+
+    docs = doc_ids_from_positions(batch["position_ids"])[0]
+    total = global_num_items(batch)
+    loss, logits = 0.0, []
+    for d in docs.unique().tolist():
+        idx = (docs == d).nonzero().squeeze(-1)
+        ids, labels = batch["input_ids"][:, idx], batch["labels"][:, idx]
+        out = model(input_ids=ids, shift_labels=shift_labels(labels), labels=labels, num_items_in_batch=total,
+                    use_cache=False)
+        loss = loss + out.loss
+        logits.append(out.logits)
+    return SimpleNamespace(loss=loss, logits=torch.cat(logits, dim=1))
+
+
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
             attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", prepare=None,
-            **overrides) -> dict[str, Any]:
+            batch=None, reference_forward=None, **overrides) -> dict[str, Any]:
     """Run the reference and the CP model on this rank; return errors and what CP cost.
 
     ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
     passes the full batch to a model hooked by ``ContextParallelContextManager`` (trainers).
     ``prepare(model)`` (optional) edits the fresh model before it is copied for the reference.
+    ``batch`` replaces the random unpacked batch; ``reference_forward(model, batch)`` replaces
+    the plain forward of the reference (e.g. each packed document alone) and returns an object
+    with ``.loss`` and ``.logits`` over the whole batch.
     The result has every parameter's error (``grad_errs``) and the whole gradient's
     (``grad_err_total``: all parameters concatenated, same relative max-norm).
     """
@@ -92,10 +137,11 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     if prepare is not None:
         prepare(model)
     reference = copy.deepcopy(model)
-    batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
+    if batch is None:
+        batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
 
     with rm.profile_memory() as ref_mem:
-        ref_out = reference(**batch, use_cache=False)
+        ref_out = (reference_forward or _plain_forward)(reference, batch)
         ref_out.loss.backward()
 
     runtime = rm.wire(model, cfg, device_mesh=device_mesh)

@@ -12,9 +12,15 @@ import torch
 
 from . import balancers
 from .comm import all_gather
+from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
 
 CP_SHARD_KEY = "_cp_shard"
 IGNORE_INDEX = -100
+
+# batch keys that describe the full batch only: the document structure they carry is captured
+# before sharding (``doc_ids``) and the CP attention builds every mask from it
+LOCAL_ONLY_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k",
+                   "seq_idx")
 
 # batch keys that run along the sequence, and the dim they run along
 SEQUENCE_KEYS: dict[str, int] = {
@@ -55,31 +61,16 @@ def sequence_length(batch: Mapping[str, Any]) -> int:
     )
 
 
-def _check_packing_and_padding(batch: Mapping[str, Any]) -> None:
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool((mask == 1).all()):
-        raise NotImplementedError(
-            "attention_mask has padding (zeros) or packed-sequence ids; this ringmaster build shards only "
-            "unpadded batches: drop the padding (pad_to_multiple_of with labels -100 and attention_mask all "
-            "ones) or pass one row per sequence"
-        )
-    pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.shape[-1] > 1:
-        steps = torch.diff(pos.reshape(-1, pos.shape[-1]), dim=-1)
-        if not bool((steps == 1).all()):
-            raise NotImplementedError(
-                "position_ids restart inside a row (packed documents); this ringmaster build would let documents "
-                "attend across their boundary under CP, so it refuses: pass one document per row"
-            )
-
-
 def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                          load_balance: str = "contiguous") -> dict[str, Any]:
     """Return this rank's shard of a full collated batch (no collective runs here).
 
     Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
     carries both ``labels`` and ``shift_labels`` (HF's causal-LM loss uses the latter);
-    ``position_ids`` are made global (``arange`` when absent) so RoPE sees true positions.
+    ``position_ids`` are global (``arange``, or restarting per document of a packed row) so
+    RoPE sees true positions. Packed rows (restarting position_ids, ``cu_seq_lens``, axolotl's
+    packed ``attention_mask`` ids) and padding are captured as global ``doc_ids`` before the cut;
+    ``attention_mask`` and ``cu_seq_lens`` themselves are dropped (they describe the full row).
     The result carries ``_cp_shard`` metadata so a later forward hook does not shard again.
     """
     layout = balancers.check_layout(load_balance)
@@ -89,16 +80,17 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
         raise ValueError("this batch is already a CP shard (it carries _cp_shard); shard the full batch once")
     seq_len = sequence_length(batch)
     balancers.check_divisible(seq_len, cp_size, layout)
-    _check_packing_and_padding(batch)
+    doc_ids = batch_documents(batch, seq_len)
 
-    full = dict(batch)
-    if full.get("attention_mask") is not None:
-        full.pop("attention_mask")  # all ones: the CP attention builds the causal mask globally
+    full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS}
     if isinstance(full.get("labels"), torch.Tensor) and full.get("shift_labels") is None:
         full["shift_labels"] = shift_labels(full["labels"])
     if full.get("position_ids") is None:
         ref = full.get("input_ids", full.get("inputs_embeds"))
-        full["position_ids"] = torch.arange(seq_len, device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+        if doc_ids is not None and batch.get("attention_mask") is None:
+            full["position_ids"] = positions_from_doc_ids(doc_ids)
+        else:
+            full["position_ids"] = torch.arange(seq_len, device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
 
     out: dict[str, Any] = {}
     for key, value in full.items():
@@ -108,10 +100,10 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                 raise ValueError(
                     f"batch[{key!r}] has length {value.shape[dim]} along dim {dim} but the sequence is {seq_len}"
                 )
-            out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout)
+            out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout).contiguous()
         else:
             out[key] = value
-    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len}
+    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len, "doc_ids": doc_ids}
     return out
 
 
@@ -181,9 +173,10 @@ class ContextParallelContextManager:
             meta = kwargs.pop(CP_SHARD_KEY, None)
             if meta is None:
                 full_count = global_num_items(kwargs)
-                tensors = {k: v for k, v in kwargs.items() if k in SEQUENCE_KEYS and v is not None}
+                tensors = {k: v for k, v in kwargs.items()
+                           if (k in SEQUENCE_KEYS or k in LOCAL_ONLY_KEYS) and v is not None}
                 shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, self.load_balance)
-                shard.pop(CP_SHARD_KEY)
+                meta = shard.pop(CP_SHARD_KEY)
                 for key in tensors:
                     kwargs.pop(key)
                 kwargs.update(shard)
@@ -199,6 +192,7 @@ class ContextParallelContextManager:
             self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
             if kwargs.get("num_items_in_batch") is None and full_count is not None:
                 kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
+            kwargs[BATCH_KWARG] = CPBatch.from_meta(meta)
             kwargs["use_cache"] = False
             return (), kwargs
 

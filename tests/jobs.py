@@ -149,3 +149,88 @@ def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
     err = rel_err(out, shard_tensor(ref, 2, r, P, "head_tail"))
     kv_local = 2 * local[1].numel() * 4
     return {"saved": mem.peak_saved_bytes, "kv_local": kv_local, "kv_full": kv_local * P, "err": err}
+
+
+def packed_parity(ctx, P, doc_lens, backend="ulysses", cfg_kwargs=None, model_type="llama", attn="sdpa",
+                  overrides=None, pad=0):
+    """A packed row against every document run alone (token-weighted)."""
+    from ringmaster.parity import compare, packed_batch, per_document_forward
+
+    overrides = dict(overrides or {})
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
+    batch = packed_batch(128, doc_lens, pad=pad)
+    return compare(model_type, cfg, device_mesh=ctx.mesh(P), attn_implementation=attn, batch=batch,
+                   reference_forward=per_document_forward, **overrides)
+
+
+def document_isolation(ctx, P, doc_lens, backend, cfg_kwargs=None):
+    """Change every token of document 0: the other documents' CP logits must stay bit-identical."""
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.parity import packed_batch, tiny_model
+
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    model.eval()
+    rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {})), device_mesh=ctx.mesh(P))
+    try:
+        logits = []
+        for shift in (0, 17):
+            batch = packed_batch(128, doc_lens)
+            batch["input_ids"][:, :doc_lens[0]] = (batch["input_ids"][:, :doc_lens[0]] + shift) % 128
+            with torch.no_grad(), context_parallel_region(batch) as shard:
+                logits.append(rm.gather_sequence(model(**shard).logits, dim=1))
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    first = doc_lens[0]
+    return {"others_identical": bool(torch.equal(logits[0][:, first:], logits[1][:, first:])),
+            "doc0_changed": not torch.equal(logits[0][:, :first], logits[1][:, :first])}
+
+
+def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None):
+    """B=2 rows, the second right-padded: real tokens match each row run alone; padding never counts."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.parity import rel_err, tiny_model
+    from ringmaster.shard import global_num_items, shift_labels
+
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    S, real = 64, 41
+    ids = torch.randint(0, 128, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, real:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    total = global_num_items(batch)
+    ref_loss, ref_logits = 0.0, []
+    for row, n in ((0, S), (1, real)):
+        out = reference(input_ids=ids[row:row + 1, :n], labels=labels[row:row + 1, :n],
+                        shift_labels=shift_labels(labels[row:row + 1, :n]), num_items_in_batch=total, use_cache=False)
+        ref_loss = ref_loss + out.loss
+        ref_logits.append(out.logits)
+    ref_loss.backward()
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {})),
+                      device_mesh=ctx.mesh(P))
+    try:
+        with context_parallel_region(batch) as shard:
+            out = model(**shard)
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=runtime.cp_group)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1)
+        grad = 0.0
+        for p, p_ref in zip(model.parameters(), reference.parameters()):
+            gp = p.grad.clone()
+            dist.all_reduce(gp, group=runtime.cp_group)
+            grad = max(grad, rel_err(gp / P, p_ref.grad))
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return {"loss_err": rel_err(loss / P, ref_loss.detach()),
+            "logits_err": max(rel_err(logits[0:1], ref_logits[0]), rel_err(logits[1:2, :real], ref_logits[1])),
+            "grad_err": grad, "nan": bool(torch.isnan(logits).any())}

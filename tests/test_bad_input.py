@@ -38,18 +38,6 @@ def test_head_tail_needs_2p():
         shard_collated_batch(batch, cp_rank=0, cp_size=4, load_balance="head_tail")
 
 
-def test_padding_is_refused_not_silently_wrong():
-    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
-    with pytest.raises(NotImplementedError, match="padding"):
-        shard_collated_batch(batch, cp_rank=0, cp_size=2)
-
-
-def test_packed_documents_are_refused_not_silently_wrong():
-    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
-    with pytest.raises(NotImplementedError, match="packed documents"):
-        shard_collated_batch(batch, cp_rank=0, cp_size=2)
-
-
 def test_setup_without_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         rm.setup(rm.RingmasterConfig(size=2))

@@ -7,12 +7,18 @@ from typing import Any, Mapping
 
 import torch
 
+from ..documents import BATCH_KWARG, CPBatch
 from ..shard import CP_SHARD_KEY, global_num_items, shard_collated_batch
 
 
 @contextlib.contextmanager
 def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, num_items_in_batch=None):
     """Yield this rank's shard of ``batch`` (every rank of the CP group passes the same full batch).
+
+    The batch may be packed (position_ids restarting per document, or ``cu_seq_lens``) or
+    padded (``attention_mask`` zeros, labels -100 there): documents never see each other and
+    padding is never attended. The shard carries the batch's global document structure as the
+    ``ringmaster_batch`` kwarg, which the CP layers read.
 
     ``model(**shard).loss`` then follows the convention: the mean over the CP group of each
     rank's loss and gradients equals the single-device loss and gradients. Pass
@@ -23,7 +29,7 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, num_items
 
     rt = runtime or active()
     shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance)
-    shard.pop(CP_SHARD_KEY)
+    shard[BATCH_KWARG] = CPBatch.from_meta(shard.pop(CP_SHARD_KEY))
     count = num_items_in_batch if num_items_in_batch is not None else global_num_items(batch)
     if count is not None and "shift_labels" in shard:
         count = torch.as_tensor(count, dtype=torch.float32)

@@ -12,7 +12,7 @@ skipped, never computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -36,6 +36,7 @@ class RingPlan:
     chunk: int                # tokens per layout chunk
     causal: bool = True
     window: int | None = None  # HF sliding_window: key visible iff 0 <= q - k < window
+    docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
 
     def chunks(self, rank: int) -> list[int]:
         return balancers.shard_chunks(self.layout, self.size, rank)
@@ -68,14 +69,36 @@ def _mask(kind, c: int, window: int | None, device):
     return (d >= 0) & (d < window)
 
 
+def _doc_mask(plan: RingPlan, a: int, b: int, base):
+    """AND the pair's mask with "same document"; SKIP when no row shares a document."""
+    c = plan.chunk
+    dq = plan.docs[:, a * c:(a + 1) * c]
+    dk = plan.docs[:, b * c:(b + 1) * c]
+    # ids are non-decreasing along a row: disjoint ranges cannot share a document
+    if bool(((dk.max(-1).values < dq.min(-1).values) | (dk.min(-1).values > dq.max(-1).values)).all()):
+        return SKIP
+    same = (dq[:, :, None] == dk[:, None, :]).unsqueeze(1)  # [B, 1, c, c]
+    if base is None:
+        return same
+    if isinstance(base, str):
+        base = torch.ones(c, c, dtype=torch.bool, device=same.device).tril()
+    return same & base
+
+
 def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, object]]:
     """(query chunk index, key chunk index, mask) for this rank's queries vs ``src``'s block."""
     pairs = []
     for qi, a in enumerate(plan.chunks(plan.rank)):
         for kj, b in enumerate(plan.chunks(src)):
             kind = _pair_kind(a, b, plan.chunk, plan.causal, plan.window)
-            if kind != SKIP:
-                pairs.append((qi, kj, _mask(kind, plan.chunk, plan.window, device)))
+            if kind == SKIP:
+                continue
+            mask = _mask(kind, plan.chunk, plan.window, device)
+            if plan.docs is not None:
+                mask = _doc_mask(plan, a, b, mask)
+                if isinstance(mask, str) and mask == SKIP:
+                    continue
+            pairs.append((qi, kj, mask))
     return pairs
 
 

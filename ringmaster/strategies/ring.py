@@ -33,7 +33,7 @@ def module_sinks(module, kwargs):
     return sinks if isinstance(sinks, torch.Tensor) else None
 
 
-def ring_core(rt, module, query, key, value, group, layout: str, kwargs, sinks):
+def ring_core(rt, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
     """Ring attention over ``group`` for q ``[B, H, n, D]`` in ``layout``; returns ``[B, H, n, D]``."""
     import torch.distributed as dist
 
@@ -50,7 +50,7 @@ def ring_core(rt, module, query, key, value, group, layout: str, kwargs, sinks):
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-                    window=kwargs.get("sliding_window"))
+                    window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device))
     return ring_attention(query, key, value, group, plan, rt.extras["ring_kernel"],
                           rotate=resolve_rotate(rt.config.rotate_method), scale=kwargs.get("scaling"), sinks=sinks)
 
@@ -63,15 +63,13 @@ def ring_attention_hf(module, query, key, value, attention_mask, *, inner: str, 
     """
     from ..runtime import active
 
+    from .ulysses import require_batch
+
     rt = active()
-    out = ring_core(rt, module, query, key, value, rt.ring_group, rt.shard_load_balance, kwargs,
+    cpb = require_batch(kwargs)
+    out = ring_core(rt, cpb, module, query, key, value, rt.ring_group, rt.shard_load_balance, kwargs,
                     module_sinks(module, kwargs))
     return out.transpose(1, 2).contiguous(), None
-
-
-def no_mask(**kwargs):
-    """Mask-interface function for ring names: the ring builds its masks from global positions."""
-    return None
 
 
 def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
@@ -79,7 +77,7 @@ def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
     from functools import partial
 
     from ..compat import has_module
-    from .ulysses import attention_name
+    from .ulysses import attention_name, no_cache_mask
 
     if not has_module("transformers"):
         return None
@@ -92,5 +90,5 @@ def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
         fn = ring_attention_hf
     name = attention_name(inner).replace("ringmaster_ulysses_", f"ringmaster_{backend}_")
     AttentionInterface.register(name, partial(fn, inner=inner))
-    AttentionMaskInterface.register(name, no_mask)
+    AttentionMaskInterface.register(name, no_cache_mask)
     return name

@@ -4,8 +4,8 @@ Each rank enters attention with ``[B, H, S/P, D]`` (all heads, its slice of the 
 one fused all-to-all turns q, k and v into ``[B, H/P, S, D]`` (its slice of the heads, the
 whole sequence), the kernel the model was configured with runs unchanged, and a second
 all-to-all returns ``[B, S/P, H, D]``. Everything the kernel needs to know about the whole
-sequence (the causal / sliding-window mask) is built for the global length by a mask
-function registered next to the attention function, from HF's own mask builders.
+sequence (causal, sliding window, document boundaries of packed rows, padding) comes from
+the ``ringmaster_batch`` kwarg captured before sharding.
 """
 
 from __future__ import annotations
@@ -109,11 +109,41 @@ def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
     return y.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
 
 
+def require_batch(kwargs) -> "CPBatch":
+    """The per-batch document structure every CP attention needs (fail closed without it)."""
+    from ..documents import BATCH_KWARG
+
+    cpb = kwargs.pop(BATCH_KWARG, None)
+    if cpb is None:
+        raise RuntimeError(
+            "ringmaster CP attention was called without the batch's global structure: shard batches with "
+            "ringmaster.adapters.raw.context_parallel_region(batch) or ContextParallelContextManager, which pass "
+            "it to the model as the `ringmaster_batch` kwarg"
+        )
+    return cpb
+
+
+def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwargs: dict):
+    """The mask (or varlen kwargs) the inner kernel needs for the whole sequence."""
+    if "flash" in inner or "/" in inner:  # flash kernels: causal flag + sliding_window kwarg + varlen boundaries
+        if cpb.packed:
+            cu, longest = cpb.cu_seqlens(query.device)
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return None
+    mask = cpb.dense_mask(causal, window, query.device)
+    if mask is None or inner in ("sdpa", "flex_attention"):
+        return mask
+    # eager-style kernels add the mask to the scores
+    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~mask, torch.finfo(query.dtype).min)
+
+
 def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, **kwargs):
     """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``."""
     from ..runtime import active
 
     rt = active()
+    cpb = require_batch(kwargs)
     group = rt.ulysses_group
     P = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -135,47 +165,24 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, 
         kwargs["s_aux"] = s_aux[heads]
     for name in _LOCAL_ONLY_KWARGS:
         kwargs.pop(name, None)
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    mask = kernel_mask(inner, cpb, causal, kwargs.get("sliding_window"), q, kwargs)
 
     fn = _inner_attention(inner, module)
-    out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, attention_mask, **kwargs)
+    out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
 
 
-def _inner_mask_function(inner: str) -> Callable:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
-
-    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    if inner in mapping:
-        return mapping[inner]
-    if "flash" in inner or "/" in inner:  # hub flash kernels
-        return flash_attention_mask
-    return sdpa_mask
-
-
-def global_mask(*, inner: str, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                attention_mask=None, **kwargs):
-    """Mask-interface function: the inner implementation's own mask, built for the whole sequence.
-
-    transformers calls it with the local shard's lengths; after the all-to-all the kernel sees
-    the full sequence, so the lengths are scaled by the Ulysses degree. The mask function it
-    receives (causal, sliding window, chunked) is index based, so it holds for global indices.
-    """
-    from ..runtime import active
-
-    rt = active()
-    P = dist.get_world_size(rt.ulysses_group)
+def no_cache_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, **kwargs):
+    """Mask-interface function for ringmaster's names: nothing to build here (the CP attention
+    builds its masks for the whole sequence from ``ringmaster_batch``), but a KV cache, whose
+    offsets describe one shard only, is refused."""
     if (isinstance(q_offset, int) and q_offset) or kv_offset or q_length != kv_length:
         raise NotImplementedError(
             f"ringmaster CP runs training/prefill forwards without a KV cache (q_offset={q_offset}, "
             f"q_length={q_length}, kv_length={kv_length}); call the model with use_cache=False"
         )
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "a padding attention_mask reached ringmaster's Ulysses attention; shard batches with "
-            "context_parallel_region / shard_collated_batch, which reject padding with a clear message"
-        )
-    return _inner_mask_function(inner)(batch_size=batch_size, q_length=q_length * P, kv_length=kv_length * P,
-                                       q_offset=0, kv_offset=0, attention_mask=None, **kwargs)
+    return None
 
 
 def register_ulysses_attention(inner: str) -> str | None:
@@ -193,5 +200,5 @@ def register_ulysses_attention(inner: str) -> str | None:
 
     name = attention_name(inner)
     AttentionInterface.register(name, partial(ulysses_attention, inner=inner))
-    AttentionMaskInterface.register(name, partial(global_mask, inner=inner))
+    AttentionMaskInterface.register(name, no_cache_mask)
     return name

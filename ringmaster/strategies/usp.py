@@ -39,9 +39,10 @@ def usp_attention_hf(module, query, key, value, attention_mask, *, inner: str, *
 
     from ..runtime import active
     from .ring import module_sinks, ring_core
-    from .ulysses import head_to_seq, kv_replication, seq_to_head
+    from .ulysses import head_to_seq, kv_replication, require_batch, seq_to_head
 
     rt = active()
+    cpb = require_batch(kwargs)
     ug = rt.ulysses_group
     u, i = dist.get_world_size(ug), dist.get_rank(ug)
     rep = kv_replication(query.shape[1], key.shape[1], u)
@@ -51,5 +52,5 @@ def usp_attention_hf(module, query, key, value, attention_mask, *, inner: str, *
     sinks = module_sinks(module, kwargs)
     if sinks is not None:
         sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]
-    out = ring_core(rt, module, q, k, v, rt.ring_group, "contiguous", kwargs, sinks)
+    out = ring_core(rt, cpb, module, q, k, v, rt.ring_group, "contiguous", kwargs, sinks)
     return head_to_seq(out.transpose(1, 2), ug), None

@@ -1,0 +1,128 @@
+"""Global document structure of a batch, captured before sharding, and the masks it implies.
+
+A packed row holds several documents (position_ids restart at each, or explicit
+``cu_seq_lens``); a padded row holds one document and padding. Both become one integer per
+token, ``doc_ids [B, S]``, non-decreasing along the row: tokens attend (and recurrent state
+flows) only within the same id. Padding tokens get an id of their own each, so they see
+only themselves: they are never attended by real tokens, never produce NaN rows, and carry
+label -100 so they are never counted.
+
+The per-batch :class:`CPBatch` travels to every layer as the ``ringmaster_batch`` keyword
+argument (transformers forwards unknown kwargs to the attention and linear-attention
+layers), so no module global holds per-batch state and gradient checkpointing replays it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from . import balancers
+
+BATCH_KWARG = "ringmaster_batch"
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` ids that increase where a row's positions do not continue by +1."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() == 2 else position_ids[0]
+    start = torch.ones_like(pos[:, :1], dtype=torch.bool)
+    restart = torch.cat([start, pos[:, 1:] != pos[:, :-1] + 1], dim=1)
+    return restart.long().cumsum(-1) - 1
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[1, S]`` ids from flash-style cumulative lengths of one packed row."""
+    cu = cu_seqlens.reshape(-1).long()
+    if int(cu[0]) != 0 or int(cu[-1]) != seq_len:
+        raise ValueError(f"cu_seq_lens must start at 0 and end at the sequence length {seq_len}, got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths).unsqueeze(0)
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document (what RoPE needs for a packed row)."""
+    S = doc_ids.shape[-1]
+    idx = torch.arange(S, device=doc_ids.device).expand_as(doc_ids)
+    start = torch.cat([torch.ones_like(doc_ids[:, :1], dtype=torch.bool), doc_ids[:, 1:] != doc_ids[:, :-1]], 1)
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
+    return idx - first
+
+
+def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | None:
+    """The batch's ``doc_ids [B, S]``, or None when every row is one unpadded sequence."""
+    cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
+    pos = batch.get("position_ids")
+    mask = batch.get("attention_mask")
+    doc = None
+    if isinstance(cu, torch.Tensor):
+        doc = doc_ids_from_cu_seqlens(cu, seq_len)
+    elif isinstance(pos, torch.Tensor) and pos.shape[-1] > 1:
+        doc = doc_ids_from_positions(pos)
+        if bool((doc[:, -1] == 0).all()):
+            doc = None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool((mask != 0).all()):
+        if mask.dtype != torch.bool and int(mask.max()) > 1:  # axolotl-style packed ids (1, 1, 2, 2, ...; 0 = pad)
+            real_doc = mask.long()
+        else:
+            real_doc = doc if doc is not None else torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+        pad = mask == 0
+        # each padding token its own document; ids stay non-decreasing along the row
+        bump = pad.long() + torch.cat([torch.zeros_like(pad[:, :1]), pad[:, :-1]], 1).long()
+        doc = real_doc + bump.cumsum(-1)
+    return doc
+
+
+class CPBatch:
+    """What every CP layer needs to know about the whole batch, for one forward pass."""
+
+    def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None):
+        self.rank, self.size, self.layout, self.seq_len = rank, size, balancers.check_layout(layout), seq_len
+        self.doc_ids = doc_ids
+        self._cache: dict = {}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
+        return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"))
+
+    @property
+    def packed(self) -> bool:
+        return self.doc_ids is not None
+
+    def docs_on(self, device) -> torch.Tensor | None:
+        if self.doc_ids is None:
+            return None
+        key = ("docs", str(device))
+        if key not in self._cache:
+            self._cache[key] = self.doc_ids.to(device)
+        return self._cache[key]
+
+    def dense_mask(self, causal: bool, window: int | None, device) -> torch.Tensor | None:
+        """Bool ``[B|1, 1, S, S]`` (True = attend) over the whole sequence, in sequence order,
+        or None when plain causal attention is exact. Built once per forward and kind."""
+        if self.doc_ids is None and window is None:
+            return None
+        key = ("dense", causal, window, str(device))
+        if key not in self._cache:
+            pos = torch.arange(self.seq_len, device=device)
+            d = pos[:, None] - pos[None, :]
+            m = (d >= 0) if causal else torch.ones_like(d, dtype=torch.bool)
+            if window is not None:
+                m = m & (d < window) if causal else m & (d.abs() < window)
+            m = m[None, None]
+            docs = self.docs_on(device)
+            if docs is not None:
+                m = m & (docs[:, None, :, None] == docs[:, None, None, :])
+            self._cache[key] = m
+        return self._cache[key]
+
+    def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
+        """Flash-style boundaries of the whole (single-row) sequence and the longest document."""
+        docs = self.docs_on(device)
+        if docs is None:
+            return torch.tensor([0, self.seq_len], dtype=torch.int32, device=device), self.seq_len
+        if docs.shape[0] != 1:
+            raise NotImplementedError("flash kernels take packed documents as one row; flatten the batch to B=1")
+        counts = torch.bincount(docs[0] - docs[0, 0])
+        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        return cu, int(counts.max())
