@@ -97,10 +97,11 @@ class CPBatch:
             self._cache[key] = self.doc_ids.to(device)
         return self._cache[key]
 
-    def dense_mask(self, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    def dense_mask(self, causal: bool, window: int | None, device, materialize: bool = False) -> torch.Tensor | None:
         """Bool ``[B|1, 1, S, S]`` (True = attend) over the whole sequence, in sequence order,
-        or None when plain causal attention is exact. Built once per forward and kind."""
-        if self.doc_ids is None and window is None:
+        or None when plain causal attention is exact and the kernel can do causal by itself
+        (``materialize=False``). Built once per forward and kind."""
+        if self.doc_ids is None and window is None and not materialize:
             return None
         key = ("dense", causal, window, str(device))
         if key not in self._cache:

@@ -130,8 +130,9 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
             cu, longest = cpb.cu_seqlens(query.device)
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return None
-    mask = cpb.dense_mask(causal, window, query.device)
-    if mask is None or inner in ("sdpa", "flex_attention"):
+    sdpa_like = inner in ("sdpa", "flex_attention")  # apply is_causal themselves when given no mask
+    mask = cpb.dense_mask(causal, window, query.device, materialize=not sdpa_like)
+    if mask is None or sdpa_like:
         return mask
     # eager-style kernels add the mask to the scores
     return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
