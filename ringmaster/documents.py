@@ -25,7 +25,7 @@ BATCH_KWARG = "ringmaster_batch"
 
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` ids that increase where a row's positions do not continue by +1."""
-    pos = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() == 2 else position_ids[0]
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
     start = torch.ones_like(pos[:, :1], dtype=torch.bool)
     restart = torch.cat([start, pos[:, 1:] != pos[:, :-1] + 1], dim=1)
     return restart.long().cumsum(-1) - 1
@@ -57,7 +57,7 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
     doc = None
     if isinstance(cu, torch.Tensor):
         doc = doc_ids_from_cu_seqlens(cu, seq_len)
-    elif isinstance(pos, torch.Tensor) and pos.shape[-1] > 1:
+    elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] > 1:  # not a VLM's 3-row mrope
         doc = doc_ids_from_positions(pos)
         if bool((doc[:, -1] == 0).all()):
             doc = None

@@ -61,8 +61,15 @@ def sequence_length(batch: Mapping[str, Any]) -> int:
     )
 
 
+def _multimodal_active() -> bool:
+    from .runtime import active
+
+    rt = active(required=False)
+    return rt is not None and rt.extras.get("multimodal") is not None
+
+
 def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
-                         load_balance: str = "contiguous") -> dict[str, Any]:
+                         load_balance: str = "contiguous", multimodal: bool | None = None) -> dict[str, Any]:
     """Return this rank's shard of a full collated batch (no collective runs here).
 
     Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
@@ -72,6 +79,11 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     packed ``attention_mask`` ids) and padding are captured as global ``doc_ids`` before the cut;
     ``attention_mask`` and ``cu_seq_lens`` themselves are dropped (they describe the full row).
     The result carries ``_cp_shard`` metadata so a later forward hook does not shard again.
+
+    For a VLM wired with ``rm.wire`` (``multimodal`` defaults to whether the active runtime has
+    one) only the labels are cut here: input_ids, pixel values and the attention mask stay whole
+    because the model builds the fused sequence (and its mrope positions) from them, and the
+    language model's pre-hook cuts the fused sequence.
     """
     layout = balancers.check_layout(load_balance)
     if not (0 <= cp_rank < cp_size):
@@ -82,10 +94,13 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     balancers.check_divisible(seq_len, cp_size, layout)
     doc_ids = batch_documents(batch, seq_len)
 
-    full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS}
+    if multimodal is None:
+        multimodal = _multimodal_active()
+    keep_whole = ("attention_mask",) if multimodal else ()
+    full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS or k in keep_whole}
     if isinstance(full.get("labels"), torch.Tensor) and full.get("shift_labels") is None:
         full["shift_labels"] = shift_labels(full["labels"])
-    if full.get("position_ids") is None:
+    if full.get("position_ids") is None and not multimodal:
         ref = full.get("input_ids", full.get("inputs_embeds"))
         if doc_ids is not None and batch.get("attention_mask") is None:
             full["position_ids"] = positions_from_doc_ids(doc_ids)
@@ -94,7 +109,7 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
 
     out: dict[str, Any] = {}
     for key, value in full.items():
-        dim = SEQUENCE_KEYS.get(key)
+        dim = SEQUENCE_KEYS.get(key) if (not multimodal or key in ("labels", "shift_labels")) else None
         if dim is not None and isinstance(value, torch.Tensor):
             if value.shape[dim] != seq_len:
                 raise ValueError(
@@ -129,6 +144,21 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str |
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return full.index_select(dim, inverse)
+
+
+def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
+    """The ``ringmaster_batch`` kwarg for a shard's metadata, refusing what the wired model
+    cannot keep exact: packed or padded rows through recurrent layers (their state and conv
+    halo would flow across document boundaries)."""
+    from .runtime import active
+
+    rt = active(required=False)
+    if meta.get("doc_ids") is not None and rt is not None and rt.extras.get("recurrent_wiring") is not None:
+        raise NotImplementedError(
+            "this batch is packed or padded, and the model has recurrent layers (Mamba2 / gated DeltaNet) whose "
+            "state would cross document boundaries under CP; pass one unpadded document per row for hybrid models"
+        )
+    return CPBatch.from_meta(meta)
 
 
 def global_num_items(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor | None:
@@ -192,7 +222,7 @@ class ContextParallelContextManager:
             self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
             if kwargs.get("num_items_in_batch") is None and full_count is not None:
                 kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
-            kwargs[BATCH_KWARG] = CPBatch.from_meta(meta)
+            kwargs[BATCH_KWARG] = batch_kwarg(meta)
             kwargs["use_cache"] = False
             return (), kwargs
 

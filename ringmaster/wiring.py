@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 from .architectures import STATEFUL_PATTERN, ArchitectureSpec, get_architecture, text_config
 from .config import Backend, RingmasterConfig
+from .strategies.state_passing import UnsupportedLayerError, stateful_layers, unsupported_message
 
 _ATTENTION_LIKE = re.compile(r"(Attention|Attn)$")
 
 
-class UnsupportedLayerError(RuntimeError):
-    """A layer ringmaster cannot make exact under CP (fail closed, never silently wrong)."""
+def _holds_ssm_params(module) -> bool:
+    direct = module.__dict__.get("_parameters", {})
+    return "A_log" in direct or "dt_bias" in direct
 
 
 @dataclass
@@ -31,11 +33,13 @@ class WireReport:
         return "\n".join(lines)
 
 
-def classify_layers(model, spec: ArchitectureSpec) -> tuple[list[str], list[tuple[str, str]]]:
+def classify_layers(model, spec: ArchitectureSpec, skip: tuple[str, ...] = ()) -> tuple[list[str], list[tuple[str, str]]]:
     """Paths of attention and recurrent layers; raises on anything stateful or attention-like
     that the spec does not declare (a renamed class in a new transformers, a swapped-in kernel)."""
     attention, recurrent = [], []
     for path, module in model.named_modules():
+        if any(path == prefix or path.startswith(prefix + ".") for prefix in skip):
+            continue  # a VLM's vision tower runs unsharded on every rank
         cls = type(module).__name__
         if cls in spec.attention_classes:
             attention.append(path)
@@ -43,7 +47,7 @@ def classify_layers(model, spec: ArchitectureSpec) -> tuple[list[str], list[tupl
             recurrent.append((path, spec.recurrent_classes[cls]))
         elif cls in spec.ignore_classes:
             continue
-        elif STATEFUL_PATTERN.search(cls):
+        elif STATEFUL_PATTERN.search(cls) or _holds_ssm_params(module):
             raise UnsupportedLayerError(
                 f"layer {path!r} ({cls}) carries state along the sequence and family {spec.name!r} does not "
                 "declare how to pass it across CP ranks; sharding it would train silently wrong. Declare it in "
@@ -79,20 +83,33 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
     if cfg is None:
         size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         cfg = RingmasterConfig(size=size)
-    spec = get_architecture(model)
+    try:
+        spec = get_architecture(model)
+    except ValueError:
+        found = stateful_layers(model)
+        if found:  # name the layer that makes this model unsafe, not just the unknown family
+            path, cls = found[0]
+            raise UnsupportedLayerError(unsupported_message(path, cls, getattr(model.config, "model_type", None))
+                                        ) from None
+        raise
     tcfg = text_config(model.config)
     num_heads = getattr(tcfg, spec.num_heads_attr, None)
     num_kv = getattr(tcfg, spec.num_kv_heads_attr, None) or num_heads
-    inner = model.config._attn_implementation or "sdpa"
+    from .multimodal import get_multimodal
+
+    multimodal = get_multimodal(model)
+    inner = tcfg._attn_implementation or model.config._attn_implementation or "sdpa"
     if spec.supported_inner is not None and inner not in spec.supported_inner:
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
-    attention, recurrent = classify_layers(model, spec)
+    attention, recurrent = classify_layers(model, spec, skip=multimodal.vision_modules if multimodal else ())
+    recurrent_layers = []
     if recurrent:
-        raise UnsupportedLayerError(
-            f"{len(recurrent)} recurrent layers ({recurrent[0][0]}, ...) need cross-rank state passing, which "
-            "this ringmaster build does not provide yet"
-        )
+        from .strategies.state_passing import check_recurrent_layers
+
+        modules = dict(model.named_modules())
+        # validate every recurrent layer before anything is changed (raises naming the layer)
+        recurrent_layers = check_recurrent_layers(model, [(path, modules[path], kind) for path, kind in recurrent])
     if not cfg.normalized:
         from .mesh import intra_node_size
 
@@ -102,8 +119,22 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
     runtime = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
                     num_heads=num_heads)
     runtime.extras["original_attn_implementation"] = inner
-    if runtime.attn_implementation is not None:
+    if multimodal is not None:
+        from .multimodal import wire_multimodal
+
+        runtime.extras["multimodal"] = multimodal
+        runtime.extras["multimodal_wiring"] = wire_multimodal(model, multimodal, runtime.attn_implementation)
+    elif runtime.attn_implementation is not None:
         model.set_attn_implementation(runtime.attn_implementation)
+    if recurrent_layers:
+        from .strategies.state_passing import wire_recurrent_layers
+
+        try:
+            runtime.extras["recurrent_wiring"] = wire_recurrent_layers(model, group=runtime.cp_group,
+                                                                       layers=recurrent_layers)
+        except Exception:
+            model.set_attn_implementation(inner)
+            raise
     runtime.report = WireReport(family=spec.name, attn_implementation=runtime.attn_implementation,
                                 inner_attn=inner, attention=attention, recurrent=recurrent)
     model._ringmaster_runtime = runtime
@@ -111,9 +142,15 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
 
 
 def unwire(model) -> None:
-    """Restore the model's original attention implementation and forget the wiring."""
+    """Restore the model's original attention implementation and recurrent layers; forget the wiring."""
     runtime = getattr(model, "_ringmaster_runtime", None)
     if runtime is None:
         return
-    model.set_attn_implementation(runtime.extras["original_attn_implementation"])
+    wiring = runtime.extras.pop("recurrent_wiring", None)
+    if wiring is not None:
+        wiring.restore()
+    if "multimodal_wiring" in runtime.extras:
+        runtime.extras.pop("multimodal_wiring").restore()
+    else:
+        model.set_attn_implementation(runtime.extras["original_attn_implementation"])
     model._ringmaster_runtime = None

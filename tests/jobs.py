@@ -234,3 +234,14 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None):
     return {"loss_err": rel_err(loss / P, ref_loss.detach()),
             "logits_err": max(rel_err(logits[0:1], ref_logits[0]), rel_err(logits[1:2, :real], ref_logits[1])),
             "grad_err": grad, "nan": bool(torch.isnan(logits).any())}
+
+
+def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=None):
+    """A VLM with one image whose tokens straddle a shard edge, against the same model without CP."""
+    from functools import partial
+
+    from ringmaster.parity import compare, tiny_vlm, vlm_batch
+
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
+    return compare(model_type, cfg, device_mesh=ctx.mesh(P), build=tiny_vlm,
+                   batch=partial(vlm_batch, seq_len=64, image_at=image_at))

@@ -87,4 +87,4 @@ def _load_builtin() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        from . import llama  # noqa: F401  (registers on import)
+        from . import llama, nemotron_h, qwen3_5, vlm  # noqa: F401  (register on import)

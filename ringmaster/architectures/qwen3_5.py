@@ -1,0 +1,39 @@
+"""Gated-DeltaNet hybrids: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text models).
+
+``full_attention`` layers get Ulysses/Ring/USP through the attention function; the
+``linear_attention`` layers (gated DeltaNet: causal conv1d + chunked gated delta rule) get the
+conv halo and exact cross-rank state passing (:mod:`ringmaster.strategies.linear_attn`).
+The vision towers of the Qwen3.5 VLMs are not declared here (see the VLM families).
+"""
+
+from . import ArchitectureSpec, register_architecture
+
+QWEN3_NEXT = register_architecture(ArchitectureSpec(
+    name="qwen3_next",
+    model_types=("qwen3_next",),
+    attention_classes=("Qwen3NextAttention",),
+    recurrent_classes={"Qwen3NextGatedDeltaNet": "gated_deltanet"},
+    notes="layer_types mixes linear_attention (gated DeltaNet) and full_attention (gated softmax attention)",
+))
+
+QWEN3_5 = register_architecture(ArchitectureSpec(
+    name="qwen3_5_text",
+    model_types=("qwen3_5_text",),
+    attention_classes=("Qwen3_5Attention",),
+    recurrent_classes={"Qwen3_5GatedDeltaNet": "gated_deltanet"},
+))
+
+QWEN3_5_MOE = register_architecture(ArchitectureSpec(
+    name="qwen3_5_moe_text",
+    model_types=("qwen3_5_moe_text",),
+    attention_classes=("Qwen3_5MoeAttention",),
+    recurrent_classes={"Qwen3_5MoeGatedDeltaNet": "gated_deltanet"},
+))
+
+OLMO_HYBRID = register_architecture(ArchitectureSpec(
+    name="olmo_hybrid",
+    model_types=("olmo_hybrid",),
+    attention_classes=("OlmoHybridAttention",),
+    recurrent_classes={"OlmoHybridGatedDeltaNet": "gated_deltanet"},
+    notes="same kernels as Qwen3.5 (causal_conv1d_fn + torch_chunk_gated_delta_rule); not parity-tested",
+))

@@ -1,0 +1,123 @@
+"""Gated-DeltaNet linear attention under CP (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid).
+
+The layers call ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` (flash-linear-
+attention's ``chunk_gated_delta_rule`` when installed) by module-level name from ``forward``;
+:func:`wire_gated_deltanet_layer` gives one layer *instance* a copy of its forward in which
+those names resolve to CP-aware versions.
+
+The gated delta rule ``S_t = (I - β_t k_t k_tᵀ) e^{g_t} S_{t-1} + β_t k_t v_tᵀ`` is linear in
+(state, values) jointly, so one call of the *unmodified* kernel with values ``[v | 0]`` and
+initial state ``[0 | I]`` returns
+
+* final state ``[b | A]``: the chunk's map ``S_end = A·S_start + b`` (``A`` is d_k × d_k);
+* outputs ``[y0 | w]`` with ``y0`` the outputs from a zero state and ``w_t = A_{≤t}ᵀ q_t``,
+
+so ``scan`` needs no second kernel call: ``y_t = y0_t + S_inᵀ w_t`` once the prefix ``S_in``
+is known (all-gathered maps, composed in fp32). ``sequential`` runs the kernel with
+``initial_state=S_in`` and passes the final state on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from .conv import cp_causal_conv1d
+from .state_passing import LayerContext, call_guard, check_call_kwargs, hi, state_dtype, chunk_ids, pass_state, rebind_forward, split_local
+
+REQUIRED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+
+
+class GatedDeltaSegment:
+    """One chunk of a ``chunk_gated_delta_rule`` call (``q, k [b, l, hk, dk]``, ``v [b, l, hv, dv]``,
+    ``g, beta [b, l, hv]``)."""
+
+    def __init__(self, kernel: Callable, q, k, v, g, beta, kwargs: dict | None = None):
+        self.kernel, self.q, self.k, self.v, self.g, self.beta = kernel, q, k, v, g, beta
+        self.kwargs = dict(kwargs or {})
+
+    def _call(self, v, state_in):
+        return self.kernel(self.q, self.k, v, g=self.g, beta=self.beta, initial_state=state_in,
+                           output_final_state=True, **self.kwargs)
+
+    def state_meta(self):
+        b, _, hv, dv = self.v.shape
+        dk = self.k.shape[-1]
+        return (b, hv, dk, dv), state_dtype(self.q, self.v), self.v.device
+
+    def local_map(self):
+        (b, hv, dk, dv), dtype, device = self.state_meta()
+        v_ext = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:-1], dk)], dim=-1)
+        eye = torch.eye(dk, dtype=dtype, device=device).expand(b, hv, dk, dk)
+        init = torch.cat([torch.zeros(b, hv, dk, dv, dtype=dtype, device=device), eye], dim=-1)
+        out, final = self._call(v_ext, init)
+        y0, w = out[..., :dv], out[..., dv:]
+        return hi(final), (y0, w)                      # final = [b | A]: [b, hv, dk, dv + dk]
+
+    def combine(self, state, packed):
+        dv = self.v.shape[-1]
+        b, A = packed[..., :dv], packed[..., dv:]
+        if state is None:
+            return b
+        return A @ state + b
+
+    def finish(self, aux, state_in):
+        y0, w = aux
+        if state_in is None:
+            return y0
+        return y0 + torch.einsum("blhk,bhkv->blhv", hi(w).to(state_in.dtype), state_in).to(y0.dtype)
+
+    def run(self, state_in):
+        return self._call(self.v, state_in)
+
+
+def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, value, g, beta,
+                              initial_state=None, output_final_state=False, **kwargs):
+    """``chunk_gated_delta_rule`` for this rank's shard, with the earlier shards' state passed in."""
+    group, size, layout, strategy = ctx.resolve()
+    if size == 1:
+        return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                      output_final_state=output_final_state, **kwargs)
+    check_call_kwargs(ctx.path, kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens",)}
+    if initial_state is not None or output_final_state:
+        raise RuntimeError(f"{ctx.path}: a cache (initial/final recurrent state) is not supported under CP; "
+                           "run the model with use_cache=False")
+    n = len(chunk_ids(layout, size, 0))
+    parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
+    segments = [GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)]
+    outs = [o[0] if isinstance(o, tuple) else o for o in pass_state(segments, strategy, group, layout)]
+    return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
+
+
+def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
+    """Route one gated-DeltaNet layer instance through exact CP; returns the undo."""
+    namespace = inspect.unwrap(type(module).forward).__globals__
+
+    def conv(x, weight, bias=None, activation=None, **kwargs):
+        group, size, layout, _ = ctx.resolve()
+        if size > 1:
+            check_call_kwargs(ctx.path, kwargs)
+        return cp_causal_conv1d(namespace["causal_conv1d_fn"], x, weight, bias, activation,
+                                group=group if size > 1 else None, layout=layout, **kwargs)
+
+    def rule(*args, **kwargs):
+        return cp_chunk_gated_delta_rule(namespace["torch_chunk_gated_delta_rule"], ctx, *args, **kwargs)
+
+    def decode_only(name: str):
+        def call(*args, **kwargs):
+            if ctx.resolve()[1] > 1:
+                raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
+                                   "run the model with use_cache=False")
+            return namespace[name](*args, **kwargs)
+        return call
+
+    replacements: dict[str, Any] = {
+        "causal_conv1d_fn": conv,
+        "torch_chunk_gated_delta_rule": rule,
+        "causal_conv1d_update": decode_only("causal_conv1d_update"),
+        "torch_recurrent_gated_delta_rule": decode_only("torch_recurrent_gated_delta_rule"),
+    }
+    return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))

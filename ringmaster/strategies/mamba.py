@@ -1,0 +1,149 @@
+"""Mamba2 mixers under CP (Nemotron-H, Bamba, Falcon-H1, GraniteMoeHybrid).
+
+The mixers of transformers 5.x call three module-level kernels by name from ``forward``:
+``mamba2_split_conv1d_scan_combined`` (fused, mamba-ssm only; it takes no conv state, so it
+is routed around: it returns None, as the torch fallback does), ``causal_conv1d_fn`` and
+``mamba2_chunk_scan`` (mamba-ssm's ``mamba_chunk_scan_combined`` when installed, else the
+pure-torch SSD). :func:`wire_mamba2_layer` gives one mixer *instance* a copy of its class
+forward in which those names resolve to CP-aware versions (nothing global is patched):
+
+* conv: :func:`ringmaster.strategies.conv.cp_causal_conv1d` (halo from the previous chunk);
+* scan: the chunk's map is ``S_end = a · S_start + b`` with ``a = exp(Σ A·dt)`` per head and
+  ``b`` the final state from zero; ``scan`` all-gathers the maps and adds the closed-form
+  correction ``y_t += exp(Σ_{s<=t} A·dt_s) · C_t · S_in``; ``sequential`` reruns the kernel
+  with ``initial_states=S_in``. Both in fp32, decays multiplied, never divided.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+
+from .conv import cp_causal_conv1d
+from .naive import mamba2_dt
+from .state_passing import LayerContext, call_guard, check_call_kwargs, hi, state_dtype, chunk_ids, pass_state, rebind_forward, split_local
+
+REQUIRED = ("causal_conv1d_fn", "mamba2_chunk_scan")
+FUSED = "mamba2_split_conv1d_scan_combined"
+
+
+class Mamba2Segment:
+    """One chunk of a ``mamba2_chunk_scan`` call (``x [b, l, h, p]``, ``dt [b, l, h]``, ``B, C [b, l, g, n]``)."""
+
+    def __init__(self, kernel: Callable, x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=False,
+                 dt_limit=(0.0, math.inf), kwargs: dict | None = None):
+        self.kernel, self.x, self.dt, self.A, self.B, self.C = kernel, x, dt, A, B, C
+        self.chunk_size, self.D, self.dt_bias = chunk_size, D, dt_bias
+        self.dt_softplus, self.dt_limit, self.kwargs = dt_softplus, dt_limit, dict(kwargs or {})
+
+    def _call(self, state_in):
+        return self.kernel(self.x, self.dt, self.A, self.B, self.C, self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                           initial_states=state_in, dt_softplus=self.dt_softplus, dt_limit=self.dt_limit,
+                           return_final_states=True, **self.kwargs)
+
+    def state_meta(self):
+        b, _, h, p = self.x.shape
+        return (b, h, p, self.B.shape[-1]), state_dtype(self.x, self.dt), self.x.device
+
+    def local_map(self):
+        y0, final = self._call(None)
+        dt = mamba2_dt(hi(self.dt), None if self.dt_bias is None else hi(self.dt_bias), self.dt_softplus,
+                       self.dt_limit)
+        log_decay = torch.cumsum(hi(self.A) * dt, dim=1)                 # [b, l, h], <= 0
+        packed = torch.cat([hi(final).flatten(2), log_decay[:, -1].exp()[..., None].to(hi(final).dtype)], dim=-1)
+        return packed, (y0, log_decay)
+
+    def combine(self, state, packed):
+        shape = self.state_meta()[0]
+        b = packed[..., :-1].reshape(shape)
+        if state is None:
+            return b
+        return packed[..., -1][..., None, None] * state + b
+
+    def finish(self, aux, state_in):
+        y0, log_decay = aux
+        if state_in is None:
+            return y0
+        h, g = self.x.shape[2], self.C.shape[2]
+        C = hi(self.C).to(state_in.dtype).repeat_interleave(h // g, dim=2)
+        corr = torch.einsum("blhn,bhpn->blhp", C, state_in) * log_decay.exp().to(state_in.dtype)[..., None]
+        return y0 + corr.to(y0.dtype)
+
+    def run(self, state_in):
+        return self._call(state_in)
+
+
+def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A, B, C, chunk_size, D=None,
+                         dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+                         return_final_states=False, **kwargs):
+    """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in."""
+    group, size, layout, strategy = ctx.resolve()
+    if size == 1:
+        return kernel(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                      dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, **kwargs)
+    check_call_kwargs(ctx.path, kwargs)
+    if initial_states is not None or return_final_states:
+        raise RuntimeError(f"{ctx.path}: a cache (initial/final SSM state) is not supported under CP; "
+                           "run the model with use_cache=False")
+    kwargs.pop("z", None)  # the mixers gate outside the scan (z=None)
+    n = len(chunk_ids(layout, size, 0))
+    parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
+    segments = [Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
+                for x, d, b, c in zip(*parts)]
+    outs = pass_state(segments, strategy, group, layout)
+    outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+    return outs[0] if n == 1 else torch.cat(outs, dim=1)
+
+
+def _route_around_fused(ctx: LayerContext, namespace: dict):
+    """The fused conv+scan kernel takes no incoming state: under CP return None (what the torch
+    fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
+    def call(*args, **kwargs):
+        if ctx.resolve()[1] > 1:
+            return None
+        return namespace[FUSED](*args, **kwargs)
+    return call
+
+
+def _decode_only_without_cp(ctx: LayerContext, namespace: dict, name: str):
+    """Cached single-token decoding kernels: the original at CP size 1, refused under CP."""
+    def call(*args, **kwargs):
+        if ctx.resolve()[1] > 1:
+            raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
+                               "run the model with use_cache=False")
+        return namespace[name](*args, **kwargs)
+    return call
+
+
+def _live(namespace: dict, name: str) -> Callable:
+    """The module's current kernel for ``name`` (looked up per call: a kernel swapped in later is used)."""
+    return namespace[name]
+
+
+def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
+    """Route one Mamba2 mixer instance through exact CP; returns the undo."""
+    namespace = inspect.unwrap(type(module).forward).__globals__
+
+    def conv(x, weight, bias=None, activation=None, **kwargs):
+        group, size, layout, _ = ctx.resolve()
+        kernel = _live(namespace, "causal_conv1d_fn")
+        if size > 1:
+            check_call_kwargs(ctx.path, kwargs)
+        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
+                                layout=layout, **kwargs)
+
+    def scan(*args, **kwargs):
+        return cp_mamba2_chunk_scan(_live(namespace, "mamba2_chunk_scan"), ctx, *args, **kwargs)
+
+    replacements: dict[str, Any] = {
+        "causal_conv1d_fn": conv,
+        "mamba2_chunk_scan": scan,
+        FUSED: _route_around_fused(ctx, namespace),
+        "causal_conv1d_update": _decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
+        "mamba2_selective_state_update": _decode_only_without_cp(ctx, namespace, "mamba2_selective_state_update"),
+    }
+    return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
+

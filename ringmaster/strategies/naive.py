@@ -1,0 +1,122 @@
+"""Pure-torch, token-by-token references for the recurrent layers ringmaster makes exact under CP.
+
+Slow on purpose: one step per token, no chunking, no kernels, any dtype (the unit tests run
+them in float64). They define what "exact" means for the state passing in
+:mod:`ringmaster.strategies.state_passing`; nothing on the training path calls them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+              dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """The step size the Mamba2 kernels use: ``clamp(softplus(dt + dt_bias), *dt_limit)``."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+
+def mamba2_recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None):
+    """Mamba2 SSD, one token at a time.
+
+    ``x [b, l, h, p]``, ``dt [b, l, h]`` (already discretised: see :func:`mamba2_dt`), ``A [h]``
+    (negative), ``B, C [b, l, g, n]`` with ``h % g == 0``. State ``[b, h, p, n]``:
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``; ``y_t = S_t C_t + D x_t``.
+    Returns ``(y [b, l, h, p], final_state [b, h, p, n])``.
+    """
+    b, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    B = B.repeat_interleave(h // g, dim=2)
+    C = C.repeat_interleave(h // g, dim=2)
+    state = x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(x.dtype)
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", state, C[:, t])
+        if D is not None:
+            y = y + D[:, None] * x[:, t]
+        ys.append(y)
+    return torch.stack(ys, dim=1), state
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gated_delta_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True):
+    """The gated delta rule, one token at a time (the recurrence gated DeltaNet layers compute).
+
+    ``q, k [b, l, hk, dk]``, ``v [b, l, hv, dv]`` (``hv % hk == 0``: grouped value heads),
+    ``g [b, l, hv]`` log decays (<= 0), ``beta [b, l, hv]`` (in [0, 2] allows negative
+    eigenvalues). State ``[b, hv, dk, dv]``:
+    ``S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T q_t / sqrt(dk)``.
+    Returns ``(o [b, l, hv, dv], final_state)``.
+    """
+    hk, hv = k.shape[2], v.shape[2]
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    b, l, h, dk = k.shape
+    dv = v.shape[-1]
+    state = v.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(v.dtype)
+    outs = []
+    for t in range(l):
+        state = state * torch.exp(g[:, t])[..., None, None]
+        kt, vt = k[:, t], v[:, t]
+        delta = (vt - torch.einsum("bhkv,bhk->bhv", state, kt)) * beta[:, t, :, None]
+        state = state + kt[..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1), state
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv, written as an explicit sum over taps.
+
+    ``x [b, c, l]``, ``weight [c, k]``; ``initial [b, c, k-1]`` are the inputs before ``x``
+    (zeros when None). ``out_t = sum_j weight[:, j] * x_{t - (k-1) + j}``.
+    """
+    kernel = weight.shape[-1]
+    pad = x.new_zeros(*x.shape[:-1], kernel - 1) if initial is None else initial.to(x.dtype)
+    ext = torch.cat([pad, x], dim=-1)
+    length = x.shape[-1]
+    out = sum(weight[:, j, None] * ext[..., j:j + length] for j in range(kernel))
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"activation {activation!r}: the reference knows silu only")
+    return out
+
+
+def mamba2_chunk_scan_ref(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """:func:`mamba2_recurrence` behind the ``mamba2_chunk_scan`` signature (any dtype, e.g. float64),
+    so the state passing can be checked against it without the kernels' fp32 rounding."""
+    y, final = mamba2_recurrence(hidden_states, mamba2_dt(dt, dt_bias, dt_softplus, dt_limit), A, B, C, D,
+                                 initial_states)
+    return (y, final) if return_final_states else y
+
+
+def chunk_gated_delta_rule_ref(query, key, value, g, beta, chunk_size=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """:func:`gated_delta_recurrence` behind the ``chunk_gated_delta_rule`` signature (any dtype)."""
+    out, final = gated_delta_recurrence(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return out, (final if output_final_state else None)
+
+
+def causal_conv1d_ref(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """:func:`causal_conv1d` behind the ``causal_conv1d_fn`` signature."""
+    return causal_conv1d(hidden_states, weight, bias, activation)

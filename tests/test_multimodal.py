@@ -1,0 +1,34 @@
+"""VLMs: the vision encoder runs on the whole batch, the decoder on the shard. Compared with the
+non-CP model: loss, gathered logits, every gradient including the vision tower's."""
+
+import jobs
+import pytest
+from test_ulysses_parity import TOL
+
+from ringmaster.parity import IMAGE_TOKEN
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
+BACKENDS = [("ulysses", {}), ("ring", dict(load_balance="head_tail"))]
+
+
+def test_image_straddles_every_shard_edge_used():
+    from ringmaster.parity import tiny_vlm, vlm_batch
+
+    for model_type in FAMILIES:
+        ids = vlm_batch(tiny_vlm(model_type), 64, 28)["input_ids"][0]
+        where = (ids == IMAGE_TOKEN).nonzero().squeeze(-1)
+        assert where.min() < 32 <= where.max(), (model_type, where)  # the P=2 edge, also a P=4 edge
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b[0] for b in BACKENDS])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_vlm_matches_single_device(pool, model_type, backend, P):
+    name, cfg_kwargs = backend
+    for r in pool.run(jobs.vlm_parity, model_type, P, name, cfg_kwargs=cfg_kwargs):
+        assert any(n.startswith(("model.visual", "model.vision_tower")) for n in r["grad_errs"]), \
+            "the vision tower's gradients must be compared"
+        assert not r["missing_grads"], r["missing_grads"]
+        assert r["loss_err"] <= TOL, r
+        assert r["logits_err"] <= TOL, r
+        assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
