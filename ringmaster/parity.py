@@ -249,6 +249,16 @@ VLM_TINY: dict[str, dict[str, Any]] = {
                          rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 1e4}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])),
+    "qwen3_5": dict(
+        text_config=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=160, head_dim=16, max_position_embeddings=1024,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4,
+                                          "partial_rotary_factor": 0.5, "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=2, num_position_embeddings=64)),
     "llava": dict(
         text_config=dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, vocab_size=160, max_position_embeddings=1024),

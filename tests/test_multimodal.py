@@ -7,7 +7,7 @@ from test_ulysses_parity import TOL
 
 from ringmaster.parity import IMAGE_TOKEN
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_5"]  # qwen3_5: a hybrid VLM (gated DeltaNet layers)
 BACKENDS = [("ulysses", {}), ("ring", dict(load_balance="head_tail"))]
 
 
@@ -31,4 +31,8 @@ def test_vlm_matches_single_device(pool, model_type, backend, P):
         assert not r["missing_grads"], r["missing_grads"]
         assert r["loss_err"] <= TOL, r
         assert r["logits_err"] <= TOL, r
-        assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
+        if model_type == "qwen3_5":  # recurrent layers: the hybrid tolerances of test_hybrid_parity
+            assert r["recurrent_layers"] == 2, r["recurrent_layers"]
+            assert r["grad_err_total"] <= 2e-4 and r["grad_err"] <= 1e-2, (r["worst_param"], r["grad_err"])
+        else:
+            assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
