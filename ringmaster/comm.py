@@ -9,8 +9,46 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import contextlib
+
 from .compat import all_gather_single, reduce_scatter_single
 from .profiling import timed_comm
+
+_HANG_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the CP group failed or timed out; the message names the group and the layer."""
+
+
+@contextlib.contextmanager
+def diagnosed(kind: str, tag: str, group):
+    """Turn a timeout / lost peer inside a collective into an error that says where and why."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if isinstance(exc, CollectiveError) or not any(sign in text.lower() for sign in _HANG_SIGNS):
+            raise
+        ranks = dist.get_process_group_ranks(group) if group is not None else "default"
+        raise CollectiveError(
+            f"{kind} {tag!r} on the CP group of global ranks {ranks} did not complete: {text.splitlines()[0]}. "
+            "Likely cause: a rank of this group did not reach the same collective - it raised earlier (read "
+            "every rank's log), its batch or model differs (keep RingmasterConfig(validate_inputs=True)), or a "
+            "peer process died"
+        ) from exc
+
+
+def with_layer_context(fn):
+    """Wrap an attention-interface function so a failed collective names the layer it ran in."""
+    def attention(module, *args, **kwargs):
+        try:
+            return fn(module, *args, **kwargs)
+        except CollectiveError as exc:
+            where = f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', '?')})"
+            raise CollectiveError(f"{exc} [in {where}]") from exc
+
+    return attention
 
 
 def _a2a(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
@@ -18,7 +56,7 @@ def _a2a(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     sent = x.numel() * x.element_size() * (P - 1) // P
-    with timed_comm("all_to_all", phase, sent, tag):
+    with diagnosed("all_to_all", tag, group), timed_comm("all_to_all", phase, sent, tag):
         dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -49,7 +87,7 @@ def _all_gather(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tensor:
     x = x.contiguous()
     flat = x.reshape(1, -1)
     out = torch.empty((P, flat.shape[1]), dtype=x.dtype, device=x.device)
-    with timed_comm("all_gather", phase, x.numel() * x.element_size() * (P - 1), tag):
+    with diagnosed("all_gather", tag, group), timed_comm("all_gather", phase, x.numel() * x.element_size() * (P - 1), tag):
         all_gather_single(out, flat, group=group)
     return out.view(P, *x.shape)
 
@@ -58,7 +96,8 @@ def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tenso
     P = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    with timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
+    with diagnosed("reduce_scatter", tag, group), \
+            timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
         if x.device.type == "cpu":  # gloo has no reduce_scatter: sum with all_reduce, keep our slice
             buf = x.clone()
             dist.all_reduce(buf, group=group)

@@ -66,7 +66,7 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     """A random tiny causal LM of ``model_type`` in fp32, identical for a given seed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {**COMMON, **TINY.get(model_type, {}), **overrides}
+    kwargs = {**COMMON, "use_cache": False, **TINY.get(model_type, {}), **overrides}
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
@@ -277,7 +277,7 @@ def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, 
     if model_type != "llava":
         kwargs.setdefault("vision_start_token_id", VISION_START)
     kwargs["text_config"] = {**kwargs["text_config"], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-                             "tie_word_embeddings": False}
+                             "tie_word_embeddings": False, "use_cache": False}
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation,

@@ -147,17 +147,26 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str |
 
 
 def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
-    """The ``ringmaster_batch`` kwarg for a shard's metadata, refusing what the wired model
-    cannot keep exact: packed or padded rows through recurrent layers (their state and conv
-    halo would flow across document boundaries)."""
+    """The ``ringmaster_batch`` kwarg for a shard's metadata.
+
+    Packed or padded rows are exact through attention and through the recurrent layers ringmaster
+    wires (Mamba2 mixers, gated DeltaNet: their state and conv halo reset at every document start,
+    see :class:`ringmaster.strategies.state_passing.DocumentSegment`). A wired recurrent layer of a
+    kind without document resets is refused here, naming the layer, before any collective runs."""
     from .runtime import active
 
     rt = active(required=False)
-    if meta.get("doc_ids") is not None and rt is not None and rt.extras.get("recurrent_wiring") is not None:
-        raise NotImplementedError(
-            "this batch is packed or padded, and the model has recurrent layers (Mamba2 / gated DeltaNet) whose "
-            "state would cross document boundaries under CP; pass one unpadded document per row for hybrid models"
-        )
+    wiring = rt.extras.get("recurrent_wiring") if rt is not None else None
+    if meta.get("doc_ids") is not None and wiring is not None:
+        from .strategies.state_passing import DOCUMENT_AWARE_KINDS
+
+        blind = [(path, kind) for path, kind in zip(wiring.layers, wiring.kinds) if kind not in DOCUMENT_AWARE_KINDS]
+        if blind:
+            path, kind = blind[0]
+            raise NotImplementedError(
+                f"this batch is packed or padded, and the recurrent layer {path!r} ({kind}) cannot reset its state at "
+                "document starts under CP; pass one unpadded document per row for this model"
+            )
     return CPBatch.from_meta(meta)
 
 
@@ -200,9 +209,13 @@ class ContextParallelContextManager:
             kwargs = dict(kwargs)
             for name, value in zip(params, args):
                 kwargs.setdefault(name, value)
+            from .runtime import active
+            from .validation import validate_batch
+
             meta = kwargs.pop(CP_SHARD_KEY, None)
+            full_batch = None
             if meta is None:
-                full_count = global_num_items(kwargs)
+                full_batch = dict(kwargs)
                 tensors = {k: v for k, v in kwargs.items()
                            if (k in SEQUENCE_KEYS or k in LOCAL_ONLY_KEYS) and v is not None}
                 shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, self.load_balance)
@@ -210,6 +223,11 @@ class ContextParallelContextManager:
                 for key in tensors:
                     kwargs.pop(key)
                 kwargs.update(shard)
+            # the ranks agree on the batch before the first collective (the token count below)
+            validate_batch(active(required=False), meta, full_batch=full_batch,
+                           local=kwargs if full_batch is None else None)
+            if full_batch is not None:
+                full_count = global_num_items(full_batch)
             else:
                 full_count = None
                 local = kwargs.get("shift_labels")

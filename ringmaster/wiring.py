@@ -116,6 +116,18 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
     if cfg.ulysses_size > 1 and num_heads is not None:
         kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
+    if model.training and getattr(tcfg, "use_cache", False):
+        raise ValueError(
+            f"{type(model).__name__} is in training mode with use_cache=True; under CP a KV cache would hold only "
+            "this rank's shard. Set model.config.use_cache = False (model.config.get_text_config().use_cache for "
+            "a VLM) before rm.wire"
+        )
+    if cfg.ring_size > 1:
+        from .ring.kernels import check_dtype
+        from .strategies.ring import resolve_ring_impl
+
+        param = next(model.parameters())
+        check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype)
     runtime = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
                     num_heads=num_heads)
     runtime.extras["original_attn_implementation"] = inner

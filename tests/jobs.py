@@ -27,51 +27,6 @@ def error_of(fn):
     return None
 
 
-def bad_input(ctx, scenario):
-    from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import tiny_batch, tiny_model
-
-    if scenario == "seq_not_divisible":
-        model = tiny_model("llama")
-        def go():
-            rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))
-            with context_parallel_region(tiny_batch(128, 63)) as shard:
-                model(**shard)
-        return error_of(go)
-    if scenario == "heads_not_divisible":
-        model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=6, hidden_size=48)
-        return error_of(lambda: rm.wire(model, rm.RingmasterConfig(size=4, backend="ulysses"), device_mesh=ctx.mesh(4)))
-    if scenario == "kv_heads_unsplittable":
-        model = tiny_model("llama", num_attention_heads=12, num_key_value_heads=6, hidden_size=96)
-        return error_of(lambda: rm.wire(model, rm.RingmasterConfig(size=4, backend="ulysses"), device_mesh=ctx.mesh(4)))
-    if scenario == "mesh_without_cp_dim":
-        return error_of(lambda: rm.setup(rm.RingmasterConfig(size=2, backend="ulysses"), num_kv_heads=4,
-                                         device_mesh=ctx.mesh(2), cp_dim="sequence"))
-    if scenario == "size_mismatch":
-        return error_of(lambda: rm.setup(rm.RingmasterConfig(size=4, backend="ulysses"), num_kv_heads=4,
-                                         device_mesh=ctx.mesh(2)))
-    if scenario == "wire_twice":
-        model = tiny_model("llama")
-        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))
-        result = error_of(lambda: rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"),
-                                          device_mesh=ctx.mesh(2)))
-        rm.unwire(model)
-        return result
-    if scenario == "unknown_model":
-        model = tiny_model("phi3", num_attention_heads=4, num_key_value_heads=4)
-        return error_of(lambda: rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2)))
-    if scenario == "unknown_stateful_layer":
-        model = tiny_model("llama")
-
-        class FakeMamba2Mixer(torch.nn.Module):
-            def forward(self, x):
-                return x
-
-        model.model.layers[1].mlp = FakeMamba2Mixer()
-        return error_of(lambda: rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2)))
-    raise ValueError(scenario)
-
-
 def unwired_cp_is_wrong(ctx, P):
     """Negative control: shard the batch but keep plain sdpa (no Ulysses) -> the comparison must see it."""
     import copy

@@ -9,6 +9,7 @@ import torch
 
 from ..documents import BATCH_KWARG
 from ..shard import CP_SHARD_KEY, batch_kwarg, global_num_items, shard_collated_batch
+from ..validation import validate_batch
 
 
 @contextlib.contextmanager
@@ -29,7 +30,9 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, num_items
 
     rt = runtime or active()
     shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance)
-    shard[BATCH_KWARG] = batch_kwarg(shard.pop(CP_SHARD_KEY))
+    meta = shard.pop(CP_SHARD_KEY)
+    validate_batch(rt, meta, full_batch=batch)
+    shard[BATCH_KWARG] = batch_kwarg(meta)
     count = num_items_in_batch if num_items_in_batch is not None else global_num_items(batch)
     if count is not None and "shift_labels" in shard:
         count = torch.as_tensor(count, dtype=torch.float32)

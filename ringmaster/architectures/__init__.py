@@ -44,6 +44,7 @@ def register_architecture(spec: ArchitectureSpec, *, override: bool = False) -> 
     """Add a model family. Raises if a model type is already claimed, unless ``override``."""
     if not isinstance(spec, ArchitectureSpec):
         raise TypeError(f"register_architecture needs an ArchitectureSpec, got {type(spec).__name__}")
+    _load_builtin()  # a user's family must see the built-in claims (and not be overwritten by them later)
     for model_type in spec.model_types:
         if model_type in _REGISTRY and not override and _REGISTRY[model_type] is not spec:
             raise ValueError(

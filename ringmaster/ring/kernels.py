@@ -144,6 +144,19 @@ class HfKernelsKernel:
         )
 
 
+def check_dtype(impl: RingImpl, device, dtype: torch.dtype) -> None:
+    """Refuse a model dtype the chosen block kernel cannot run exactly, naming a provider that can."""
+    device = torch.device(device)
+    if not dtype.is_floating_point:
+        raise ValueError(f"ring attention needs floating-point activations, the model is {dtype}")
+    if impl is RingImpl.HF_KERNELS and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"ring_impl='hf_kernels' (flash attention) runs fp16/bf16 only, the model is {dtype}; "
+                         "use ring_impl='math' for fp32/fp64 training")
+    if impl is RingImpl.TORCH_NATIVE and device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"ring_impl='torch_native' on CUDA uses the flash kernel, which runs fp16/bf16 only, the "
+                         f"model is {dtype}; use ring_impl='math' for {dtype} on GPU")
+
+
 def get_kernel(impl: RingImpl):
     if impl is RingImpl.MATH:
         return MathKernel()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import balancers
-from ..comm import _all_gather, _reduce_scatter
+from ..comm import _all_gather, _reduce_scatter, diagnosed
 from ..profiling import timed_comm
 from .merge import merge, merge_sink
 
@@ -122,10 +122,9 @@ class _Ring:
         nbytes = tensor.numel() * tensor.element_size()
         return recv, dist.batch_isend_irecv(ops), (phase, nbytes, tag)
 
-    @staticmethod
-    def wait(pending):
+    def wait(self, pending):
         recv, works, (phase, nbytes, tag) = pending
-        with timed_comm("p2p", phase, nbytes, tag):
+        with diagnosed("p2p", tag, self.group), timed_comm("p2p", phase, nbytes, tag):
             for w in works:
                 w.wait()
         return recv

@@ -76,6 +76,7 @@ def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
     """Register the Ring (or USP) wrapper of ``inner`` with transformers; return its name."""
     from functools import partial
 
+    from ..comm import with_layer_context
     from ..compat import has_module
     from .ulysses import attention_name, no_cache_mask
 
@@ -89,6 +90,6 @@ def register_ring_attention(inner: str, backend: str = "ring") -> str | None:
     else:
         fn = ring_attention_hf
     name = attention_name(inner).replace("ringmaster_ulysses_", f"ringmaster_{backend}_")
-    AttentionInterface.register(name, partial(fn, inner=inner))
+    AttentionInterface.register(name, with_layer_context(partial(fn, inner=inner)))
     AttentionMaskInterface.register(name, no_cache_mask)
     return name

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all
+from ..comm import all_to_all, with_layer_context
 
 # kwargs that describe the local shard only: the inner kernel must not see them
 _LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -200,6 +200,6 @@ def register_ulysses_attention(inner: str) -> str | None:
     from transformers.masking_utils import AttentionMaskInterface
 
     name = attention_name(inner)
-    AttentionInterface.register(name, partial(ulysses_attention, inner=inner))
+    AttentionInterface.register(name, with_layer_context(partial(ulysses_attention, inner=inner)))
     AttentionMaskInterface.register(name, no_cache_mask)
     return name
