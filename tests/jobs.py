@@ -200,3 +200,68 @@ def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=No
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), build=tiny_vlm,
                    batch=partial(vlm_batch, seq_len=64, image_at=image_at))
+
+
+def _cp_step(ctx, model, P, cfg_kwargs, batch):
+    """One CP forward+backward; returns (mean loss, gathered logits, CP-averaged grads) and unwires."""
+    import torch.distributed as dist
+
+    from ringmaster.adapters.raw import context_parallel_region
+
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, **cfg_kwargs), device_mesh=ctx.mesh(P))
+    try:
+        with context_parallel_region(batch) as shard:
+            out = model(**shard)
+        out.loss.backward()
+        loss = out.loss.detach().float().clone()
+        dist.all_reduce(loss, group=runtime.cp_group)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1)
+        grads = []
+        for p in model.parameters():
+            g = p.grad.detach().float().clone()
+            dist.all_reduce(g, group=runtime.cp_group)
+            grads.append(g / P)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return loss / P, logits, grads
+
+
+def bf16_gap(ctx, P, cfg_kwargs, model_type="llama", overrides=None):
+    """bf16 CP and bf16 non-CP, both measured against the fp32 single-device truth."""
+    import copy
+
+    from ringmaster.parity import rel_err, tiny_batch, tiny_model
+
+    truth = tiny_model(model_type, **(overrides or {}))
+    batch = tiny_batch(128, 128)
+    out = truth(**batch)
+    out.loss.backward()
+    ref_grads = [p.grad.float() for p in truth.parameters()]
+    half = copy.deepcopy(truth).to(torch.bfloat16)
+    half.zero_grad(set_to_none=True)
+    cp_model = copy.deepcopy(half)
+    h = half(**batch)
+    h.loss.backward()
+    loss_cp, _, grads_cp = _cp_step(ctx, cp_model, P, cfg_kwargs, batch)
+
+    def grad_gap(grads):
+        return max(rel_err(g.float(), r, 1e-4 * max(float(x.abs().max()) for x in ref_grads))
+                   for g, r in zip(grads, ref_grads))
+
+    return {"loss_noncp": abs(h.loss.item() - out.loss.item()) / out.loss.item(),
+            "loss_cp": abs(loss_cp.item() - out.loss.item()) / out.loss.item(),
+            "grad_noncp": grad_gap([p.grad for p in half.parameters()]),
+            "grad_cp": grad_gap(grads_cp)}
+
+
+def determinism(ctx, P, cfg_kwargs, model_type="llama"):
+    """Two CP runs from the same seed and batch are bit-identical."""
+    from ringmaster.parity import packed_batch, tiny_model
+
+    runs = []
+    for _ in range(2):
+        model = tiny_model(model_type, num_attention_heads=8, num_key_value_heads=2)
+        runs.append(_cp_step(ctx, model, P, cfg_kwargs, packed_batch(128, [20, 30, 14])))
+    (l0, o0, g0), (l1, o1, g1) = runs
+    return torch.equal(l0, l1) and torch.equal(o0, o1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

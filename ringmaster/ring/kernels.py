@@ -21,6 +21,7 @@ import torch
 
 from ..compat import has_module
 from ..config import RingImpl
+from .merge import acc_dtype
 
 NEG_INF = float("-inf")
 
@@ -47,12 +48,13 @@ def _reduce_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class MathKernel:
-    """Pure torch, any device and dtype; computes in fp32. The reference provider."""
+    """Pure torch, any device and dtype; computes in fp32 (fp64 for fp64). The reference provider."""
 
     name = RingImpl.MATH
 
     def _probs(self, q, k, scale, mask, lse=None):
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        dt = acc_dtype(q)
+        s = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
         m = _bool_mask(mask, q.shape[-2], k.shape[-2], q.device)
         if m is not None:
             s = s.masked_fill(~m, NEG_INF)
@@ -65,19 +67,20 @@ class MathKernel:
     def forward(self, q, k, v, scale, mask):
         g = q.shape[1] // k.shape[1]
         p, lse = self._probs(q, _expand(k, g), scale, mask)
-        return torch.matmul(p, _expand(v, g).float()), lse
+        return torch.matmul(p, _expand(v, g).to(p.dtype)), lse
 
     def backward(self, dout, q, k, v, out, lse, scale, mask):
         g = q.shape[1] // k.shape[1]
-        kx, vx = _expand(k, g).float(), _expand(v, g).float()
-        p, _ = self._probs(q, kx, scale, mask, lse=lse.float())
-        dout = dout.float()
+        dt = acc_dtype(q)
+        kx, vx = _expand(k, g).to(dt), _expand(v, g).to(dt)
+        p, _ = self._probs(q, kx, scale, mask, lse=lse.to(dt))
+        dout = dout.to(dt)
         dv = torch.matmul(p.transpose(-1, -2), dout)
         dp = torch.matmul(dout, vx.transpose(-1, -2))
-        delta = (dout * out.float()).sum(-1, keepdim=True)
+        delta = (dout * out.to(dt)).sum(-1, keepdim=True)
         ds = p * (dp - delta)
         dq = torch.matmul(ds, kx) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(dt)) * scale
         return dq.to(q.dtype), _reduce_groups(dk, g).to(k.dtype), _reduce_groups(dv, g).to(v.dtype)
 
 
@@ -111,17 +114,17 @@ class TorchNativeKernel:
                 return MathKernel().forward(q, k, v, scale, mask)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
                 q.contiguous(), kx, vx, 0.0, causal, False, scale=scale)[:2]
-        lse = lse.float()
+        lse = lse.to(acc_dtype(q))
         if additive is not None:  # aten reports lse=0 for a row with no visible key: make it -inf
             lse = lse.masked_fill(~mask.any(-1), NEG_INF)
-        return out.float(), lse
+        return out.to(acc_dtype(q)), lse
 
     def backward(self, dout, q, k, v, out, lse, scale, mask):
         g, kx, vx, causal, additive = self._args(q, k, v, mask)
         if q.device.type != "cpu":
             return MathKernel().backward(dout, q, k, v, out, lse, scale, mask)
         # a row no key can see anywhere has lse=-inf; any finite value gives it P=0 through the mask
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).float().contiguous()
+        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(acc_dtype(q)).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q.contiguous(), kx, vx, out.to(q.dtype).contiguous(),
             lse, 0.0, causal, attn_mask=additive, scale=scale)

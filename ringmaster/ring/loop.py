@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import balancers
 from ..comm import _all_gather, _reduce_scatter, diagnosed
 from ..profiling import timed_comm
-from .merge import merge, merge_sink
+from .merge import acc_dtype, merge, merge_sink
 
 SKIP = "skip"
 
@@ -142,17 +142,17 @@ def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv):
     for qi, kj, mask in block_pairs(plan, src, q.device):
         dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(kv[0], kj, c), _sl(kv[1], kj, c),
                                            _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask)
-        _sl(dq, qi, c).add_(dq_i.float())
-        _sl(dkv[0], kj, c).add_(dk_j.float())
-        _sl(dkv[1], kj, c).add_(dv_j.float())
+        _sl(dq, qi, c).add_(dq_i.to(dq.dtype))
+        _sl(dkv[0], kj, c).add_(dk_j.to(dkv.dtype))
+        _sl(dkv[1], kj, c).add_(dv_j.to(dkv.dtype))
 
 
 def _finish(acc, q, sinks):
     parts_out, parts_lse = [], []
     for item, qc in zip(acc, q.split(q.shape[-2] // len(acc), dim=-2)):
         if item is None:  # no visible key at all (cannot happen for causal: the diagonal is always seen)
-            item = (qc.new_zeros(qc.shape, dtype=torch.float32),
-                    qc.new_full(qc.shape[:-1], float("-inf"), dtype=torch.float32))
+            item = (qc.new_zeros(qc.shape, dtype=acc_dtype(qc)),
+                    qc.new_full(qc.shape[:-1], float("-inf"), dtype=acc_dtype(qc)))
         parts_out.append(item[0])
         parts_lse.append(item[1])
     out, lse = torch.cat(parts_out, dim=-2), torch.cat(parts_lse, dim=-1)
@@ -191,17 +191,18 @@ class RingAttention(torch.autograd.Function):
         sinks = rest.pop(0) if ctx.has_sinks else None
         plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
         P = plan.size
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = acc_dtype(q)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         if ctx.rotate == "allgather":
             kv_all = rest[0]
-            dkv_all = torch.zeros(kv_all.shape, dtype=torch.float32, device=q.device)
+            dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
             for src in range(P):
                 _backward_block(kernel, plan, q, kv_all[src], src, scale, dout, out, lse, dq, dkv_all[src])
             dkv = _reduce_scatter(dkv_all, group, "backward", "ring_dkv")
         else:
             ring = _Ring(group)
             cur = torch.stack([k, v]).contiguous()
-            dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
             for step in range(P):
                 pending = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
                 _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv)
@@ -211,8 +212,8 @@ class RingAttention(torch.autograd.Function):
                     cur = ring.wait(pending)
         dsinks = None
         if sinks is not None:
-            delta = (dout.float() * out).sum(-1)                     # [B, H, S]
-            p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)   # the sink's share of each row
+            delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
+            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
             dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
 

@@ -1,4 +1,4 @@
-"""Online-softmax merge of partial attention results, in fp32.
+"""Online-softmax merge of partial attention results, in fp32 (fp64 for fp64 inputs).
 
 A block result is ``(out, lse)``: the softmax-weighted values over that block's keys and the
 log-sum-exp of its scores. Two results merge into the result over the union of their keys.
@@ -12,6 +12,11 @@ import torch
 NEG_INF = float("-inf")
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half precision, the input's own when it is wider (fp64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     w = torch.exp(lse - total)
     return torch.where(torch.isneginf(total), torch.zeros_like(w), w)
@@ -19,7 +24,7 @@ def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor):
     """Merge ``(out_b, lse_b)`` into the running ``(out, lse)``. out ``[..., S, D]``, lse ``[..., S]``."""
-    out_b, lse_b = out_b.float(), lse_b.float()
+    out_b, lse_b = out_b.to(acc_dtype(out_b)), lse_b.to(acc_dtype(lse_b))
     if out is None:
         return out_b, lse_b
     total = torch.logaddexp(lse, lse_b)
@@ -32,7 +37,7 @@ def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
 
     ``sink`` is ``[H]``; ``out`` ``[B, H, S, D]``. The sink enters the normaliser once.
     """
-    s = sink.float().view(1, -1, 1).expand_as(lse)
+    s = sink.to(lse.dtype).view(1, -1, 1).expand_as(lse)
     total = torch.logaddexp(lse, s)
     return out * _weight(lse, total).unsqueeze(-1), total
 
@@ -40,12 +45,13 @@ def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
 def reference_attention(q, k, v, scale: float, mask: torch.Tensor | None = None, sink: torch.Tensor | None = None):
     """Dense softmax attention over the concatenation (fp32), for tests: returns ``(out, lse)``."""
     g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
-    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    dt = acc_dtype(q)
+    k, v = k.repeat_interleave(g, dim=1).to(dt), v.repeat_interleave(g, dim=1).to(dt)
+    s = torch.matmul(q.to(dt), k.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, NEG_INF)
     if sink is not None:
-        s = torch.cat([s, sink.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        s = torch.cat([s, sink.to(dt).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
         v = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.shape[-1])], dim=-2)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(s), torch.exp(s - lse.unsqueeze(-1)))
