@@ -1,4 +1,5 @@
-"""``ringmaster`` command line: ``demo`` runs CP on local CPU gloo ranks against a tiny model."""
+"""``ringmaster`` command line: ``demo`` runs CP on local CPU gloo ranks against a tiny model,
+``plan`` prints the cost of each split, ``bench`` runs a short version of the benchmarks."""
 
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def plan(args) -> int:
     return 0
 
 
+def bench(args) -> int:
+    from .bench import bench as run_bench
+
+    run_bench(quick=args.quick, world=args.world, out_dir=args.out, progress=not args.no_progress,
+              max_seq=args.max_seq, peer_seq=args.peer_seq)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringmaster",
@@ -103,6 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.set_defaults(func=plan)
+
+    p = sub.add_parser(
+        "bench",
+        help="short CP-vs-non-CP and peers benchmarks on local CPU gloo ranks, printed as tables",
+        description="Run a short version of benchmarks/cp_vs_noncp.py (a small Llama and a Qwen3.5-style hybrid, "
+                    "one training step per sequence length, non-CP vs CP at P=2/4: step time, saved-for-backward "
+                    "bytes and peak memory per rank) and of benchmarks/peers.py (one causal GQA attention through "
+                    "ringmaster's Ulysses / Ring p2p / Ring allgather and every peer that runs here: error, bytes "
+                    "per rank, saved bytes, time ratio), with a progress bar. Under torchrun it uses the launched "
+                    "ranks (NCCL on GPUs).",
+    )
+    p.add_argument("--quick", action="store_true", help="smallest shapes (about a minute on 2 cores)")
+    p.add_argument("--world", type=int, default=4, help="local ranks to spawn (default 4; P=4 needs 4)")
+    p.add_argument("--max-seq", type=int, default=None, help="longest sequence of the CP-vs-non-CP sweep")
+    p.add_argument("--peer-seq", type=int, default=None, help="sequence length of the peers benchmark")
+    p.add_argument("--out", default=None, help="directory for cp_vs_noncp.csv/.png and peers.csv")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=bench)
     return parser
 
 

@@ -1,44 +1,219 @@
-"""Measure what CP costs: bytes and time per collective, saved-activation and peak memory."""
+"""Measure what CP costs: bytes and time per collective, saved-activation and peak memory.
+
+``profile_comms()`` records every collective ringmaster issues inside the block: its kind
+(``all_to_all``, ``p2p`` = one isend/irecv pair of the ring, ``send``/``recv`` of sequential
+state passing, ``all_gather``, ``reduce_scatter``), the autograd phase (``forward`` /
+``backward``), the bytes this rank put on the wire (the share a collective keeps locally is
+not counted), the wall time of the call, and a tag that says who issued it. The tag gives the
+**layer kind**: ``attention`` (Ulysses / Ring / USP), ``recurrent`` (state passing and
+causal-conv halos of Mamba2 / gated-DeltaNet layers) or ``other`` (e.g. ``gather_sequence``).
+
+Tag convention: ``"<layer kind>:<name>"`` names the layer kind explicitly (``"attention:my_op"``);
+a plain tag is looked up by its prefix (:data:`TAG_LAYER_KINDS`, extend with
+:func:`register_tag_prefix`): ``ulysses_*``, ``ring_*``, ``usp_*`` are attention,
+``state_passing``, ``conv_halo`` recurrent.
+
+``profile_memory()`` measures one rank (one process): the bytes of tensors autograd saved for
+backward inside the block (saved-tensor hooks, each storage once), the CUDA allocator peak on
+GPU, and on CPU the process's peak RSS over the block (Linux: the high-water mark is reset at
+entry through ``/proc/self/clear_refs``; elsewhere it is the process lifetime peak).
+``gather_profiles(prof)`` collects one profile per rank of a group.
+
+``count_collectives()`` counts bytes of *any* code's ``torch.distributed`` collectives (by
+patching the ``torch.distributed`` functions for the block), so other libraries can be measured
+with the same convention as ringmaster's own records.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
 _COMM_PROFILERS: list["CommProfile"] = []
 
+PHASES = ("forward", "backward")
+LAYER_KINDS = ("attention", "recurrent", "other")
+
+# collective kind -> how tables print it
+KIND_LABELS = {
+    "all_to_all": "all-to-all",
+    "p2p": "p2p send/recv",
+    "send": "p2p send",
+    "recv": "p2p recv",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "broadcast": "broadcast",
+    "scatter": "scatter",
+    "gather": "gather",
+    "reduce": "reduce",
+}
+
+# tag prefix -> layer kind (longest prefix wins; a tag matches "p", "p_*", "p.*" or "p:*")
+TAG_LAYER_KINDS: dict[str, str] = {
+    "attention": "attention",
+    "attn": "attention",
+    "ulysses": "attention",
+    "ring": "attention",
+    "usp": "attention",
+    "recurrent": "recurrent",
+    "state_passing": "recurrent",
+    "conv_halo": "recurrent",
+    "mamba": "recurrent",
+    "gated_deltanet": "recurrent",
+    "linear_attn": "recurrent",
+    "other": "other",
+    "gather_sequence": "other",
+}
+
+
+def register_tag_prefix(prefix: str, layer_kind: str) -> None:
+    """Count collectives whose tag starts with ``prefix`` as ``layer_kind`` (attention/recurrent/other)."""
+    if layer_kind not in LAYER_KINDS:
+        raise ValueError(f"layer_kind={layer_kind!r} is not one of {LAYER_KINDS}")
+    TAG_LAYER_KINDS[prefix] = layer_kind
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_kind_cached(tag: str, _version: int) -> str:
+    head, sep, _ = tag.partition(":")
+    if sep and head in LAYER_KINDS:
+        return head
+    best, kind = -1, "other"
+    for prefix, value in TAG_LAYER_KINDS.items():
+        if (tag == prefix or tag.startswith((prefix + "_", prefix + ".", prefix + ":"))) and len(prefix) > best:
+            best, kind = len(prefix), value
+    return kind
+
+
+def layer_kind(tag: str) -> str:
+    """``"attention"``, ``"recurrent"`` or ``"other"`` for a collective's tag."""
+    return _layer_kind_cached(tag or "", hash(tuple(sorted(TAG_LAYER_KINDS.items()))))
+
+
+def _dist_rank() -> int | None:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
 
 @dataclass
 class CommRecord:
-    kind: str          # "all_to_all", "all_gather", "reduce_scatter", "send", "recv", ...
+    kind: str          # "all_to_all", "all_gather", "reduce_scatter", "p2p", "send", "recv", ...
     phase: str         # "forward" | "backward"
     bytes_sent: int    # bytes this rank put on the wire (the share kept locally is not counted)
     seconds: float
     tag: str = ""
 
+    @property
+    def layer_kind(self) -> str:
+        return layer_kind(self.tag)
+
+
+def _stat() -> dict[str, float]:
+    return {"calls": 0, "bytes": 0, "seconds": 0.0}
+
 
 @dataclass
 class CommProfile:
+    """Collectives of one rank. Filters: ``kind``, ``phase``, ``layer_kind``, ``tag``."""
+
     records: list[CommRecord] = field(default_factory=list)
+    rank: int | None = None
 
-    def total_bytes(self, kind: str | None = None, phase: str | None = None) -> int:
-        return sum(r.bytes_sent for r in self.records
-                   if (kind is None or r.kind == kind) and (phase is None or r.phase == phase))
+    def select(self, kind: str | None = None, phase: str | None = None, layer_kind: str | None = None,
+               tag: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records
+                if (kind is None or r.kind == kind) and (phase is None or r.phase == phase)
+                and (layer_kind is None or r.layer_kind == layer_kind) and (tag is None or r.tag == tag)]
 
-    def summary(self) -> dict[tuple[str, str], dict[str, float]]:
-        out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "seconds": 0.0})
+    def total_bytes(self, kind: str | None = None, phase: str | None = None, layer_kind: str | None = None,
+                    tag: str | None = None) -> int:
+        return sum(r.bytes_sent for r in self.select(kind, phase, layer_kind, tag))
+
+    def total_seconds(self, kind: str | None = None, phase: str | None = None, layer_kind: str | None = None,
+                      tag: str | None = None) -> float:
+        return sum(r.seconds for r in self.select(kind, phase, layer_kind, tag))
+
+    def calls(self, kind: str | None = None, phase: str | None = None, layer_kind: str | None = None,
+              tag: str | None = None) -> int:
+        return len(self.select(kind, phase, layer_kind, tag))
+
+    def summary(self, by: Iterable[str] = ("kind", "phase")) -> dict[tuple, dict[str, float]]:
+        """``{(value of each field in by): {"calls", "bytes", "seconds"}}``; fields are record
+        attributes: ``kind``, ``phase``, ``layer_kind``, ``tag``. The default groups by (kind, phase)."""
+        by = tuple(by)
+        out: dict[tuple, dict[str, float]] = defaultdict(_stat)
         for r in self.records:
-            row = out[(r.kind, r.phase)]
+            row = out[tuple(getattr(r, f) for f in by)]
             row["calls"] += 1
             row["bytes"] += r.bytes_sent
             row["seconds"] += r.seconds
         return dict(out)
+
+    def _nested(self, key: str) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (value, phase), stat in sorted(self.summary((key, "phase")).items()):
+            out.setdefault(value, {p: _stat() for p in PHASES})[phase] = stat
+        return out
+
+    def by_kind(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{collective kind: {"forward": stat, "backward": stat}}``, stat = ``{"calls", "bytes", "seconds"}``."""
+        return self._nested("kind")
+
+    def by_layer_kind(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{"attention" | "recurrent" | "other": {"forward": stat, "backward": stat}}``."""
+        return self._nested("layer_kind")
+
+    def by_tag(self) -> dict[str, dict[str, dict[str, float]]]:
+        return self._nested("tag")
+
+    def rows(self) -> list[dict]:
+        """One row per (layer kind, collective kind): calls, bytes and seconds forward and backward."""
+        rows: dict[tuple[str, str], dict] = {}
+        for (lk, kind, phase), stat in self.summary(("layer_kind", "kind", "phase")).items():
+            row = rows.setdefault((lk, kind), {"rank": self.rank, "layer_kind": lk, "kind": kind,
+                                               **{f"{p}_{s}": 0 for p in ("fwd", "bwd")
+                                                  for s in ("calls", "bytes", "seconds")}})
+            p = "fwd" if phase == "forward" else "bwd"
+            row[f"{p}_calls"] += stat["calls"]
+            row[f"{p}_bytes"] += stat["bytes"]
+            row[f"{p}_seconds"] += stat["seconds"]
+        order = {k: i for i, k in enumerate(LAYER_KINDS)}
+        return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
+
+    def table(self, title: str | None = None) -> str:
+        """A printable table: bytes and milliseconds per layer kind and collective, forward and backward."""
+        header = (f"{'layer kind':<10} {'collective':<15} {'calls':>5} {'fwd sent':>11} {'fwd ms':>8} "
+                  f"{'bwd sent':>11} {'bwd ms':>8}")
+        lines = ([title] if title else []) + [header, "-" * len(header)]
+        total = {"calls": 0, "fb": 0, "fs": 0.0, "bb": 0, "bs": 0.0}
+        for row in self.rows():
+            calls = row["fwd_calls"] + row["bwd_calls"]
+            lines.append(f"{row['layer_kind']:<10} {KIND_LABELS.get(row['kind'], row['kind']):<15} {calls:>5} "
+                         f"{format_bytes(row['fwd_bytes']):>11} {row['fwd_seconds'] * 1e3:>8.2f} "
+                         f"{format_bytes(row['bwd_bytes']):>11} {row['bwd_seconds'] * 1e3:>8.2f}")
+            total["calls"] += calls
+            total["fb"] += row["fwd_bytes"]
+            total["fs"] += row["fwd_seconds"]
+            total["bb"] += row["bwd_bytes"]
+            total["bs"] += row["bwd_seconds"]
+        lines.append(f"{'total':<10} {'':<15} {total['calls']:>5} {format_bytes(total['fb']):>11} "
+                     f"{total['fs'] * 1e3:>8.2f} {format_bytes(total['bb']):>11} {total['bs'] * 1e3:>8.2f}")
+        return "\n".join(lines)
+
+    def gather(self, group=None) -> list["CommProfile"]:
+        """Every rank's profile (collective over ``group``; call it on every rank of the group)."""
+        return gather_profiles(self, group)
 
 
 def record_comm(kind: str, phase: str, bytes_sent: int, seconds: float, tag: str = "") -> None:
@@ -50,64 +225,352 @@ def comms_enabled() -> bool:
     return bool(_COMM_PROFILERS)
 
 
+_SYNC_CUDA: list[bool] = []
+
+
+def _maybe_sync() -> None:
+    if any(_SYNC_CUDA) and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
 def timed_comm(kind: str, phase: str, bytes_sent: int, tag: str = ""):
     if not _COMM_PROFILERS:
         yield
         return
+    _maybe_sync()
     start = time.perf_counter()
     yield
+    _maybe_sync()
     record_comm(kind, phase, bytes_sent, time.perf_counter() - start, tag)
 
 
 @contextlib.contextmanager
-def profile_comms():
-    """Collect every ringmaster collective issued inside the block (forward and backward)."""
-    prof = CommProfile()
+def profile_comms(sync_cuda: bool = True):
+    """Collect every ringmaster collective issued inside the block (forward and backward).
+
+    Yields a :class:`CommProfile` (this rank's records). With ``sync_cuda`` (default) each
+    timed collective synchronizes the GPU before and after, so its seconds are the
+    collective's own and not just its launch (this removes compute/communication overlap
+    while profiling; pass ``False`` to keep it).
+    """
+    prof = CommProfile(rank=_dist_rank())
     _COMM_PROFILERS.append(prof)
+    _SYNC_CUDA.append(bool(sync_cuda))
     try:
         yield prof
     finally:
         _COMM_PROFILERS.remove(prof)
+        _SYNC_CUDA.pop()
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set size: ``VmHWM`` on Linux (resettable, see
+    :func:`reset_peak_rss`), else ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int | None:
+    return _proc_status("VmRSS")
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark to the current RSS (Linux); False when not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
 class MemoryProfile:
     saved_bytes: int = 0            # bytes of tensors autograd saved for backward inside the block
     peak_saved_bytes: int = 0
-    peak_rss_bytes: int = 0
+    peak_rss_bytes: int = 0         # process peak RSS during the block ("block") or lifetime ("process")
     cuda_peak_bytes: int | None = None
+    rank: int | None = None
+    rss_start_bytes: int | None = None
+    rss_scope: str = "process"      # "block" when the high-water mark was reset at entry
+    cuda_start_bytes: int | None = None
+    saved_tensors: int = 0          # distinct storages saved
+
+    @property
+    def peak_rss_delta_bytes(self) -> int | None:
+        """Peak RSS above the RSS at entry (what the block added), when the peak is the block's."""
+        if self.rss_scope != "block" or self.rss_start_bytes is None:
+            return None
+        return max(self.peak_rss_bytes - self.rss_start_bytes, 0)
+
+    @property
+    def cuda_peak_delta_bytes(self) -> int | None:
+        if self.cuda_peak_bytes is None or self.cuda_start_bytes is None:
+            return None
+        return max(self.cuda_peak_bytes - self.cuda_start_bytes, 0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The device's peak: the CUDA allocator's on GPU, else the process peak RSS."""
+        return self.cuda_peak_bytes if self.cuda_peak_bytes is not None else self.peak_rss_bytes
+
+    def gather(self, group=None) -> list["MemoryProfile"]:
+        """Every rank's profile (collective over ``group``; call it on every rank of the group)."""
+        return gather_profiles(self, group)
+
+
+_MEMORY_DEPTH = threading.local()
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr(), t.device
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        if t.layout == torch.strided:
+            return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        pass
+    return t.numel() * t.element_size()
 
 
 @contextlib.contextmanager
-def profile_memory():
-    """Peak memory of the block: saved-for-backward bytes (every device), the CUDA allocator peak
-    when on GPU, and the process peak RSS on CPU. Saved bytes count each storage once."""
-    prof = MemoryProfile()
-    seen: set[int] = set()
+def profile_memory(cuda_device=None):
+    """Peak memory of the block on this rank.
+
+    * ``saved_bytes`` / ``peak_saved_bytes``: bytes of the tensors autograd saved for backward
+      inside the block (every device; each storage counted once, so views and parameters saved
+      by several ops count once). Run forward (and backward) inside the block.
+    * ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated`` over the block (its stats are reset
+      at entry) when CUDA is available; ``cuda_start_bytes`` what was allocated at entry.
+    * ``peak_rss_bytes``: the process's peak RSS. On Linux the high-water mark is reset at entry
+      (``rss_scope == "block"``, ``peak_rss_delta_bytes`` = what the block added above the RSS at
+      entry); nested blocks do not reset it again. Elsewhere the process lifetime peak.
+    """
+    prof = MemoryProfile(rank=_dist_rank())
+    seen: set = set()
 
     def pack(t: torch.Tensor):
-        try:
-            key = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            key = id(t)
+        key = _storage_key(t)
         if key not in seen:
             seen.add(key)
-            prof.saved_bytes += t.untyped_storage().nbytes() if t.layout == torch.strided else t.numel() * t.element_size()
+            prof.saved_tensors += 1
+            prof.saved_bytes += _nbytes(t)
             prof.peak_saved_bytes = max(prof.peak_saved_bytes, prof.saved_bytes)
         return t
 
+    depth = getattr(_MEMORY_DEPTH, "n", 0)
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if depth == 0:
+            torch.cuda.reset_peak_memory_stats(cuda_device)
+        prof.cuda_start_bytes = torch.cuda.memory_allocated(cuda_device)
+    prof.rss_start_bytes = current_rss_bytes()
+    if depth == 0 and reset_peak_rss():
+        prof.rss_scope = "block"
+    _MEMORY_DEPTH.n = depth + 1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield prof
+    finally:
+        _MEMORY_DEPTH.n = depth
+        if cuda:
+            prof.cuda_peak_bytes = torch.cuda.max_memory_allocated(cuda_device)
+        prof.peak_rss_bytes = peak_rss_bytes()
+
+
+def gather_profiles(prof, group=None) -> list:
+    """``[profile of rank 0, rank 1, ...]`` of ``group`` (all_gather_object; a world of one or no
+    initialised process group returns ``[prof]``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [prof]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, prof, group=group)
+    return out
+
+
+def memory_table(profiles: Iterable[MemoryProfile], title: str | None = None) -> str:
+    """Per-rank table of saved-for-backward bytes, peak RSS (and its rise over the block), CUDA peak."""
+    profiles = list(profiles)
+    cuda = any(p.cuda_peak_bytes is not None for p in profiles)
+    header = f"{'rank':>4} {'saved for bwd':>14} {'tensors':>7} {'peak RSS':>11} {'RSS rise':>11}" + (
+        f" {'CUDA peak':>11} {'CUDA rise':>11}" if cuda else "")
+    lines = ([title] if title else []) + [header, "-" * len(header)]
+    for i, p in enumerate(profiles):
+        rank = p.rank if p.rank is not None else i
+        rise = p.peak_rss_delta_bytes
+        line = (f"{rank:>4} {format_bytes(p.peak_saved_bytes):>14} {p.saved_tensors:>7} "
+                f"{format_bytes(p.peak_rss_bytes):>11} {format_bytes(rise) if rise is not None else '-':>11}")
+        if cuda:
+            line += (f" {format_bytes(p.cuda_peak_bytes or 0):>11} "
+                     f"{format_bytes(p.cuda_peak_delta_bytes or 0):>11}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# any library's torch.distributed collectives
+
+
+def _phase_now() -> str:
+    try:
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    except AttributeError:  # pragma: no cover - very old torch
+        return "forward"
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _group_size(kwargs, args, pos: int) -> int:
+    import torch.distributed as dist
+
+    group = kwargs.get("group", args[pos] if len(args) > pos else None)
+    return dist.get_world_size(group)
+
+
+def _sent_bytes(name: str, args, kwargs) -> tuple[str, int]:
+    """(kind, bytes this rank sends) for one torch.distributed call, ringmaster's convention."""
+    get = lambda i, key: kwargs.get(key, args[i] if len(args) > i else None)  # noqa: E731
+    if name == "all_to_all_single":
+        P = _group_size(kwargs, args, 4)
+        inp, splits = get(1, "input"), get(3, "input_split_sizes")
+        if splits:
+            from torch.distributed import get_rank
+
+            me = get_rank(kwargs.get("group", args[4] if len(args) > 4 else None))
+            row = _tensor_bytes(inp) // max(inp.shape[0], 1)
+            return "all_to_all", row * (sum(splits) - splits[me])
+        return "all_to_all", _tensor_bytes(inp) * (P - 1) // P
+    if name == "all_to_all":
+        from torch.distributed import get_rank
+
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        inputs = get(1, "input_tensor_list")
+        me = get_rank(group)
+        return "all_to_all", sum(_tensor_bytes(t) for i, t in enumerate(inputs) if i != me)
+    if name in ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        inp = get(1, "tensor" if name == "all_gather" else "input_tensor")
+        return "all_gather", _tensor_bytes(inp) * (_group_size(kwargs, args, 2) - 1)
+    if name in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
+        out = get(0, "output")
+        return "reduce_scatter", _tensor_bytes(out) * (_group_size(kwargs, args, 3) - 1)
+    if name == "all_reduce":
+        t = get(0, "tensor")
+        P = _group_size(kwargs, args, 2)
+        return "all_reduce", 2 * _tensor_bytes(t) * (P - 1) // P  # ring all-reduce volume
+    if name == "broadcast":
+        return "broadcast", _tensor_bytes(get(0, "tensor"))
+    if name in ("scatter", "gather"):
+        from torch.distributed import get_rank
+
+        group = kwargs.get("group", args[3] if len(args) > 3 else None)
+        root = get(2, "src" if name == "scatter" else "dst")
+        me = get_rank(group)
+        if name == "gather":  # every rank but the root sends its tensor
+            return "gather", 0 if me == root else _tensor_bytes(get(0, "tensor"))
+        parts = get(1, "scatter_list") or []
+        return "scatter", sum(_tensor_bytes(t) for i, t in enumerate(parts) if i != me) if me == root else 0
+    if name == "reduce":
+        return "reduce", _tensor_bytes(get(0, "tensor"))
+    if name in ("send", "isend"):
+        return "send", _tensor_bytes(get(0, "tensor"))
+    if name in ("recv", "irecv"):
+        return "recv", 0
+    if name == "batch_isend_irecv":
+        import torch.distributed as dist
+
+        ops = get(0, "p2p_op_list") or []
+        return "p2p", sum(_tensor_bytes(op.tensor) for op in ops if op.op is dist.isend)
+    return name, 0
+
+
+_PATCHED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_single",
+            "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+            "_reduce_scatter_base", "all_reduce", "broadcast", "scatter", "gather", "reduce", "send", "recv",
+            "batch_isend_irecv")
+# isend/irecv stay unpatched: P2POp checks its op against the original functions
+
+
+@contextlib.contextmanager
+def count_collectives(tag: str = "torch.distributed", include_object_collectives: bool = False):
+    """Count bytes of every ``torch.distributed`` collective called inside the block, by anyone.
+
+    Yields a :class:`CommProfile` whose records use ringmaster's byte convention (the bytes this
+    rank sends; ``all_reduce`` counts the ring volume ``2*(P-1)/P``); the phase is ``backward``
+    while autograd runs a backward pass. Times are the calls' wall time (an async op's launch
+    only). Functional collectives (``torch.distributed._functional_collectives``, used by DTensor)
+    are not seen. Nested calls (a collective implemented with another) count once.
+    """
+    import torch.distributed as dist
+
+    prof = CommProfile(rank=_dist_rank())
+    local = threading.local()
+    originals = {}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if getattr(local, "depth", 0):
+                return fn(*args, **kwargs)
+            local.depth = 1
+            try:
+                try:
+                    kind, nbytes = _sent_bytes(name, args, kwargs)
+                except Exception:  # never let counting break the call
+                    kind, nbytes = name, 0
+                phase = _phase_now()
+                start = time.perf_counter()
+                result = fn(*args, **kwargs)
+                prof.records.append(CommRecord(kind, phase, int(nbytes), time.perf_counter() - start, tag))
+                return result
+            finally:
+                local.depth = 0
+        return wrapper
+
+    for name in _PATCHED:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            originals[name] = fn
+            setattr(dist, name, wrap(name, fn))
+    try:
         yield prof
-    if cuda:
-        prof.cuda_peak_bytes = torch.cuda.max_memory_allocated()
-    prof.peak_rss_bytes = peak_rss_bytes()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
