@@ -1,0 +1,222 @@
+"""trl: ``CPSFTTrainer``, an ``SFTTrainer`` whose model is context parallel through ringmaster.
+
+Every rank of a CP group receives the same full batch (accelerate's ``ParallelismConfig(cp_size=N)``
+replicates it over ``cp``; a single-process-per-rank launch does so too). A forward pre-hook
+(:class:`~ringmaster.ContextParallelContextManager`) shifts the labels *before* cutting
+(``shift_labels``), cuts this rank's shard and passes the batch's document structure, so padding,
+packing and padding-free batches are all exact. What this class adds to ``SFTTrainer``:
+
+- ``num_items_in_batch`` is the global supervised-token count over the accumulation window
+  divided by the CP degree (counted on the full batch, or all-reduced over the CP group when the
+  collator already cut the shard), so the mean over the CP group of each rank's loss and
+  gradients is the single-device value (the convention FSDP2/DDP averaging completes);
+- accelerate's and the Trainer's torch-native CP (SDPA only, in-place buffer sharding) are
+  replaced on these instances; packing / padding-free are allowed (ringmaster keeps documents
+  apart from the global ``position_ids``);
+- the loss is :func:`ringmaster.loss.chunked_nll` over the shard's hidden states (full-vocabulary
+  logits never exist for the whole shard) unless ``cp_loss="trl"`` keeps trl's fused head;
+- evaluation losses are reduced (mean) over the CP group, so every rank logs the true eval loss.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+try:
+    from trl import SFTTrainer
+except ImportError as exc:  # pragma: no cover - trl is an optional extra
+    raise ImportError("ringmaster.adapters.trl needs trl: pip install 'axolotl-ringmaster[trl]'") from exc
+
+from ..shard import IGNORE_INDEX
+from .accelerate import cp_num_items_in_batch
+
+
+def _install_chunked_loss(model, chunk_size: int):
+    """Give ``model.forward`` a ``ringmaster_chunked_loss=True`` mode: backbone + :func:`chunked_nll`.
+
+    Per instance (like trl's fused head). The call still goes through the top module, so FSDP2's
+    root hooks gather the embedding/head and ringmaster's pre-hook shards the batch.
+    Returns ``restore()``.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from ..loss import chunked_nll
+
+    had = "forward" in vars(model)
+    original = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(*args, ringmaster_chunked_loss: bool = False, **kwargs):
+        if not ringmaster_chunked_loss:
+            return original(*args, **kwargs)
+        labels = kwargs.pop("labels", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("fused_lm_head", None)
+        kwargs.pop("logits_to_keep", None)
+        kwargs["use_cache"] = False
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("ringmaster_chunked_loss needs labels or shift_labels")
+            from ..shard import shift_labels as _shift
+
+            shift_labels = _shift(labels)
+        backbone = getattr(model, model.base_model_prefix, None) or model.get_decoder()
+        hidden = backbone(*args, **kwargs).last_hidden_state
+        head = model.get_output_embeddings()
+        weight = head.weight
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor
+            weight = weight.full_tensor()
+        if num_items is None:
+            num_items = shift_labels.ne(IGNORE_INDEX).sum().clamp_min(1)
+        loss = chunked_nll(hidden, weight, shift_labels, num_items, chunk_size=chunk_size)
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = forward
+
+    def restore():
+        if had:
+            model.forward = original
+        else:
+            del model.forward
+
+    return restore
+
+
+class _PackingCheckView:
+    """While SFTTrainer.__init__ runs its "packing is not compatible with context parallelism"
+    check, hide accelerate's ``cp_enabled`` (ringmaster keeps packed documents apart)."""
+
+    _classes: dict = {}
+
+    @classmethod
+    def hide(cls, pc):
+        base = type(pc)
+        sub = cls._classes.get(base)
+        if sub is None:
+            sub = type(f"RingmasterOwned{base.__name__}", (base,), {"cp_enabled": property(lambda self: False)})
+            cls._classes[base] = sub
+        pc.__class__ = sub
+        return lambda: setattr(pc, "__class__", base)
+
+
+class CPSFTTrainer(SFTTrainer):
+    """``SFTTrainer`` with ringmaster context parallelism.
+
+    Extra arguments (everything else is ``SFTTrainer``'s):
+      ringmaster_config: a :class:`~ringmaster.RingmasterConfig` (default: ``size`` from accelerate's
+          ``cp_size``, else the world size). Ignored when the model is already wired (``rm.wire``).
+      device_mesh: the mesh whose ``cp`` dim is the CP group (default: accelerate's mesh when its
+          ParallelismConfig has ``cp_size > 1``, else the whole world).
+      cp_loss: ``"chunked_nll"`` (default) or ``"trl"`` (trl's fused LM head).
+      loss_chunk_size: tokens per chunk for ``chunked_nll``.
+    """
+
+    def __init__(self, *args, ringmaster_config=None, device_mesh=None, cp_loss: str = "chunked_nll",
+                 loss_chunk_size: int = 1024, **kwargs):
+        if cp_loss not in ("chunked_nll", "trl"):
+            raise ValueError(f"cp_loss={cp_loss!r}: use 'chunked_nll' or 'trl'")
+        self._rm_restores: list = []
+        self.cp_loss = cp_loss
+        self.loss_chunk_size = loss_chunk_size
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            for restore in reversed(getattr(self, "_rm_packing_restore", [])):
+                restore()
+        self._rm_setup(ringmaster_config, device_mesh)
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        self._rm_packing_restore = []
+        if pc is not None and getattr(pc, "cp_enabled", False):
+            self._rm_packing_restore.append(_PackingCheckView.hide(pc))
+
+    def _rm_setup(self, cfg, device_mesh) -> None:
+        import ringmaster as rm
+
+        from ..shard import ContextParallelContextManager
+        from .accelerate import disable_torch_cp
+
+        model = self.accelerator.unwrap_model(self.model)
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if device_mesh is None and pc is not None and getattr(pc, "cp_enabled", False):
+            device_mesh = self.accelerator.torch_device_mesh
+        runtime = getattr(model, "_ringmaster_runtime", None)
+        if runtime is None:
+            if cfg is None:
+                size = pc.cp_size if pc is not None and pc.cp_enabled else dist.get_world_size()
+                cfg = rm.RingmasterConfig(size=size)
+            runtime = rm.wire(model, cfg, device_mesh=device_mesh)
+            self._rm_restores.append(lambda: rm.unwire(model))
+            self._rm_wired = True
+        if pc is not None and pc.cp_enabled and pc.cp_size != runtime.cp_size:
+            raise ValueError(f"accelerate cp_size={pc.cp_size} but ringmaster's CP group has {runtime.cp_size} ranks")
+        self.cp_runtime = runtime
+        self._rm_restores.append(disable_torch_cp(self.accelerator, self))
+        if self.cp_loss == "chunked_nll":
+            self._rm_restores.append(_install_chunked_loss(model, self.loss_chunk_size))
+        manager = ContextParallelContextManager([model], runtime.cp_group,
+                                                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+                                                load_balance=runtime.shard_load_balance)
+        handles = manager.install()
+        self._rm_restores.append(lambda: [h.remove() for h in handles])
+        self.cp_manager = manager
+
+    def remove_context_parallel(self) -> None:
+        """Undo the hooks, per-instance overrides and (if this trainer wired it) the wiring."""
+        wired = getattr(self, "_rm_wired", False)
+        while self._rm_restores:
+            self._rm_restores.pop()()
+        if wired:
+            import ringmaster as rm
+
+            rm.teardown()
+            self._rm_wired = False
+
+    # --- loss ----------------------------------------------------------------------------------
+
+    def _get_num_items_in_batch(self, batch_samples: list, device) -> torch.Tensor | None:
+        if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
+            return None
+        return cp_num_items_in_batch(self, batch_samples, device, self.cp_runtime.cp_group, self.cp_runtime.cp_size)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.cp_loss == "trl" or self.compute_loss_func is not None or self.label_smoother is not None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
+        # eval passes no count: the pre-hook then takes the full batch's (global tokens / P)
+        outputs = model(**inputs, ringmaster_chunked_loss=True,
+                        **({"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None else {}))
+        loss = outputs.loss
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if mode == "train":
+            ref = inputs.get("input_ids", inputs.get("position_ids"))
+            self._total_train_tokens += int(ref.shape[0] * ref.shape[-1])
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if return_outputs:
+            with torch.no_grad():
+                outputs = model(**inputs)
+            return loss, outputs
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if loss is not None:
+            loss = loss.detach().clone().float()
+            dist.all_reduce(loss, group=self.cp_runtime.cp_group)
+            loss = loss / self.cp_runtime.cp_size
+        return loss, logits, labels
+
+
+__all__ = ["CPSFTTrainer", "cp_num_items_in_batch"]
+

@@ -1,0 +1,351 @@
+"""Adapter jobs the gloo pool runs on every rank: axolotl 0.21's plugin, accelerate + FSDP2, trl.
+
+Every job compares against the same model run without CP in the same process (fp32).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import ringmaster as rm
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """An in-memory word-level tokenizer (no network): token ``t<i>`` has id i, pad id 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="t3")
+    fast.padding_side = "right"
+    return fast
+
+
+def features(lengths, vocab_size=128, seed=3, prompt=5):
+    """Rows of input_ids / attention_mask / labels (the first ``prompt`` tokens unsupervised)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(3, vocab_size, (n,), generator=g).tolist()
+        labels = list(ids)
+        labels[:prompt] = [-100] * prompt
+        rows.append({"input_ids": ids, "attention_mask": [1] * n, "labels": labels})
+    return rows
+
+
+def accelerate_mesh(ctx, cp: int):
+    """accelerate's own mesh for ParallelismConfig(dp_shard_size=W/cp, cp_size=cp) (built once per pool)."""
+    key = ("accelerate", cp)
+    if key not in ctx._meshes:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        dp = ctx.world // cp
+        pc = ParallelismConfig(dp_shard_size=dp, cp_size=cp) if dp > 1 else ParallelismConfig(cp_size=cp)
+        ctx._meshes[key] = (pc, pc.build_device_mesh("cpu"))
+    return ctx._meshes[key]
+
+
+def grads_vs(model, reference, group, P):
+    """Worst relative error of the CP-group-mean gradient against the reference, over all parameters."""
+    from ringmaster.parity import rel_err
+
+    worst, name_w, missing, flat, ref_flat = 0.0, None, [], [], []
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if p_ref.grad is None:
+            continue
+        if p.grad is None:
+            missing.append(name)
+            continue
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        err = rel_err(g / P, p_ref.grad)
+        flat.append((g / P).reshape(-1))
+        ref_flat.append(p_ref.grad.reshape(-1))
+        if err > worst:
+            worst, name_w = err, name
+    total = rel_err(torch.cat(flat), torch.cat(ref_flat)) if flat else float("nan")
+    return worst, name_w, missing, total
+
+
+def cp_mean(value, group, P):
+    t = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+    dist.all_reduce(t, group=group)
+    return (t / P).item()
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+# -- axolotl 0.21's built-in plugin ----------------------------------------------------------
+
+
+def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, overrides=None, ours=False):
+    """axolotl's ContextParallelPlugin on a HF Trainer: pre_model_load, post_trainer_create, one
+    training_step through the Trainer, post_train_unload.
+
+    On CPU accelerate refuses a ParallelismConfig (it needs FSDP2 on accelerators), so each rank
+    runs a non-distributed Accelerator and gets the ParallelismConfig and mesh accelerate builds
+    for ``dp_shard x cp`` installed on its state -- what an FSDP2 launch gives the plugin.
+    """
+    from axolotl.integrations.context_parallel.plugin import ContextParallelPlugin
+    from axolotl.utils.collators import DataCollatorForSeq2Seq
+    from axolotl.utils.dict import DictDefault
+    from transformers import Trainer, TrainingArguments
+
+    from ringmaster.parity import tiny_model
+
+    pc, mesh = accelerate_mesh(ctx, P)
+    model = tiny_model(model_type, **(overrides or {}))
+    reference = copy.deepcopy(model)
+    tok = tiny_tokenizer()
+    mbs = 2 if model_type == "llama" else 1
+    rows = features([64, 45][:mbs])
+    cfg = DictDefault({
+        "context_parallel": {"size": P, "backend": "ulysses", "shard_in_collator": shard_in_collator},
+        "model_config_type": model.config.model_type, "micro_batch_size": mbs, "gradient_accumulation_steps": 1,
+        "attn_implementation": "sdpa", "sample_packing": False,
+    })
+    if ours:  # ringmaster's own plugin: the `ringmaster:` block, rm.wire, sharding in the pre-hook
+        from ringmaster.adapters.axolotl import RingmasterArgs, RingmasterPlugin
+
+        cfg = DictDefault(RingmasterArgs.model_validate(
+            {"ringmaster": {"backend": "ulysses"}, "context_parallel_size": P}).model_dump())
+        cfg["gradient_accumulation_steps"] = 1
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=mbs, report_to=[], use_cpu=True,
+                                 average_tokens_across_devices=True, save_strategy="no")
+        collator = DataCollatorForSeq2Seq(tokenizer=tok, padding=True, pad_to_multiple_of=8)
+        reference_batch = collator([dict(r) for r in rows])
+        ref_out = reference(**reference_batch, use_cache=False)
+        ref_out.loss.backward()
+
+        plugin = RingmasterPlugin() if ours else ContextParallelPlugin()
+        plugin.pre_model_load(cfg)
+        trainer = Trainer(model=model, args=args, data_collator=collator, train_dataset=rows)
+        state = trainer.accelerator.state
+        state.parallelism_config, state.device_mesh = pc, mesh
+        try:
+            plugin.post_trainer_create(cfg, trainer)
+            runtime = plugin.runtime if ours else plugin._runtime
+            out["attn"] = model.config._attn_implementation
+            out["collator_shards"] = collator.cp_shard is not None
+            batch = trainer.data_collator([dict(r) for r in rows])
+            out["presharded"] = "_cp_shard" in batch
+            num_items = trainer._get_num_items_in_batch([batch], trainer.args.device)
+            out["num_items"] = float(num_items)
+            out["num_items_expected"] = float(reference_batch["labels"][:, 1:].ne(-100).sum()) / P
+            loss = trainer.training_step(trainer.model, batch, num_items)
+            group = runtime.cp_group
+            out["loss_cp"] = cp_mean(loss, group, P)
+            out["loss_ref"] = ref_out.loss.item()
+            out["loss_err"] = abs(out["loss_cp"] - out["loss_ref"]) / abs(out["loss_ref"])
+            out["grad_err"], out["worst_param"], out["missing"], out["grad_err_total"] = grads_vs(
+                model, reference, group, P)
+        finally:
+            plugin.post_train_unload(cfg)
+            state.parallelism_config, state.device_mesh = None, None
+            _reset_accelerate()
+        out["restored_attn"] = model.config._attn_implementation
+        out["hooks_left"] = len(model._forward_pre_hooks)
+        out["collator_restored"] = collator.cp_shard is None
+        out["trainer_restored"] = "_get_num_items_in_batch" not in vars(trainer)
+        out["runtime_dropped"] = rm.runtime.active(required=False) is None
+        with torch.no_grad():  # the unloaded model is the plain model again
+            again = model(**reference_batch, use_cache=False).logits
+            out["unload_logits_err"] = (again - reference(**reference_batch, use_cache=False).logits).abs().max().item()
+    return out
+
+
+# -- accelerate ParallelismConfig + FSDP2 ----------------------------------------------------
+
+
+def fsdp2_dp_cp(ctx, model_type="llama", attn="sdpa", overrides=None, cfg_kwargs=None, seq_len=64):
+    """dp_shard=2 x cp=2 from accelerate's ParallelismConfig, fully_shard over dp_shard_cp: two
+    different batches (one per dp group); the FSDP2 gradient must equal the mean of the two
+    single-device gradients, and each dp group's CP-mean loss its batch's loss."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ringmaster.adapters.accelerate import setup_from_parallelism_config, teardown
+    from ringmaster.parity import rel_err, tiny_batch, tiny_model
+
+    pc, mesh = accelerate_mesh(ctx, 2)
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    model = tiny_model(model_type, attn, **(overrides or {}))
+    reference = copy.deepcopy(model)
+    batches = [tiny_batch(model.config.vocab_size, seq_len, seed=11 + d) for d in range(2)]
+    ref_losses = []
+    for b in batches:
+        out = reference(**b, use_cache=False)
+        (out.loss / 2).backward()
+        ref_losses.append(out.loss.item())
+
+    cfg = rm.RingmasterConfig(size=2, backend="ulysses", **(cfg_kwargs or {}))
+    runtime = setup_from_parallelism_config(pc, model, cfg)
+    try:
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh["dp_shard_cp"])
+        fully_shard(model, mesh=mesh["dp_shard_cp"])
+        out = model(**batches[dp_rank])  # full batch in; the pre-hook cuts this rank's shard
+        out.loss.backward()
+        loss = cp_mean(out.loss.detach(), runtime.cp_group, 2)
+        worst, worst_name, sharded, flat, ref_flat = 0.0, None, 0, [], []
+        for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+            g = p.grad
+            if hasattr(g, "full_tensor"):
+                sharded += 1
+                g = g.full_tensor()
+            flat.append(g.reshape(-1))
+            ref_flat.append(p_ref.grad.reshape(-1))
+            err = rel_err(g, p_ref.grad)
+            if err > worst:
+                worst, worst_name = err, name
+    finally:
+        teardown(runtime)
+    return {"loss_err": abs(loss - ref_losses[dp_rank]) / ref_losses[dp_rank], "grad_err": worst,
+            "grad_err_total": rel_err(torch.cat(flat), torch.cat(ref_flat)),
+            "worst_param": worst_name, "sharded_grads": sharded, "recurrent": len(runtime.report.recurrent),
+            "dims": tuple(mesh.mesh_dim_names)}
+
+
+def accelerate_overrides_are_per_instance(ctx):
+    """setup_from_parallelism_config on an Accelerator replaces its CP hooks on that instance only."""
+    from accelerate import Accelerator
+
+    from ringmaster.adapters.accelerate import disable_torch_cp
+
+    try:
+        a, b = Accelerator(cpu=True), Accelerator(cpu=True)
+        cls_prepare = Accelerator._prepare_cp
+        restore = disable_torch_cp(a)
+        args = a._prepare_cp("x", "y")
+        with a._cp_context(buffers=[torch.zeros(2)], buffer_seq_dims=[0]):
+            pass
+        out = {"passthrough": args == ("x", "y"), "class_untouched": Accelerator._prepare_cp is cls_prepare,
+               "other_untouched": "_prepare_cp" not in vars(b)}
+        restore()
+        out["restored"] = "_prepare_cp" not in vars(a)
+    finally:
+        _reset_accelerate()
+    return out
+
+
+# -- trl ---------------------------------------------------------------------------------------
+
+
+def sft_steps(ctx, P, model_type="llama", cp_loss="chunked_nll", steps=3, packing=False, overrides=None):
+    """CPSFTTrainer at cp=P for ``steps`` SGD steps against SFTTrainer without CP: per-step losses and
+    final weights. Gradients are averaged over the CP group after each backward, as DDP/FSDP2 over
+    the cp dim would."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from ringmaster.adapters.trl import CPSFTTrainer
+    from ringmaster.parity import rel_err, tiny_model
+
+    mesh = ctx.mesh(P)
+    group = mesh["cp"].get_group()
+    tok = tiny_tokenizer()
+    rows = features([64, 40, 56, 64, 48, 64], seed=5)
+    data = Dataset.from_list([{"input_ids": r["input_ids"], "completion_mask": [0] * 5 + [1] * (len(r["input_ids"]) - 5)}
+                              for r in rows])
+
+    def run(cp: bool, tmp):
+        model = tiny_model(model_type, **(overrides or {}))
+        kw = dict(output_dir=tmp, per_device_train_batch_size=2, max_steps=steps, learning_rate=0.5, optim="sgd",
+                  lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, report_to=[],
+                  use_cpu=True, logging_steps=1, save_strategy="no", seed=0, data_seed=0, dataloader_drop_last=True,
+                  max_length=None, pad_to_multiple_of=8 * P, dataset_num_proc=None, packing=packing,
+                  padding_free=packing, completion_only_loss=True, average_tokens_across_devices=True,
+                  remove_unused_columns=True, gradient_checkpointing=True, bf16=False)
+        if packing:
+            kw.update(max_length=128, pad_to_multiple_of=None, per_device_train_batch_size=1, packing_strategy="bfd")
+        args = SFTConfig(**kw)
+        losses = []
+        if cp:
+            trainer = CPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                                   ringmaster_config=rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=mesh,
+                                   cp_loss=cp_loss)
+        else:
+            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        original = trainer.training_step
+
+        def training_step(*a, **k):
+            loss = original(*a, **k)
+            if cp:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=group)
+                        p.grad /= P
+                loss = torch.tensor(cp_mean(loss, group, P))
+            losses.append(loss.item())
+            return loss
+
+        trainer.training_step = training_step
+        trainer.train()
+        if cp:
+            trainer.remove_context_parallel()
+        _reset_accelerate()
+        return model, losses
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_model, ref_losses = run(False, os.path.join(tmp, "ref"))
+        model, losses = run(True, os.path.join(tmp, "cp"))
+    errs = {n: rel_err(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters())}
+    weight_err = max(errs.values())
+    moved = max(rel_err(p, q) for p, q in zip(ref_model.parameters(), tiny_model(model_type, **(overrides or {})).parameters()))
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"losses": losses, "ref_losses": ref_losses, "loss_err": loss_err, "weight_err": weight_err,
+            "worst_param": max(errs, key=errs.get),
+            "weights_moved": moved, "restored": rm.runtime.active(required=False) is None
+            and model.config._attn_implementation == "sdpa"}
+
+
+def sft_eval_loss(ctx, P):
+    """CPSFTTrainer.evaluate(): the eval loss is reduced over the CP group and equals the non-CP one."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from ringmaster.adapters.trl import CPSFTTrainer
+    from ringmaster.parity import tiny_model
+
+    mesh = ctx.mesh(P)
+    tok = tiny_tokenizer()
+    rows = features([64, 40, 56, 64], seed=9)
+    data = Dataset.from_list([{"input_ids": r["input_ids"]} for r in rows])
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cp in (False, True):
+            args = SFTConfig(output_dir=tmp, per_device_eval_batch_size=2, report_to=[], use_cpu=True,
+                             pad_to_multiple_of=8 * P, save_strategy="no", max_length=None, bf16=False)
+            model = tiny_model("llama")
+            if cp:
+                trainer = CPSFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                                       processing_class=tok,
+                                       ringmaster_config=rm.RingmasterConfig(size=P, backend="ulysses"),
+                                       device_mesh=mesh)
+            else:
+                trainer = SFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tok)
+            out["cp" if cp else "ref"] = trainer.evaluate()["eval_loss"]
+            if cp:
+                trainer.remove_context_parallel()
+            _reset_accelerate()
+    out["err"] = abs(out["cp"] - out["ref"]) / abs(out["ref"])
+    return out
+
+
