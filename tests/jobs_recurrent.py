@@ -257,19 +257,229 @@ def wire_unwire_roundtrip(ctx, model_type):
     return {"wired": wired, "report": report, "left": left, "same": bool(torch.equal(before, after))}
 
 
-def packed_hybrid_refused(ctx, P):
-    """Packed rows through recurrent layers are refused (until state resets at document starts land)."""
-    import ringmaster as rm
-    from jobs import error_of
+# --------------------------------------------------------------------------- packed rows (document resets)
+
+# L=24: doc 1 covers tokens 2..17 (shards 0-2 at P=4), doc 2 starts on the P=4 edge 18; the second row
+# has a document start on the edge 12 (P=2 and P=4) followed by two 1-token documents (padding-like).
+# EDGE_ROW: every document starts on a chunk edge (P=2/4, contiguous and head_tail), so the incoming
+# state is ignored by the whole chunk: the receive / all-gather must still join the backward.
+PACKED_ROWS = ([2, 16, 6], [12, 1, 1, 10])
+EDGE_ROW = ([12, 6, 6],)
+
+
+def packed_doc_ids(rows=PACKED_ROWS) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def document_reference(kind, inputs, docs, chunk_size=5):
+    """Every document of every row run alone from a zero state (naive float64 kernels)."""
+    rows = []
+    for r in range(docs.shape[0]):
+        row = {k: (v[r:r + 1] if k in SEQ_KEYS[kind] else v) for k, v in inputs.items()}
+        outs = []
+        for d in docs[r].unique().tolist():
+            idx = (docs[r] == d).nonzero().flatten()
+            outs.append(segment(kind, "ref", row, slice(int(idx[0]), int(idx[-1]) + 1), chunk_size).run(None)[0])
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def packed_function_level(ctx, P, layout, strategy, l=24, chunk_size=5):
+    errs = {}
+    for name, rows in (("rows", PACKED_ROWS), ("edges", EDGE_ROW)):
+        errs.update({f"{name}_{k}": v for k, v in _packed_function_level(ctx, P, layout, strategy, rows, l,
+                                                                         chunk_size).items()})
+    return errs
+
+
+def _packed_function_level(ctx, P, layout, strategy, rows, l=24, chunk_size=5):
+    """``pass_state`` over DocumentSegments (built by the same helpers the wired layers use) and
+    ``cp_causal_conv1d`` with document ids, real collectives, vs each document alone: outputs and
+    every input gradient."""
+    import torch.distributed as dist
+
+    from ringmaster import balancers
+    from ringmaster.documents import CPBatch
+    from ringmaster.strategies import naive
+    from ringmaster.strategies.conv import cp_causal_conv1d
+    from ringmaster.strategies.state_passing import chunk_ids, local_documents, pass_state, with_documents
+
+    group = ctx.mesh(P)["cp"].get_group()
+    rank = dist.get_rank(group)
+    docs = packed_doc_ids(rows)
+    B = docs.shape[0]
+    batch = CPBatch(rank, P, layout, l, docs)
+    pos = balancers.shard_positions(l, P, rank, layout)
+    n = len(chunk_ids(layout, P, rank))
+    m = len(pos) // n
+    errs = {}
+    for kind, make in (("mamba2", mamba_inputs), ("gated_deltanet", gdn_inputs)):
+        base = make(b=B, l=l)
+        ref_in = leaves(base)
+        y_ref = document_reference(kind, ref_in, docs, chunk_size)
+        W = torch.randn(y_ref.shape, generator=_gen(5), dtype=y_ref.dtype)
+        (y_ref * W).sum().backward()
+        local = {k: (v[:, pos] if k in SEQ_KEYS[kind] else v).detach().clone().requires_grad_(True)
+                 for k, v in base.items()}
+        segs = [segment(kind, "ref", local, slice(j * m, (j + 1) * m), chunk_size) for j in range(n)]
+        segs = with_documents(segs, local_documents(batch, kind, P, rank, layout, (B, len(pos)), n))
+        y = torch.cat([o[0] if isinstance(o, tuple) else o for o in pass_state(segs, strategy, group, layout)], 1)
+        (y * W[:, pos]).sum().backward()
+        errs[f"{kind}_out"] = rel(y, y_ref[:, pos])
+        for k, v in local.items():
+            g = v.grad.detach().clone()
+            if k not in SEQ_KEYS[kind]:
+                dist.all_reduce(g, group=group)
+                errs[f"{kind}_grad_{k}"] = rel(g, ref_in[k].grad)
+            else:
+                errs[f"{kind}_grad_{k}"] = rel(g, ref_in[k].grad[:, pos])
+    # the conv: no tap crosses a document start, halos across ranks included
+    base = conv_inputs(b=B, l=l)
+    ref = leaves(base)
+    rows = []
+    for r in range(B):   # documents are contiguous and in order along the row
+        rows.append(torch.cat([naive.causal_conv1d(ref["x"][r:r + 1, :, docs[r] == d], ref["weight"], ref["bias"],
+                                                   "silu") for d in docs[r].unique().tolist()], dim=-1))
+    y_ref = torch.cat(rows, dim=0)
+    W = torch.randn(y_ref.shape, generator=_gen(3), dtype=y_ref.dtype)
+    (y_ref * W).sum().backward()
+    loc = leaves(base)
+    y = cp_causal_conv1d(naive.causal_conv1d_ref, loc["x"][:, :, pos], loc["weight"], loc["bias"], "silu",
+                         group=group, layout=layout, docs=docs)
+    (y * W[:, :, pos]).sum().backward()
+    errs["conv_out"] = rel(y, y_ref[:, :, pos])
+    for k in ("x", "weight", "bias"):
+        g = loc[k].grad.clone()
+        dist.all_reduce(g, group=group)
+        errs[f"conv_grad_{k}"] = rel(g, ref[k].grad)
+    return errs
+
+
+def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14),
+                         strip_kwarg=False):
+    """A packed row through a hybrid model under CP vs every document run alone (token-weighted).
+
+    ``strip_kwarg``: the mixers are called without the ``ringmaster_batch`` kwarg (a pre-hook on each
+    mixer drops it), as a decoder layer that does not forward its kwargs would; the document ids must
+    then come from the pre-hook ringmaster puts on the enclosing decoder layer."""
+    from ringmaster.documents import BATCH_KWARG
+    from ringmaster.parity import compare, packed_batch, per_document_forward
+
+    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
+
+    def batch(m):
+        return packed_batch(m.config.vocab_size, list(doc_lens))
+
+    def strip(module, args, kwargs):
+        return args, {k: v for k, v in kwargs.items() if k != BATCH_KWARG}
+
+    def prepare(model):
+        slow_decay(model)
+        if strip_kwarg:
+            for module in model.modules():
+                if "A_log" in module._parameters:
+                    module.register_forward_pre_hook(strip, with_kwargs=True)
+
+    return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=prepare, batch=batch,
+                   reference_forward=per_document_forward)
+
+
+def packed_hybrid_without_resets(ctx, model_type, P, doc_lens, strategy="scan"):
+    """Negative control: the same packed comparison with the recurrent layers' document resets switched
+    off (state and conv halo flow across document starts; attention stays packed-exact)."""
+    from ringmaster.strategies import linear_attn, mamba
+
+    saved = [(mod, name, getattr(mod, name)) for mod in (mamba, linear_attn)
+             for name in ("with_documents", "conv_documents")]
+    mamba.with_documents = linear_attn.with_documents = lambda segments, docs: list(segments)
+    mamba.conv_documents = linear_attn.conv_documents = lambda *args: None
+    try:
+        return packed_hybrid_parity(ctx, model_type, P, strategy, "ulysses", None, doc_lens)
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+def packed_hybrid_isolation(ctx, model_type, P, doc_lens, backend="ulysses", cfg_kwargs=None, strategy="scan"):
+    """Change every token of document 0: the other documents' CP logits stay bit-identical."""
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.parity import packed_batch, tiny_model
 
-    model = tiny_model("qwen3_5_text")
-    rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+    model = tiny_model(model_type)
+    slow_decay(model)
+    model.eval()
+    vocab = model.config.vocab_size
+    rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {})),
+            device_mesh=ctx.mesh(P))
     try:
-        def go():
-            with context_parallel_region(packed_batch(model.config.vocab_size, [20, 44])) as shard:
-                model(**shard)
-        return error_of(go)
+        logits = []
+        for shift in (0, 17):
+            batch = packed_batch(vocab, list(doc_lens))
+            batch["input_ids"][:, :doc_lens[0]] = (batch["input_ids"][:, :doc_lens[0]] + shift) % vocab
+            with torch.no_grad(), context_parallel_region(batch) as shard:
+                logits.append(rm.gather_sequence(model(**shard).logits, dim=1))
     finally:
         rm.unwire(model)
+        rm.teardown()
+    first = doc_lens[0]
+    return {"others_identical": bool(torch.equal(logits[0][:, first:], logits[1][:, first:])),
+            "doc0_changed": not torch.equal(logits[0][:, :first], logits[1][:, :first])}
+
+
+def padded_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, S=64, left=7, real=41):
+    """B=2 through a hybrid model: row 0 one full document, row 1 left- and right-padded (attention_mask
+    zeros). Padding tokens are documents of their own: no state or conv tap reaches the first real token
+    after the left padding. Real tokens match each row run alone; padding is never counted."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.parity import rel_err, tiny_model
+    from ringmaster.shard import global_num_items, shift_labels
+
+    model = tiny_model(model_type)
+    slow_decay(model)
+    reference = copy.deepcopy(model)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, :left] = 0
+    mask[1, left + real:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[1, left] = -100   # a document's first token is not a target (the padding before it predicts nothing)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    total = global_num_items(batch)
+    ref_loss, ref_logits = 0.0, []
+    for row, (a, b) in ((0, (0, S)), (1, (left, left + real))):
+        lab = labels[row:row + 1, a:b]
+        out = reference(input_ids=ids[row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
+                        position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
+        ref_loss = ref_loss + out.loss
+        ref_logits.append(out.logits)
+    ref_loss.backward()
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {})),
+                      device_mesh=ctx.mesh(P))
+    try:
+        with context_parallel_region(batch) as shard:
+            out = model(**shard)
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=runtime.cp_group)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1)
+        cp_flat, ref_flat = [], []
+        for p, p_ref in zip(model.parameters(), reference.parameters()):
+            gp = p.grad.clone()
+            dist.all_reduce(gp, group=runtime.cp_group)
+            cp_flat.append((gp / P).reshape(-1))
+            ref_flat.append(p_ref.grad.reshape(-1))
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return {"loss_err": rel_err(loss / P, ref_loss.detach()),
+            "logits_err": max(rel_err(logits[0:1], ref_logits[0]),
+                              rel_err(logits[1:2, left:left + real], ref_logits[1])),
+            "grad_err_total": rel_err(torch.cat(cp_flat), torch.cat(ref_flat)),
+            "nan": bool(torch.isnan(logits).any())}

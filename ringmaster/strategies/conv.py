@@ -81,14 +81,74 @@ def conv_with_halo(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, weight
     return out[..., width:]
 
 
+def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, docs: torch.Tensor, start: int,
+                        weight: torch.Tensor, bias=None, activation=None, **kwargs) -> torch.Tensor:
+    """The model's own causal conv on one chunk ``x [b, c, m]`` (global positions ``[start, start+m)``)
+    of a packed row: no tap reaches across a document start, as if every document ran alone.
+
+    ``docs [b, S]``: global document ids. The halo keeps only the inputs of the document the chunk
+    starts in; inside the chunk ``width`` zero columns are inserted before every document start,
+    so one kernel call on ``[halo | x with gaps]`` computes every output (read back at the real
+    positions): a masked conv with any kernel, ``causal-conv1d``'s included, no ``seq_idx`` needed."""
+    width = halo.shape[-1]
+    b, ch, m = x.shape
+    d = docs[:, start:start + m].to(x.device)
+    hpos = torch.arange(start - width, start, device=x.device)
+    hdoc = docs.to(x.device)[:, hpos.clamp(min=0)]
+    keep = (hdoc == d[:, :1]) & (hpos >= 0)                               # [b, width]
+    halo = halo.to(x.dtype) * keep[:, None, :].to(x.dtype)
+    starts = torch.cat([d.new_zeros(b, 1), (d[:, 1:] != d[:, :-1]).long().cumsum(-1)], dim=-1)   # [b, m]
+    gaps = int(starts[:, -1].max())
+    if gaps == 0:
+        return conv_with_halo(kernel, x, halo, weight, bias, activation, **kwargs)
+    pos = (width + torch.arange(m, device=x.device) + width * starts)[:, None, :].expand(b, ch, m)
+    ext = torch.cat([halo, x.new_zeros(b, ch, m + width * gaps)], dim=-1)
+    ext = ext.scatter(-1, pos, x)
+    out = kernel(ext, weight, bias, activation=activation, **kwargs)
+    return out.gather(-1, pos)
+
+
+def conv_documents(batch, path: str, size: int, x: torch.Tensor) -> torch.Tensor | None:
+    """The global document ids ``[b, S]`` of a packed/padded batch for a conv over ``x [b, c, S/size]``,
+    or None when every row is one document."""
+    docs = getattr(batch, "doc_ids", None) if batch is not None else None
+    if docs is None:
+        return None
+    b, _, local_len = x.shape
+    if getattr(batch, "size", size) != size or docs.shape[-1] != local_len * size:
+        raise RuntimeError(
+            f"{path}: the batch's document ids describe {docs.shape[-1]} tokens over CP size "
+            f"{getattr(batch, 'size', '?')}, but this layer holds {local_len} tokens of a CP group of size {size}; "
+            "pass the batch through context_parallel_region / ContextParallelContextManager once per forward")
+    if docs.shape[0] != b:
+        if docs.shape[0] != 1:
+            raise RuntimeError(f"{path}: document ids for {docs.shape[0]} rows, the layer got {b}")
+        docs = docs.expand(b, -1)
+    return docs
+
+
 def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, *,
-                     group, layout: str, lengths: Sequence[int] | None = None, **kwargs) -> torch.Tensor:
-    """``causal_conv1d_fn`` for a CP shard ``x [b, c, l]`` (``weight [c, k]``), exact across ranks."""
+                     group, layout: str, lengths: Sequence[int] | None = None, docs: torch.Tensor | None = None,
+                     **kwargs) -> torch.Tensor:
+    """``causal_conv1d_fn`` for a CP shard ``x [b, c, l]`` (``weight [c, k]``), exact across ranks.
+
+    ``docs [b, S]`` (global document ids of a packed or padded batch): no tap crosses a document
+    start (see :func:`conv_with_documents`); works at CP size 1 too."""
     width = weight.shape[-1] - 1
-    if group is None or dist.get_world_size(group) == 1 or width == 0:
+    P = 1 if group is None else dist.get_world_size(group)
+    if width == 0 or (docs is None and P == 1):
         return kernel(x, weight, bias, activation=activation, **kwargs)
-    n = len(chunk_ids(layout, dist.get_world_size(group), dist.get_rank(group)))
-    chunks = split_local(x, n, dim=-1)
+    if P == 1:
+        halo = x.new_zeros(*x.shape[:-1], width)
+        return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, **kwargs)
+    rank = dist.get_rank(group)
+    ids = chunk_ids(layout, P, rank)
+    chunks = split_local(x, len(ids), dim=-1)
     halos = exchange_halos(chunks, width, group, layout, lengths)
-    outs = [conv_with_halo(kernel, c, h, weight, bias, activation, **kwargs) for c, h in zip(chunks, halos)]
+    if docs is None:
+        outs = [conv_with_halo(kernel, c, h, weight, bias, activation, **kwargs) for c, h in zip(chunks, halos)]
+    else:
+        sizes = list(lengths) if lengths is not None else [chunks[0].shape[-1]] * (P * len(ids))
+        outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, **kwargs)
+                for i, c, h in zip(ids, chunks, halos)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

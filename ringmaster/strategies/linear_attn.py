@@ -15,6 +15,10 @@ initial state ``[0 | I]`` returns
 so ``scan`` needs no second kernel call: ``y_t = y0_t + S_inᵀ w_t`` once the prefix ``S_in``
 is known (all-gathered maps, composed in fp32). ``sequential`` runs the kernel with
 ``initial_state=S_in`` and passes the final state on.
+
+Packed or padded rows: conv taps and the recurrence never cross a document start (global
+document ids from the ``ringmaster_batch`` kwarg; :class:`~ringmaster.strategies.state_passing.
+DocumentSegment` cuts each chunk at its starts, and a chunk with a start maps with ``A = 0``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from .conv import cp_causal_conv1d
-from .state_passing import LayerContext, call_guard, check_call_kwargs, hi, state_dtype, chunk_ids, pass_state, rebind_forward, split_local
+import torch.distributed as dist
+
+from .conv import conv_documents, cp_causal_conv1d
+from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, hi, local_documents, pass_state,
+                            rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
 
 REQUIRED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
@@ -72,23 +79,42 @@ class GatedDeltaSegment:
     def run(self, state_in):
         return self._call(self.v, state_in)
 
+    def sub(self, rows, start, stop):
+        """The same rule over batch ``rows`` (None: all) and tokens ``[start, stop)``."""
+        def cut(t):
+            t = t[:, start:stop]
+            return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
+        return GatedDeltaSegment(self.kernel, cut(self.q), cut(self.k), cut(self.v), cut(self.g), cut(self.beta),
+                                 self.kwargs)
+
+    def state_map(self, final):
+        """The packed map of a chunk the incoming state cannot cross (a document starts in it):
+        ``[b | A] = [final | 0]``."""
+        final = hi(final)
+        return torch.cat([final, final.new_zeros(*final.shape[:-1], final.shape[-2])], dim=-1)
+
 
 def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, value, g, beta,
                               initial_state=None, output_final_state=False, **kwargs):
     """``chunk_gated_delta_rule`` for this rank's shard, with the earlier shards' state passed in."""
     group, size, layout, strategy = ctx.resolve()
-    if size == 1:
+    batch = take_batch(kwargs, ctx)
+    packed = getattr(batch, "doc_ids", None) is not None
+    if size == 1 and not packed:
         return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
                       output_final_state=output_final_state, **kwargs)
     check_call_kwargs(ctx.path, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens",)}
     if initial_state is not None or output_final_state:
-        raise RuntimeError(f"{ctx.path}: a cache (initial/final recurrent state) is not supported under CP; "
-                           "run the model with use_cache=False")
-    n = len(chunk_ids(layout, size, 0))
+        raise RuntimeError(f"{ctx.path}: a cache (initial/final recurrent state) is not supported under CP or "
+                           "with packed rows; run the model with use_cache=False")
+    n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
+    rank = dist.get_rank(group) if size > 1 else 0
+    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
-    segments = [GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)]
-    outs = [o[0] if isinstance(o, tuple) else o for o in pass_state(segments, strategy, group, layout)]
+    segments = with_documents([GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)], docs)
+    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
 
 
@@ -98,10 +124,12 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
 
     def conv(x, weight, bias=None, activation=None, **kwargs):
         group, size, layout, _ = ctx.resolve()
+        batch = take_batch(kwargs, ctx)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)
         return cp_causal_conv1d(namespace["causal_conv1d_fn"], x, weight, bias, activation,
-                                group=group if size > 1 else None, layout=layout, **kwargs)
+                                group=group if size > 1 else None, layout=layout,
+                                docs=conv_documents(batch, ctx.path, size, x), **kwargs)
 
     def rule(*args, **kwargs):
         return cp_chunk_gated_delta_rule(namespace["torch_chunk_gated_delta_rule"], ctx, *args, **kwargs)

@@ -12,6 +12,11 @@ forward in which those names resolve to CP-aware versions (nothing global is pat
   ``b`` the final state from zero; ``scan`` all-gathers the maps and adds the closed-form
   correction ``y_t += exp(Σ_{s<=t} A·dt_s) · C_t · S_in``; ``sequential`` reruns the kernel
   with ``initial_states=S_in``. Both in fp32, decays multiplied, never divided.
+
+Packed or padded rows (the ``ringmaster_batch`` kwarg carries global document ids): the conv
+masks every tap that crosses a document start and each shard chunk is cut at its document
+starts (:class:`~ringmaster.strategies.state_passing.DocumentSegment`: a chunk with a start
+has decay 0 in its map), so state never flows from one document into the next, at any CP size.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from .conv import cp_causal_conv1d
+from .conv import conv_documents, cp_causal_conv1d
 from .naive import mamba2_dt
-from .state_passing import LayerContext, call_guard, check_call_kwargs, hi, state_dtype, chunk_ids, pass_state, rebind_forward, split_local
+from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, hi, local_documents, pass_state,
+                            rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
 
 REQUIRED = ("causal_conv1d_fn", "mamba2_chunk_scan")
 FUSED = "mamba2_split_conv1d_scan_combined"
@@ -75,25 +82,43 @@ class Mamba2Segment:
     def run(self, state_in):
         return self._call(state_in)
 
+    def sub(self, rows, start, stop):
+        """The same scan over batch ``rows`` (None: all) and tokens ``[start, stop)``."""
+        def cut(t):
+            t = t[:, start:stop]
+            return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
+        return Mamba2Segment(self.kernel, cut(self.x), cut(self.dt), self.A, cut(self.B), cut(self.C),
+                             self.chunk_size, self.D, self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
+
+    def state_map(self, final):
+        """The packed map of a chunk the incoming state cannot cross (a document starts in it):
+        decay 0, ``b = final``."""
+        final = hi(final)
+        return torch.cat([final.flatten(2), final.new_zeros(*final.shape[:2], 1)], dim=-1)
+
 
 def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A, B, C, chunk_size, D=None,
                          dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                          return_final_states=False, **kwargs):
     """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in."""
     group, size, layout, strategy = ctx.resolve()
-    if size == 1:
+    batch = take_batch(kwargs, ctx)
+    packed = getattr(batch, "doc_ids", None) is not None
+    if size == 1 and not packed:
         return kernel(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
                       dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, **kwargs)
     check_call_kwargs(ctx.path, kwargs)
     if initial_states is not None or return_final_states:
-        raise RuntimeError(f"{ctx.path}: a cache (initial/final SSM state) is not supported under CP; "
-                           "run the model with use_cache=False")
+        raise RuntimeError(f"{ctx.path}: a cache (initial/final SSM state) is not supported under CP or with "
+                           "packed rows; run the model with use_cache=False")
     kwargs.pop("z", None)  # the mixers gate outside the scan (z=None)
-    n = len(chunk_ids(layout, size, 0))
+    n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
+    rank = dist.get_rank(group) if size > 1 else 0
+    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
-    segments = [Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
-                for x, d, b, c in zip(*parts)]
-    outs = pass_state(segments, strategy, group, layout)
+    segments = with_documents([Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit,
+                                             kwargs) for x, d, b, c in zip(*parts)], docs)
+    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
 
@@ -102,8 +127,9 @@ def _route_around_fused(ctx: LayerContext, namespace: dict):
     """The fused conv+scan kernel takes no incoming state: under CP return None (what the torch
     fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
     def call(*args, **kwargs):
-        if ctx.resolve()[1] > 1:
-            return None
+        batch = take_batch(kwargs, ctx)
+        if ctx.resolve()[1] > 1 or getattr(batch, "doc_ids", None) is not None:
+            return None   # under CP, or a packed row: the unfused path resets at document starts
         return namespace[FUSED](*args, **kwargs)
     return call
 
@@ -130,10 +156,11 @@ def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
     def conv(x, weight, bias=None, activation=None, **kwargs):
         group, size, layout, _ = ctx.resolve()
         kernel = _live(namespace, "causal_conv1d_fn")
+        batch = take_batch(kwargs, ctx)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)
         return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, **kwargs)
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
 
     def scan(*args, **kwargs):
         return cp_mamba2_chunk_scan(_live(namespace, "mamba2_chunk_scan"), ctx, *args, **kwargs)
