@@ -118,19 +118,24 @@ def packed_parity(ctx, P, doc_lens, backend="ulysses", cfg_kwargs=None, model_ty
                    reference_forward=per_document_forward, **overrides)
 
 
-def document_isolation(ctx, P, doc_lens, backend, cfg_kwargs=None):
+def document_isolation(ctx, P, doc_lens, backend, cfg_kwargs=None, model_type="llama", prepare=None, **overrides):
     """Change every token of document 0: the other documents' CP logits must stay bit-identical."""
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.parity import packed_batch, tiny_model
 
-    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    if model_type == "llama" and not overrides:
+        overrides = dict(num_attention_heads=8, num_key_value_heads=2)
+    model = tiny_model(model_type, **overrides)
+    if prepare is not None:
+        prepare(model)
     model.eval()
+    vocab = model.config.vocab_size
     rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {})), device_mesh=ctx.mesh(P))
     try:
         logits = []
         for shift in (0, 17):
-            batch = packed_batch(128, doc_lens)
-            batch["input_ids"][:, :doc_lens[0]] = (batch["input_ids"][:, :doc_lens[0]] + shift) % 128
+            batch = packed_batch(vocab, list(doc_lens))
+            batch["input_ids"][:, :doc_lens[0]] = (batch["input_ids"][:, :doc_lens[0]] + shift) % vocab
             with torch.no_grad(), context_parallel_region(batch) as shard:
                 logits.append(rm.gather_sequence(model(**shard).logits, dim=1))
     finally:

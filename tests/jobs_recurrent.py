@@ -402,28 +402,10 @@ def packed_hybrid_without_resets(ctx, model_type, P, doc_lens, strategy="scan"):
 
 def packed_hybrid_isolation(ctx, model_type, P, doc_lens, backend="ulysses", cfg_kwargs=None, strategy="scan"):
     """Change every token of document 0: the other documents' CP logits stay bit-identical."""
-    from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import packed_batch, tiny_model
+    from jobs import document_isolation
 
-    model = tiny_model(model_type)
-    slow_decay(model)
-    model.eval()
-    vocab = model.config.vocab_size
-    rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {})),
-            device_mesh=ctx.mesh(P))
-    try:
-        logits = []
-        for shift in (0, 17):
-            batch = packed_batch(vocab, list(doc_lens))
-            batch["input_ids"][:, :doc_lens[0]] = (batch["input_ids"][:, :doc_lens[0]] + shift) % vocab
-            with torch.no_grad(), context_parallel_region(batch) as shard:
-                logits.append(rm.gather_sequence(model(**shard).logits, dim=1))
-    finally:
-        rm.unwire(model)
-        rm.teardown()
-    first = doc_lens[0]
-    return {"others_identical": bool(torch.equal(logits[0][:, first:], logits[1][:, first:])),
-            "doc0_changed": not torch.equal(logits[0][:, :first], logits[1][:, :first])}
+    return document_isolation(ctx, P, doc_lens, backend, {"recurrent": strategy, **(cfg_kwargs or {})},
+                              model_type=model_type, prepare=slow_decay)
 
 
 def padded_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, S=64, left=7, real=41):

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from .conv import conv_documents, cp_causal_conv1d
-from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, hi, local_documents, pass_state,
+from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, decode_only_without_cp, hi,
+                            local_documents, pass_state,
                             rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
 
 REQUIRED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
@@ -134,18 +135,10 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
     def rule(*args, **kwargs):
         return cp_chunk_gated_delta_rule(namespace["torch_chunk_gated_delta_rule"], ctx, *args, **kwargs)
 
-    def decode_only(name: str):
-        def call(*args, **kwargs):
-            if ctx.resolve()[1] > 1:
-                raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
-                                   "run the model with use_cache=False")
-            return namespace[name](*args, **kwargs)
-        return call
-
     replacements: dict[str, Any] = {
         "causal_conv1d_fn": conv,
         "torch_chunk_gated_delta_rule": rule,
-        "causal_conv1d_update": decode_only("causal_conv1d_update"),
-        "torch_recurrent_gated_delta_rule": decode_only("torch_recurrent_gated_delta_rule"),
+        "causal_conv1d_update": decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
+        "torch_recurrent_gated_delta_rule": decode_only_without_cp(ctx, namespace, "torch_recurrent_gated_delta_rule"),
     }
     return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))

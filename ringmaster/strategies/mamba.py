@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from .conv import conv_documents, cp_causal_conv1d
 from .naive import mamba2_dt
-from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, hi, local_documents, pass_state,
+from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, decode_only_without_cp, hi,
+                            local_documents, pass_state,
                             rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
 
 REQUIRED = ("causal_conv1d_fn", "mamba2_chunk_scan")
@@ -134,16 +135,6 @@ def _route_around_fused(ctx: LayerContext, namespace: dict):
     return call
 
 
-def _decode_only_without_cp(ctx: LayerContext, namespace: dict, name: str):
-    """Cached single-token decoding kernels: the original at CP size 1, refused under CP."""
-    def call(*args, **kwargs):
-        if ctx.resolve()[1] > 1:
-            raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
-                               "run the model with use_cache=False")
-        return namespace[name](*args, **kwargs)
-    return call
-
-
 def _live(namespace: dict, name: str) -> Callable:
     """The module's current kernel for ``name`` (looked up per call: a kernel swapped in later is used)."""
     return namespace[name]
@@ -169,8 +160,8 @@ def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
         "causal_conv1d_fn": conv,
         "mamba2_chunk_scan": scan,
         FUSED: _route_around_fused(ctx, namespace),
-        "causal_conv1d_update": _decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
-        "mamba2_selective_state_update": _decode_only_without_cp(ctx, namespace, "mamba2_selective_state_update"),
+        "causal_conv1d_update": decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
+        "mamba2_selective_state_update": decode_only_without_cp(ctx, namespace, "mamba2_selective_state_update"),
     }
     return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
 

@@ -750,3 +750,13 @@ def recurrent_plan(models, size: int):
         for path, module, kind in check_recurrent_layers(model):
             (mamba if kind == "mamba2" else gdn).append(module)
     return gdn, kda, mamba
+
+
+def decode_only_without_cp(ctx: LayerContext, namespace: dict, name: str):
+    """Cached single-token decoding kernels: the original at CP size 1, refused under CP."""
+    def call(*args, **kwargs):
+        if ctx.resolve()[1] > 1:
+            raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
+                               "run the model with use_cache=False")
+        return namespace[name](*args, **kwargs)
+    return call
