@@ -92,6 +92,33 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return (a - b).abs().max().item() / max(scale, floor, 1e-12)
 
 
+def group_mean_grad_errors(model, reference, group, P: int):
+    """Every parameter's error of the CP-group-mean gradient against the reference's:
+    ``({name: err}, [names with no CP gradient], whole-gradient error)``.
+
+    A gradient that is zero in exact arithmetic (e.g. a key bias under softmax) is rounding noise
+    on both sides, so every tensor is measured against at least ``GRAD_FLOOR`` of the largest
+    reference gradient entry.
+    """
+    names, missing, cp_flat, ref_flat = [], [], [], []
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if p_ref.grad is None:
+            continue
+        if p.grad is None:
+            missing.append(name)
+            continue
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        names.append(name)
+        cp_flat.append((g / P).reshape(-1))
+        ref_flat.append(p_ref.grad.reshape(-1))
+    if not names:
+        return {}, missing, float("nan")
+    floor = GRAD_FLOOR * max(float(r.abs().max()) for r in ref_flat)
+    errs = {name: rel_err(a, b, floor) for name, a, b in zip(names, cp_flat, ref_flat)}
+    return errs, missing, rel_err(torch.cat(cp_flat), torch.cat(ref_flat))
+
+
 def _plain_forward(model, batch):
     return model(**batch, use_cache=False)
 
@@ -188,23 +215,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         dist.all_reduce(loss, group=group)
         loss = loss / P
         logits = rm.gather_sequence(out.logits.detach(), dim=1)
-        grad_errs, missing, cp_flat, ref_flat = {}, [], [], []
-        for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
-            if p_ref.grad is None:
-                continue
-            if p.grad is None:
-                missing.append(name)
-                continue
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=group)
-            cp_flat.append((g / P).reshape(-1))
-            ref_flat.append(p_ref.grad.reshape(-1))
-            grad_errs[name] = None
-        # a gradient that is zero in exact arithmetic (e.g. a key bias under softmax) is rounding
-        # noise on both sides: measure every tensor against at least 1e-4 of the largest gradient
-        floor = GRAD_FLOOR * max(float(r.abs().max()) for r in ref_flat)
-        for name, a, b in zip(list(grad_errs), cp_flat, ref_flat):
-            grad_errs[name] = rel_err(a, b, floor)
+        grad_errs, missing, grad_err_total = group_mean_grad_errors(model, reference, group, P)
     finally:
         rm.unwire(model)
         rm.teardown()
@@ -220,7 +231,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "grad_err": grad_errs[worst],
         "worst_param": worst,
         "grad_errs": grad_errs,
-        "grad_err_total": rel_err(torch.cat(cp_flat), torch.cat(ref_flat)),
+        "grad_err_total": grad_err_total,
         "recurrent_layers": len(runtime.report.recurrent),
         "n_grads": len(grad_errs),
         "n_params": sum(1 for _ in reference.parameters()),

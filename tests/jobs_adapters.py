@@ -56,25 +56,12 @@ def accelerate_mesh(ctx, cp: int):
 
 
 def grads_vs(model, reference, group, P):
-    """Worst relative error of the CP-group-mean gradient against the reference, over all parameters."""
-    from ringmaster.parity import rel_err
+    """(worst error, its parameter, parameters without a CP gradient, whole-gradient error)."""
+    from ringmaster.parity import group_mean_grad_errors
 
-    worst, name_w, missing, flat, ref_flat = 0.0, None, [], [], []
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
-        if p_ref.grad is None:
-            continue
-        if p.grad is None:
-            missing.append(name)
-            continue
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=group)
-        err = rel_err(g / P, p_ref.grad)
-        flat.append((g / P).reshape(-1))
-        ref_flat.append(p_ref.grad.reshape(-1))
-        if err > worst:
-            worst, name_w = err, name
-    total = rel_err(torch.cat(flat), torch.cat(ref_flat)) if flat else float("nan")
-    return worst, name_w, missing, total
+    errs, missing, total = group_mean_grad_errors(model, reference, group, P)
+    worst = max(errs, key=errs.get) if errs else None
+    return (errs[worst] if worst else 0.0), worst, missing, total
 
 
 def cp_mean(value, group, P):

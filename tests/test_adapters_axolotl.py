@@ -12,10 +12,10 @@ import jobs_adapters
 import pytest
 
 TOL = 1e-4
-# hybrids: the whole gradient (all parameters concatenated) is held to test_hybrid_parity.py's 2e-4
-# (measured: 2.4e-7). A single small, cancelling gradient (an A_log) re-chunked by the CPU
-# reference kernels differs by ~1.3% of its own size; per parameter we only bound that at 5e-2.
-HYBRID_TOTAL_TOL, HYBRID_PARAM_TOL = 2e-4, 5e-2
+# hybrids: test_hybrid_parity.py's bounds - the whole gradient (all parameters concatenated) <= 2e-4
+# (measured: 2.4e-7) and every parameter <= 1e-2, measured against at least 1e-4 of the largest
+# gradient (parity.GRAD_FLOOR: a small cancelling A_log gradient is otherwise judged by its rounding)
+HYBRID_TOTAL_TOL, HYBRID_PARAM_TOL = 2e-4, 1e-2
 
 
 def _axolotl_missing() -> str | None:
