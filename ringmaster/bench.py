@@ -260,7 +260,7 @@ def run_cp_vs_noncp(pool, models: dict[str, tuple[str, dict]], sizes=(1, 2, 4), 
                     progress: bool = True) -> list[dict]:
     """Rows of the CP vs non-CP table. For each model and P, sequence lengths double from
     ``start_seq`` until one step takes longer than ``time_budget`` seconds, a rank's memory rise
-    exceeds ``mem_budget`` bytes, ``max_seq`` is passed, or ``total_budget`` seconds have gone."""
+    exceeds ``mem_budget`` bytes, ``max_seq`` is passed, or ``total_budget`` seconds (per model) have gone."""
     seqs = []
     s = start_seq
     while s <= max_seq:
@@ -271,11 +271,13 @@ def run_cp_vs_noncp(pool, models: dict[str, tuple[str, dict]], sizes=(1, 2, 4), 
     began = time.perf_counter()
     rows = []
     for name, (model_type, overrides) in models.items():
-        for P in sizes:
-            stopped = None
-            for seq in seqs:
-                if stopped or (total_budget is not None and time.perf_counter() - began > total_budget):
-                    stopped = stopped or "total budget"
+        began = time.perf_counter()  # the total budget is per model, so every model gets rows
+        stopped: dict[int, str] = {}
+        # every P at one length before the next length, so a budget cut keeps comparable rows
+        for seq in seqs:
+            for P in sizes:
+                if P in stopped or (total_budget is not None and time.perf_counter() - began > total_budget):
+                    stopped.setdefault(P, "total budget")
                     bar.update(f"{name} P={P} skip")
                     continue
                 if seq % (2 * P):
@@ -296,9 +298,9 @@ def run_cp_vs_noncp(pool, models: dict[str, tuple[str, dict]], sizes=(1, 2, 4), 
                 rows.append(row)
                 bar.update(f"{name} P={P} seq={seq} {row['step_s']:.2f}s")
                 if row["step_s"] > time_budget:
-                    stopped = "time budget"
+                    stopped[P] = "time budget"
                 elif row["mem_bytes"] > mem_budget:
-                    stopped = "memory budget"
+                    stopped[P] = "memory budget"
     bar.close()
     return rows
 
@@ -688,8 +690,8 @@ def bench(quick: bool = False, world: int = 4, out_dir: str | None = None, progr
                      total_budget=180.0, reps=1)
         peer_kw = dict(sizes=(2,), S=512, H=8, Hkv=4, D=32, reps=1)
     else:
-        cp_kw = dict(models=MODELS, start_seq=512, max_seq=4096, time_budget=8.0, mem_budget=2 * 2**30,
-                     total_budget=150.0, reps=2)
+        cp_kw = dict(models=MODELS, start_seq=512, max_seq=2048, time_budget=8.0, mem_budget=2 * 2**30,
+                     total_budget=90.0, reps=2)
         peer_kw = dict(sizes=(2, 4), S=2048, H=8, Hkv=4, D=64, reps=3)
     if max_seq is not None:
         cp_kw["max_seq"] = max_seq
