@@ -336,3 +336,114 @@ def sft_eval_loss(ctx, P):
     return out
 
 
+
+
+class _LaunchView:
+    """While installed, an Accelerator answers ``num_processes`` and ``gather`` as the real
+    ``dp_shard x cp`` launch's would (every rank of the world), for the token count and loss scale
+    of ``average_tokens_across_devices``; data loading and wrapping keep the 1-process view."""
+
+    _classes: dict = {}
+
+    @classmethod
+    def around(cls, trainer, name):
+        original = getattr(trainer, name)
+
+        def call(*a, **k):
+            acc = trainer.accelerator
+            base = type(acc)
+            sub = cls._classes.get(base)
+            if sub is None:
+                def gather(self, t):
+                    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+                    dist.all_gather(out, t.contiguous())
+                    return torch.stack(out) if t.dim() == 0 else torch.cat(out)
+
+                sub = type(f"Launch{base.__name__}", (base,), {
+                    "num_processes": property(lambda self: dist.get_world_size()), "gather": gather})
+                cls._classes[base] = sub
+            acc.__class__ = sub
+            try:
+                return original(*a, **k)
+            finally:
+                acc.__class__ = base
+
+        setattr(trainer, name, call)
+
+
+def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
+    """CPSFTTrainer at dp_shard=2 x cp=2 (accelerate's mesh, FSDP2 ``fully_shard`` over
+    ``dp_shard_cp``) for ``steps`` SGD steps, each dp group on its own batches, against one
+    SFTTrainer without CP that sees both dp groups' batches of a step as two micro-batches of one
+    accumulation window (gradient_accumulation_steps=2): the global token mean the real launch's
+    ``average_tokens_across_devices`` + FSDP2 gradient averaging gives."""
+    from datasets import Dataset
+    from torch.distributed.fsdp import fully_shard
+    from trl import SFTConfig, SFTTrainer
+
+    from ringmaster.adapters.trl import CPSFTTrainer
+    from ringmaster.parity import rel_err, tiny_model
+
+    pc, mesh = accelerate_mesh(ctx, 2)
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    world = dist.group.WORLD
+    tok = tiny_tokenizer()
+    mbs, dp = 2, 2
+    rows = features([64, 40, 56, 64, 48, 64, 32, 64, 40, 48, 64, 56][: mbs * dp * steps], seed=7)
+    as_data = lambda rs: Dataset.from_list([  # noqa: E731
+        {"input_ids": r["input_ids"], "completion_mask": [0] * 5 + [1] * (len(r["input_ids"]) - 5)} for r in rs])
+    # micro-batch j of the reference is dp group (j % dp)'s batch of step j // dp
+    micro = [rows[j * mbs:(j + 1) * mbs] for j in range(dp * steps)]
+    mine = [r for j, m in enumerate(micro) if j % dp == dp_rank for r in m]
+
+    def run(cp: bool, tmp):
+        model = tiny_model(model_type)
+        args = SFTConfig(output_dir=tmp, per_device_train_batch_size=mbs, gradient_accumulation_steps=1 if cp else dp,
+                         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
+                         weight_decay=0.0, max_grad_norm=1.0, report_to=[], use_cpu=True, logging_steps=1,
+                         save_strategy="no", seed=0, data_seed=0, dataloader_drop_last=True, max_length=None,
+                         pad_to_multiple_of=16, dataset_num_proc=None, completion_only_loss=True,
+                         average_tokens_across_devices=True, train_sampling_strategy="sequential",
+                         remove_unused_columns=True, gradient_checkpointing=False, bf16=False)
+        losses = []
+        if cp:
+            for block in model.model.layers:
+                fully_shard(block, mesh=mesh["dp_shard_cp"])
+            fully_shard(model, mesh=mesh["dp_shard_cp"])
+            trainer = CPSFTTrainer(model=model, args=args, train_dataset=as_data(mine), processing_class=tok,
+                                   ringmaster_config=rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=mesh)
+            _LaunchView.around(trainer, "_get_num_items_in_batch")
+            _LaunchView.around(trainer, "compute_loss")
+        else:
+            trainer = SFTTrainer(model=model, args=args, train_dataset=as_data(rows), processing_class=tok)
+        original = trainer.training_step
+
+        def training_step(*a, **k):
+            loss = original(*a, **k)
+            if cp:  # each rank's loss is (world / global tokens) x its shard's sum: the world mean is the step's
+                loss = torch.tensor(cp_mean(loss, world, dist.get_world_size()))
+            losses.append(loss.item())
+            return loss
+
+        trainer.training_step = training_step
+        trainer.train()
+        out = {}
+        if cp:
+            out["sharded"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
+            trainer.remove_context_parallel()
+        _reset_accelerate()
+        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                   for n, p in model.named_parameters()}
+        if not cp:  # two micro-batches per step: the step's loss is their sum (each / window tokens)
+            losses = [losses[i] + losses[i + 1] for i in range(0, len(losses), 2)]
+        return weights, losses, out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_w, ref_losses, _ = run(False, os.path.join(tmp, "ref"))
+        cp_w, losses, out = run(True, os.path.join(tmp, "cp"))
+    errs = {n: rel_err(cp_w[n], ref_w[n]) for n in ref_w}
+    moved = max(rel_err(ref_w[n], p) for n, p in tiny_model(model_type).named_parameters())
+    out.update(losses=losses, ref_losses=ref_losses, weight_err=max(errs.values()), worst_param=max(errs, key=errs.get),
+               loss_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), weights_moved=moved,
+               dims=tuple(mesh.mesh_dim_names), restored=rm.runtime.active(required=False) is None)
+    return out

@@ -75,3 +75,18 @@ def test_cpsfttrainer_packing_padding_free(pool):
 def test_cpsfttrainer_eval_loss_is_reduced_over_cp(pool):
     for r in pool.run(jobs_adapters.sft_eval_loss, 2):
         assert r["err"] <= TOL, r
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"], ids=["llama", "qwen3.5-hybrid"])
+def test_cpsfttrainer_fsdp2_dp_shard_x_cp_three_steps_match(pool, model_type):
+    """dp_shard=2 x cp=2 on 4 ranks: accelerate's mesh, FSDP2 over dp_shard_cp, a different batch
+    per dp group; 3 steps match one non-CP SFTTrainer accumulating both dp batches per step."""
+    results = pool.run(jobs_adapters.sft_steps_fsdp2, model_type)
+    for rank, r in enumerate(results):
+        assert r["dims"][:2] == ("dp_shard", "cp"), r
+        assert r["sharded"] > 0, "FSDP2 did not shard the parameters"
+        assert len(r["losses"]) == 3 and len(r["ref_losses"]) == 3, r
+        assert r["weights_moved"] > 1e-3, "the reference did not train"
+        assert r["loss_err"] <= TOL, (rank, r)
+        assert r["weight_err"] <= TOL, (rank, r)
+        assert r["restored"], r
