@@ -146,31 +146,40 @@ def document_isolation(ctx, P, doc_lens, backend, cfg_kwargs=None, model_type="l
             "doc0_changed": not torch.equal(logits[0][:, :first], logits[1][:, :first])}
 
 
-def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None):
-    """B=2 rows, the second right-padded: real tokens match each row run alone; padding never counts."""
+def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None, model_type="llama", prepare=None, S=64, left=0,
+                  real=41, **overrides):
+    """B=2 rows: row 0 one full document, row 1 padded (``left`` tokens before, the rest after
+    ``real`` tokens). Real tokens match each row run alone; padding is never attended nor counted."""
     import copy
 
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import rel_err, tiny_model
+    from ringmaster.parity import group_mean_grad_errors, rel_err, tiny_model
     from ringmaster.shard import global_num_items, shift_labels
 
-    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    if model_type == "llama" and not overrides:
+        overrides = dict(num_attention_heads=8, num_key_value_heads=2)
+    model = tiny_model(model_type, **overrides)
+    if prepare is not None:
+        prepare(model)
     reference = copy.deepcopy(model)
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(5)
-    S, real = 64, 41
-    ids = torch.randint(0, 128, (2, S), generator=g)
+    ids = torch.randint(3, vocab, (2, S), generator=g)
     mask = torch.ones(2, S, dtype=torch.long)
-    mask[1, real:] = 0
+    mask[1, :left] = 0
+    mask[1, left + real:] = 0
     labels = ids.clone()
     labels[mask == 0] = -100
+    labels[1, left] = -100  # a document's first token is no target (what precedes it is padding)
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     total = global_num_items(batch)
     ref_loss, ref_logits = 0.0, []
-    for row, n in ((0, S), (1, real)):
-        out = reference(input_ids=ids[row:row + 1, :n], labels=labels[row:row + 1, :n],
-                        shift_labels=shift_labels(labels[row:row + 1, :n]), num_items_in_batch=total, use_cache=False)
+    for row, (a, b) in ((0, (0, S)), (1, (left, left + real))):
+        lab = labels[row:row + 1, a:b]
+        out = reference(input_ids=ids[row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
+                        position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
         ref_loss = ref_loss + out.loss
         ref_logits.append(out.logits)
     ref_loss.backward()
@@ -183,17 +192,14 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None):
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=runtime.cp_group)
         logits = rm.gather_sequence(out.logits.detach(), dim=1)
-        grad = 0.0
-        for p, p_ref in zip(model.parameters(), reference.parameters()):
-            gp = p.grad.clone()
-            dist.all_reduce(gp, group=runtime.cp_group)
-            grad = max(grad, rel_err(gp / P, p_ref.grad))
+        errs, _, total_err = group_mean_grad_errors(model, reference, runtime.cp_group, P)
     finally:
         rm.unwire(model)
         rm.teardown()
     return {"loss_err": rel_err(loss / P, ref_loss.detach()),
-            "logits_err": max(rel_err(logits[0:1], ref_logits[0]), rel_err(logits[1:2, :real], ref_logits[1])),
-            "grad_err": grad, "nan": bool(torch.isnan(logits).any())}
+            "logits_err": max(rel_err(logits[0:1], ref_logits[0]),
+                              rel_err(logits[1:2, left:left + real], ref_logits[1])),
+            "grad_err": max(errs.values()), "grad_err_total": total_err, "nan": bool(torch.isnan(logits).any())}
 
 
 def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=None):

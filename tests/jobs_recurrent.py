@@ -412,56 +412,7 @@ def padded_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
     """B=2 through a hybrid model: row 0 one full document, row 1 left- and right-padded (attention_mask
     zeros). Padding tokens are documents of their own: no state or conv tap reaches the first real token
     after the left padding. Real tokens match each row run alone; padding is never counted."""
-    import copy
+    from jobs import padded_parity
 
-    import torch.distributed as dist
-
-    from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import rel_err, tiny_model
-    from ringmaster.shard import global_num_items, shift_labels
-
-    model = tiny_model(model_type)
-    slow_decay(model)
-    reference = copy.deepcopy(model)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, vocab, (2, S), generator=g)
-    mask = torch.ones(2, S, dtype=torch.long)
-    mask[1, :left] = 0
-    mask[1, left + real:] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[1, left] = -100   # a document's first token is not a target (the padding before it predicts nothing)
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    total = global_num_items(batch)
-    ref_loss, ref_logits = 0.0, []
-    for row, (a, b) in ((0, (0, S)), (1, (left, left + real))):
-        lab = labels[row:row + 1, a:b]
-        out = reference(input_ids=ids[row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
-                        position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
-        ref_loss = ref_loss + out.loss
-        ref_logits.append(out.logits)
-    ref_loss.backward()
-    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {})),
-                      device_mesh=ctx.mesh(P))
-    try:
-        with context_parallel_region(batch) as shard:
-            out = model(**shard)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss, group=runtime.cp_group)
-        logits = rm.gather_sequence(out.logits.detach(), dim=1)
-        cp_flat, ref_flat = [], []
-        for p, p_ref in zip(model.parameters(), reference.parameters()):
-            gp = p.grad.clone()
-            dist.all_reduce(gp, group=runtime.cp_group)
-            cp_flat.append((gp / P).reshape(-1))
-            ref_flat.append(p_ref.grad.reshape(-1))
-    finally:
-        rm.unwire(model)
-        rm.teardown()
-    return {"loss_err": rel_err(loss / P, ref_loss.detach()),
-            "logits_err": max(rel_err(logits[0:1], ref_logits[0]),
-                              rel_err(logits[1:2, left:left + real], ref_logits[1])),
-            "grad_err_total": rel_err(torch.cat(cp_flat), torch.cat(ref_flat)),
-            "nan": bool(torch.isnan(logits).any())}
+    return padded_parity(ctx, P, backend, {"recurrent": strategy, **(cfg_kwargs or {})}, model_type=model_type,
+                         prepare=slow_decay, S=S, left=left, real=real)
