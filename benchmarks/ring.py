@@ -33,13 +33,12 @@ def _work(plan, P):
 def job(ctx, P, S, H, Hkv, D, reps):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import ringmaster as rm
     from ringmaster.config import RingImpl
     from ringmaster.ring.kernels import get_kernel
+    from ringmaster.bench import attention_system
     from ringmaster.ring.loop import RingPlan, ring_attention
-    from ringmaster.strategies.ulysses import head_to_seq, seq_to_head
 
     group = ctx.mesh(P)["cp"].get_group()
     r = dist.get_rank(group)
@@ -47,11 +46,6 @@ def job(ctx, P, S, H, Hkv, D, reps):
     n = S // P
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (H, Hkv, Hkv))
     kernel = get_kernel(RingImpl.TORCH_NATIVE)
-
-    def ulysses(q, k, v):
-        qh, kh, vh = seq_to_head([q, k, v], group)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-        return head_to_seq(o.transpose(1, 2), group)
 
     methods = {}
     for name, layout, rotate in (("ring p2p head_tail", "head_tail", "alltoall"),
@@ -62,7 +56,8 @@ def job(ctx, P, S, H, Hkv, D, reps):
         methods[name] = (lambda q, k, v, plan=plan, rotate=rotate:
                          ring_attention(q, k, v, group, plan, kernel, rotate=rotate), _work(plan, P))
     if H % P == 0 and Hkv % P == 0:  # every rank: H/P heads over the whole causal sequence
-        methods["ulysses"] = (ulysses, S * (S + 1) // 2)
+        methods["ulysses"] = (attention_system("ringmaster ulysses", group, P, r, S, H, Hkv, D, None)[1],
+                              S * (S + 1) // 2)
     out = {}
     for name, (fn, work) in methods.items():
         times = []

@@ -391,7 +391,7 @@ def _reference(q, k, v, dout):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _system_fn(name: str, group, P: int, rank: int, S: int, H: int, Hkv: int, D: int, mesh):
+def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: int, D: int, mesh):
     """(layout, fn(q, k, v) -> out) for one system: q ``[B, H, S/P, D]`` local in ``layout``,
     out the same shape. Raises Skip with the reason when the system cannot run here."""
     import torch
@@ -551,7 +551,7 @@ def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=
     out: dict[str, Any] = {}
     for name in systems:
         try:
-            layout, fn = _system_fn(name, group, P, rank, S, H, Hkv, D, mesh)
+            layout, fn = attention_system(name, group, P, rank, S, H, Hkv, D, mesh)
             if layout == "torch_cp":
                 # probe once: an error here (e.g. no CPU kernel) is the reason to skip
                 try:

@@ -22,31 +22,17 @@ def attention_bytes_job(ctx, P, S, H, Hkv, D):
     """Ulysses, Ring p2p and Ring allgather on raw tensors: bytes per kind/phase/layer kind,
     from profile_comms and from count_collectives (every torch.distributed call)."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import ringmaster as rm
-    from ringmaster.config import RingImpl
-    from ringmaster.ring.kernels import get_kernel
-    from ringmaster.ring.loop import RingPlan, ring_attention
-    from ringmaster.strategies.ulysses import head_to_seq, seq_to_head
+    from ringmaster.bench import attention_system
 
     group = ctx.mesh(P)["cp"].get_group()
     r = dist.get_rank(group)
     g = torch.Generator().manual_seed(r)
-    n = S // P
-    q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (H, Hkv, Hkv))
-    kernel = get_kernel(RingImpl.TORCH_NATIVE)
-
-    def ulysses(q, k, v):
-        qh, kh, vh = seq_to_head([q, k, v], group)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-        return head_to_seq(o.transpose(1, 2), group)
-
-    methods = {"ulysses": ulysses}
-    for rotate in ("alltoall", "allgather"):
-        plan = RingPlan("head_tail", P, r, n // 2)
-        methods[f"ring_{rotate}"] = (lambda q, k, v, plan=plan, rotate=rotate:
-                                     ring_attention(q, k, v, group, plan, kernel, rotate=rotate))
+    q, k, v = (torch.randn(1, h, S // P, D, generator=g) for h in (H, Hkv, Hkv))
+    methods = {key: attention_system(name, group, P, r, S, H, Hkv, D, None)[1]
+               for key, name in (("ulysses", "ringmaster ulysses"), ("ring_alltoall", "ringmaster ring p2p"),
+                                 ("ring_allgather", "ringmaster ring allgather"))}
     out = {}
     for name, fn in methods.items():
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
