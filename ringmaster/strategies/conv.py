@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .state_passing import chunk_ids, split_local, tie
+from .state_passing import chunk_ids, global_documents, split_local, tie
 
 
 def _tail(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -111,20 +111,7 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
 def conv_documents(batch, path: str, size: int, x: torch.Tensor) -> torch.Tensor | None:
     """The global document ids ``[b, S]`` of a packed/padded batch for a conv over ``x [b, c, S/size]``,
     or None when every row is one document."""
-    docs = getattr(batch, "doc_ids", None) if batch is not None else None
-    if docs is None:
-        return None
-    b, _, local_len = x.shape
-    if getattr(batch, "size", size) != size or docs.shape[-1] != local_len * size:
-        raise RuntimeError(
-            f"{path}: the batch's document ids describe {docs.shape[-1]} tokens over CP size "
-            f"{getattr(batch, 'size', '?')}, but this layer holds {local_len} tokens of a CP group of size {size}; "
-            "pass the batch through context_parallel_region / ContextParallelContextManager once per forward")
-    if docs.shape[0] != b:
-        if docs.shape[0] != 1:
-            raise RuntimeError(f"{path}: document ids for {docs.shape[0]} rows, the layer got {b}")
-        docs = docs.expand(b, -1)
-    return docs
+    return global_documents(batch, path, size, x.shape[0], x.shape[-1])
 
 
 def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, *,

@@ -407,24 +407,33 @@ def take_batch(kwargs: dict, ctx: "LayerContext"):
     return batch if batch is not None else ctx.batch
 
 
-def local_documents(batch, path: str, size: int, rank: int, layout: str, shape: tuple[int, int],
-                    n_chunks: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]] | None:
-    """For each chunk this rank stores (storage order): ``(docs [B, m], prev [B] | None, start)`` from
-    the global document ids, or None when every row is one document (nothing to reset)."""
+def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> torch.Tensor | None:
+    """The batch's global document ids ``[rows, S]`` for a layer holding ``local_len`` tokens of a CP
+    group of ``size``, checked against that shape; None when every row is one document."""
     docs = getattr(batch, "doc_ids", None) if batch is not None else None
     if docs is None:
         return None
-    B, local_len = shape
     seq_len = int(docs.shape[-1])
     if getattr(batch, "size", size) != size or seq_len != local_len * size:
         raise RuntimeError(
             f"{path}: the batch's document ids describe {seq_len} tokens over CP size {getattr(batch, 'size', '?')}, "
             f"but this layer holds {local_len} tokens of a CP group of size {size}; pass the batch through "
             "context_parallel_region / ContextParallelContextManager once per forward")
-    if docs.shape[0] != B:
+    if docs.shape[0] != rows:
         if docs.shape[0] != 1:
-            raise RuntimeError(f"{path}: document ids for {docs.shape[0]} rows, the layer got {B}")
-        docs = docs.expand(B, -1)
+            raise RuntimeError(f"{path}: document ids for {docs.shape[0]} rows, the layer got {rows}")
+        docs = docs.expand(rows, -1)
+    return docs
+
+
+def local_documents(batch, path: str, size: int, rank: int, layout: str, shape: tuple[int, int],
+                    n_chunks: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]] | None:
+    """For each chunk this rank stores (storage order): ``(docs [B, m], prev [B] | None, start)`` from
+    the global document ids, or None when every row is one document (nothing to reset)."""
+    B, local_len = shape
+    docs = global_documents(batch, path, size, B, local_len)
+    if docs is None:
+        return None
     m = local_len // n_chunks
     out = []
     for c in chunk_ids(layout, size, rank):
