@@ -20,7 +20,7 @@ import time
 
 
 def _work(plan, P):
-    from ringmaster.ring.loop import block_pairs
+    from ringmaster.attention.ring.loop import block_pairs
 
     total = 0
     c = plan.chunk
@@ -36,9 +36,9 @@ def job(ctx, P, S, H, Hkv, D, reps):
 
     import ringmaster as rm
     from ringmaster.config import RingImpl
-    from ringmaster.ring.kernels import get_kernel
+    from ringmaster.attention.ring.kernels import get_kernel
     from ringmaster.bench import attention_system
-    from ringmaster.ring.loop import RingPlan, ring_attention
+    from ringmaster.attention.ring.loop import RingPlan, ring_attention
 
     group = ctx.mesh(P)["cp"].get_group()
     r = dist.get_rank(group)

@@ -84,7 +84,7 @@ def _time(fn, reps=7) -> float:
 def compute(seq: int) -> None:
     import jobs_recurrent as jr
 
-    from ringmaster.strategies.state_passing import compose_prefix
+    from ringmaster.recurrent.scan import compose_prefix
 
     torch.set_num_threads(1)
     print(f"\n## 3. one rank's recurrent compute for its shard (S={seq}, fwd+bwd, CPU torch kernels, 1 thread)")

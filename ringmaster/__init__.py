@@ -4,11 +4,12 @@ that wraps the kernels a Hugging Face model already uses, with architecture-awar
 from . import compat, mesh, shard
 from .architectures import ArchitectureSpec, get_architecture, register_architecture
 from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RotateMethod
+from .errors import UnsupportedLayerError
 from .profiling import profile_comms, profile_memory
-from .runtime import Runtime, setup, teardown
-from .shard import ContextParallelContextManager, gather_sequence
-from .strategies.state_passing import wire_recurrent_layers
-from .wiring import UnsupportedLayerError, WireReport, unwire, wire
+from .recurrent.wiring import wire_recurrent_layers
+from .runtime import Runtime, runtime_of, setup, teardown
+from .sharding.batch import ContextParallelContextManager, gather_sequence
+from .wiring import WireReport, unwire, wire
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "profile_comms",
     "profile_memory",
     "register_architecture",
+    "runtime_of",
     "setup",
     "shard",
     "teardown",

@@ -399,7 +399,7 @@ def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: i
     import torch.nn.functional as F
 
     if name == "ringmaster ulysses":
-        from .strategies.ulysses import head_to_seq, kv_replication, seq_to_head
+        from .attention.ulysses import head_to_seq, kv_replication, seq_to_head
 
         try:
             rep = kv_replication(H, Hkv, P)
@@ -416,9 +416,9 @@ def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: i
         return "contiguous", ulysses
     if name.startswith("ringmaster ring"):
         from .config import RingImpl
-        from .ring.kernels import get_kernel
-        from .ring.loop import RingPlan, ring_attention
-        from .strategies.ring import resolve_ring_impl
+        from .attention.ring.kernels import get_kernel
+        from .attention.ring.loop import RingPlan, ring_attention
+        from .attention.ring.select import resolve_ring_impl
 
         rotate = "allgather" if name.endswith("allgather") else "alltoall"
         plan = RingPlan("head_tail", P, rank, S // (2 * P))

@@ -17,44 +17,17 @@ would need a broadcast forward and an all-reduce of the embedding gradients back
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .documents import BATCH_KWARG, positions_from_doc_ids
-from .shard import shard_tensor
-
-_REGISTRY: dict[str, "MultimodalSpec"] = {}
+from .architectures import ArchitectureSpec
+from .sharding import balancers
+from .sharding.batch import shard_tensor
+from .sharding.documents import BATCH_KWARG, positions_from_doc_ids
 
 # labels stay aligned with the fused sequence, so only they are cut before the model
 LABEL_KEYS = ("labels", "shift_labels")
-
-
-@dataclass(frozen=True)
-class MultimodalSpec:
-    """Where a VLM's fused sequence starts and which per-token tensors travel with it."""
-
-    name: str
-    model_types: tuple[str, ...]
-    language_model: str                        # module path: its forward sees only the fused sequence
-    vision_modules: tuple[str, ...]            # module paths that run unsharded on every rank
-    sequence_kwargs: dict = field(default_factory=lambda: {"inputs_embeds": 1, "position_ids": -1,
-                                                           "visual_pos_masks": 1})
-    deepstack_kwarg: str | None = None         # list of [num_visual_tokens, hidden] per layer
-    deepstack_mask_kwarg: str = "visual_pos_masks"
-
-
-def register_multimodal(spec: MultimodalSpec) -> MultimodalSpec:
-    for model_type in spec.model_types:
-        _REGISTRY[model_type] = spec
-    return spec
-
-
-def get_multimodal(model) -> MultimodalSpec | None:
-    from .architectures import _load_builtin
-
-    _load_builtin()
-    return _REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def _reselect_deepstack(embeds, mask_full: torch.Tensor, mask_local: torch.Tensor, positions: torch.Tensor):
@@ -64,10 +37,8 @@ def _reselect_deepstack(embeds, mask_full: torch.Tensor, mask_local: torch.Tenso
     return [e.index_select(0, rows.to(e.device)) for e in embeds]
 
 
-def shard_language_model_inputs(spec: MultimodalSpec):
+def shard_language_model_inputs(spec: ArchitectureSpec):
     """The forward pre-hook that cuts the fused sequence for this rank."""
-    from . import balancers
-
     def pre_hook(module, args, kwargs):
         cpb = kwargs.get(BATCH_KWARG)
         if cpb is None:
@@ -111,7 +82,7 @@ class MultimodalWiring:
         self.model.set_attn_implementation(self.original)
 
 
-def wire_multimodal(model, spec: MultimodalSpec, attn_implementation: str | None) -> MultimodalWiring:
+def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | None) -> MultimodalWiring:
     """Install the language-model pre-hook and switch only the text model's attention: a plain
     ``set_attn_implementation(name)`` on a VLM would switch the vision tower too."""
     language_model = model.get_submodule(spec.language_model)

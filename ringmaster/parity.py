@@ -145,7 +145,7 @@ def per_document_forward(model, batch):
     the global token count, logits concatenated back into the row."""
     from types import SimpleNamespace
 
-    from ringmaster.documents import doc_ids_from_positions
+    from ringmaster.sharding.documents import doc_ids_from_positions
     from ringmaster.shard import global_num_items, shift_labels
 
     docs = doc_ids_from_positions(batch["position_ids"])[0]

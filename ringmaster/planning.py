@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .strategies.usp import auto_select
+from .config import auto_select
 
 
 @dataclass

@@ -1,20 +1,36 @@
-"""The active runtime: which groups, sizes and layout the wrapped attention uses.
+"""A runtime: the groups, sizes, layout and block kernel one CP setup uses, bound at setup time.
 
-There is one active runtime per process (``rm.setup`` / ``rm.wire`` replace it,
-``rm.teardown`` drops it). It holds configuration and process groups only; nothing
-per-batch lives here.
+``rm.setup`` resolves the config against the CP group and registers an attention function
+with transformers under a name of its own (``runtime.attn_implementation``). That function
+is closed over an :class:`AttentionBinding`: its groups, its ring block kernel and rotation.
+Nothing inside a forward looks up "the active runtime": the per-step layout and document
+structure arrive in the per-batch ``ringmaster_batch`` kwarg that the shard step writes, and
+every CP function checks that batch against what it was bound to before any collective.
+So two models wired differently in one process (a Ulysses policy and a Ring reference, two
+CP groups) are both exact.
+
+``rm.setup`` also makes its runtime the *current* one: the default for the convenience APIs
+called outside a forward (``context_parallel_region(batch)`` without ``runtime=``,
+``gather_sequence`` without ``group=``, ``wire_recurrent_layers`` without ``group=``).
+``rm.teardown`` forgets it.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from .config import Backend, LoadBalance, RingmasterConfig
-from .mesh import cp_group_from, group_rank, group_size, intra_node_size
+from .attention import register
+from .attention.binding import AttentionBinding
+from .attention.ring.kernels import get_kernel
+from .attention.ring.select import resolve_ring_impl, resolve_rotate
+from .config import Backend, LoadBalance, RingImpl, RingmasterConfig
+from .mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
 
 
-@dataclass
+@dataclass(eq=False)
 class Runtime:
     config: RingmasterConfig
     cp_group: Any
@@ -25,7 +41,13 @@ class Runtime:
     inner_attn: str | None = None
     attn_implementation: str | None = None
     num_kv_heads: int | None = None
-    extras: dict = field(default_factory=dict)
+    ring_impl: RingImpl | None = None
+    binding: AttentionBinding | None = None
+    multimodal: Any = None             # the VLM's ArchitectureSpec when rm.wire wired one
+    report: Any = None                 # rm.wire's WireReport
+    recurrent_wiring: Any = None       # rm.wire's RecurrentWiring (restore() undoes the recurrent layers only)
+    adapter: Any = None                # a framework adapter's record (e.g. adapters.accelerate.AccelerateWiring)
+    undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property
     def shard_load_balance(self) -> str:
@@ -37,40 +59,58 @@ class Runtime:
     def backend(self) -> Backend:
         return self.config.backend
 
+    @property
+    def ring_kernel(self):
+        return None if self.binding is None else self.binding.ring_kernel
 
-_ACTIVE: Runtime | None = None
+
+_CURRENT: Runtime | None = None
+# registered attention name -> the runtime that registered it (weak: a dropped runtime disappears)
+_BY_NAME: "weakref.WeakValueDictionary[str, Runtime]" = weakref.WeakValueDictionary()
+_SERIAL = itertools.count(1)
 
 
 def active(required: bool = True) -> Runtime | None:
-    if _ACTIVE is None and required:
+    """The current runtime (the last ``rm.setup``/``rm.wire``), for APIs called outside a forward."""
+    if _CURRENT is None and required:
         raise RuntimeError(
-            "no ringmaster runtime is active: call rm.setup(cfg, ...) or rm.wire(model, cfg) first "
-            "(or keep the model on its original attn_implementation)"
+            "no ringmaster runtime is set up: call rm.setup(cfg, ...) or rm.wire(model, cfg) first, "
+            "or pass runtime=... (rm.wire returns it)"
         )
-    return _ACTIVE
+    return _CURRENT
 
 
-def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=None, cp_dim: str = "cp",
-          inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
-    """Resolve the config against the CP group and register the wrapped attention.
+def make_current(rt: Runtime | None) -> None:
+    """Make ``rt`` the current runtime (``rm.wire`` puts the previous one back when it fails)."""
+    global _CURRENT
+    _CURRENT = rt
 
-    Every check runs before anything collective, so a bad argument raises on every rank
-    instead of hanging one of them; the only collective step, creating the USP sub-groups,
-    comes last.
-    """
-    global _ACTIVE
-    if not isinstance(cfg, RingmasterConfig):
-        raise TypeError(f"setup() needs a RingmasterConfig, got {type(cfg).__name__}")
-    group = cp_group_from(device_mesh, cp_dim)
-    size = group_size(group)
-    if cfg.size != size:
-        where = f"device_mesh[{cp_dim!r}]" if device_mesh is not None else "the default process group"
-        raise ValueError(
-            f"RingmasterConfig.size={cfg.size} but {where} has {size} ranks; set size={size} "
-            f"or build the mesh with a {cp_dim!r} dim of {cfg.size}"
-        )
-    if not cfg.normalized:
-        cfg.normalize(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
+
+def _unwrap(model):
+    while model is not None and not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module  # DDP / accelerate wrappers
+    return model
+
+
+def runtime_of(model) -> Runtime | None:
+    """The runtime whose CP attention ``model`` uses: the one ``rm.wire`` bound to it, else the one
+    that registered the model's (text config's) attention implementation; None if not wired."""
+    model = _unwrap(model)
+    rt = getattr(model, "_ringmaster_runtime", None)
+    if rt is not None:
+        return rt
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in (text, config):
+        name = getattr(cfg, "_attn_implementation", None)
+        if isinstance(name, str) and name in _BY_NAME:
+            return _BY_NAME[name]
+    return None
+
+
+def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
     ulysses_only = cfg.backend is Backend.ULYSSES or (cfg.backend is Backend.USP and cfg.ring_size == 1)
     if ulysses_only and cfg.load_balance is not LoadBalance.NONE:
         raise ValueError(
@@ -87,33 +127,62 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
             "load_balance='distflash' is not implemented: head_tail already balances causal work to within 1% "
             "(balancers.work_figure); use load_balance='head_tail'"
         )
+    return ulysses_only
+
+
+def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=None, cp_dim: str = "cp",
+          inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
+    """Resolve the config against the CP group and register an attention function bound to it.
+
+    Every check runs before anything collective, so a bad argument raises on every rank
+    instead of hanging one of them; the only collective step, creating the USP sub-groups,
+    comes last. Returns the runtime and makes it the current one.
+    """
+    global _CURRENT
+    if not isinstance(cfg, RingmasterConfig):
+        raise TypeError(f"setup() needs a RingmasterConfig, got {type(cfg).__name__}")
+    group = cp_group_from(device_mesh, cp_dim)
+    size = group_size(group)
+    if cfg.size != size:
+        where = f"device_mesh[{cp_dim!r}]" if device_mesh is not None else "the default process group"
+        raise ValueError(
+            f"RingmasterConfig.size={cfg.size} but {where} has {size} ranks; set size={size} "
+            f"or build the mesh with a {cp_dim!r} dim of {cfg.size}"
+        )
+    if not cfg.normalized:
+        cfg.normalize(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
+    ulysses_only = _check_layout_for_backend(cfg)
     inner = inner_attn or "sdpa"
-    rt = Runtime(config=cfg, cp_group=group, cp_rank=group_rank(group), cp_size=size, inner_attn=inner,
+    rank = group_rank(group)
+    rt = Runtime(config=cfg, cp_group=group, cp_rank=rank, cp_size=size, inner_attn=inner,
                  num_kv_heads=num_kv_heads)
+    serial = next(_SERIAL)
     if ulysses_only:
-        from .strategies.ulysses import register_ulysses_attention
-
         rt.ulysses_group = group
-        rt.attn_implementation = register_ulysses_attention(inner)
+        binding = AttentionBinding("ulysses", inner, group, rank, size, ulysses_group=group,
+                                   name=register.attention_name("ulysses", inner, serial))
     else:
-        from .mesh import split_usp_groups
-        from .ring.kernels import get_kernel
-        from .strategies.ring import register_ring_attention, resolve_ring_impl
-
         if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
             rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
                                                                cfg.ring_size)
             backend = "usp"
         else:  # a 1 x P USP split is plain Ring
             rt.ring_group, backend = group, "ring"
-        rt.extras["ring_impl"] = resolve_ring_impl(cfg.ring_impl, inner)
-        rt.extras["ring_kernel"] = get_kernel(rt.extras["ring_impl"])
-        rt.attn_implementation = register_ring_attention(inner, backend)
-    _ACTIVE = rt
+        rt.ring_impl = resolve_ring_impl(cfg.ring_impl, inner)
+        binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
+                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl),
+                                   rotate=resolve_rotate(cfg.rotate_method),
+                                   name=register.attention_name(backend, inner, serial))
+    rt.binding = binding
+    if register.register_attention(binding):
+        rt.attn_implementation = binding.name
+        _BY_NAME[binding.name] = rt
+    _CURRENT = rt
     return rt
 
 
 def teardown() -> None:
-    """Drop the active runtime. Registered attention names stay registered (harmless)."""
-    global _ACTIVE
-    _ACTIVE = None
+    """Forget the current runtime. Wired models keep working (their attention is bound to its own
+    runtime); ``rm.unwire(model)`` restores a model."""
+    global _CURRENT
+    _CURRENT = None

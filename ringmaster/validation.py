@@ -14,6 +14,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from .comm import diagnosed
+from .compat import all_gather_single
+
 FIELDS = ("seq_len", "batch", "layout", "cp_size", "backend", "ulysses", "ring", "dtype", "documents", "tokens")
 _LAYOUTS = {"contiguous": 0, "head_tail": 1}
 _BACKENDS = {"ulysses": 0, "ring": 1, "usp": 2, "auto": 3}
@@ -61,15 +64,12 @@ def fingerprint(meta: Mapping[str, Any], config, full_batch: Mapping[str, Any] |
     ]
 
 
-def check_agreement(values: list[int], group) -> None:
-    """All-gather the fingerprint over ``group`` and raise the same error on every rank if any differs."""
-    mine = torch.tensor(values, dtype=torch.int64)
+def check_agreement(values: list[int], group, device=None) -> None:
+    """All-gather the fingerprint over ``group`` and raise the same error on every rank if any differs.
+    ``device``: where the batch lives (an NCCL group has no CPU backend)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     P = dist.get_world_size(group)
-    gathered = torch.empty(P * mine.numel(), dtype=torch.int64)
-    from .compat import all_gather_single
-
-    from .comm import diagnosed
-
+    gathered = torch.empty(P * mine.numel(), dtype=torch.int64, device=device)
     with diagnosed("all_gather", "input fingerprint", group):
         all_gather_single(gathered, mine, group=group)
     rows = gathered.view(P, -1)
@@ -89,4 +89,12 @@ def validate_batch(runtime, meta: Mapping[str, Any], full_batch=None, local=None
     """The per-forward check, unless the runtime's config switched it off."""
     if runtime is None or not getattr(runtime.config, "validate_inputs", True) or runtime.cp_size == 1:
         return
-    check_agreement(fingerprint(meta, runtime.config, full_batch, local), runtime.cp_group)
+    device = None
+    for source in (full_batch, local):
+        for value in (source or {}).values():
+            if isinstance(value, torch.Tensor):
+                device = value.device
+                break
+        if device is not None:
+            break
+    check_agreement(fingerprint(meta, runtime.config, full_batch, local), runtime.cp_group, device)

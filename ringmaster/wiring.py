@@ -1,21 +1,33 @@
-"""``rm.wire``: one walk over ``named_modules()`` that checks every layer against the family
-spec, switches attention to the CP wrapper, and reports what it changed."""
+"""``rm.wire``: classify once, validate, bind, swap, report; atomic.
+
+One walk over ``named_modules()`` classifies every layer against the family spec (fail closed
+on anything stateful or attention-like the spec does not declare). Everything is validated
+before anything changes; then the runtime is set up (its attention function bound to this
+model's groups and kernels), attention is switched, the VLM pre-hook installed, the recurrent
+layers wired and probed. Every change pushes its undo; if any step fails, the undos run in
+reverse and the model is exactly as it was. ``rm.unwire`` runs the same undos.
+"""
 
 from __future__ import annotations
 
-import re
+import warnings
 from dataclasses import dataclass, field
 
-from .architectures import STATEFUL_PATTERN, ArchitectureSpec, get_architecture, text_config
-from .config import Backend, RingmasterConfig
-from .strategies.state_passing import UnsupportedLayerError, stateful_layers, unsupported_message
+import torch.distributed as dist
 
-_ATTENTION_LIKE = re.compile(r"(Attention|Attn)$")
+from . import runtime as _runtime
+from .architectures import classify_layers, get_architecture, stateful_layers, text_config, unsupported_message
+from .attention.ring.kernels import check_dtype
+from .attention.ring.select import resolve_ring_impl
+from .attention.ulysses import kv_replication
+from .config import RingmasterConfig
+from .errors import UnsupportedLayerError
+from .mesh import intra_node_size
+from .multimodal import wire_multimodal
+from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
+from .runtime import Runtime, setup
 
-
-def _holds_ssm_params(module) -> bool:
-    direct = module.__dict__.get("_parameters", {})
-    return "A_log" in direct or "dt_bias" in direct
+__all__ = ["UnsupportedLayerError", "WireReport", "wire", "unwire"]
 
 
 @dataclass
@@ -25,66 +37,20 @@ class WireReport:
     inner_attn: str | None
     attention: list[str] = field(default_factory=list)
     recurrent: list[tuple[str, str]] = field(default_factory=list)
+    use_cache_switched_off: bool = False
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
                  f"  {len(self.attention)} attention layers" + (f": {self.attention[0]} ..." if self.attention else "")]
         lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
+        if self.use_cache_switched_off:
+            lines.append("  use_cache switched off while wired")
         return "\n".join(lines)
 
 
-def classify_layers(model, spec: ArchitectureSpec, skip: tuple[str, ...] = ()) -> tuple[list[str], list[tuple[str, str]]]:
-    """Paths of attention and recurrent layers; raises on anything stateful or attention-like
-    that the spec does not declare (a renamed class in a new transformers, a swapped-in kernel)."""
-    attention, recurrent = [], []
-    for path, module in model.named_modules():
-        if any(path == prefix or path.startswith(prefix + ".") for prefix in skip):
-            continue  # a VLM's vision tower runs unsharded on every rank
-        cls = type(module).__name__
-        if cls in spec.attention_classes:
-            attention.append(path)
-        elif cls in spec.recurrent_classes:
-            recurrent.append((path, spec.recurrent_classes[cls]))
-        elif cls in spec.ignore_classes:
-            continue
-        elif STATEFUL_PATTERN.search(cls) or _holds_ssm_params(module):
-            raise UnsupportedLayerError(
-                f"layer {path!r} ({cls}) carries state along the sequence and family {spec.name!r} does not "
-                "declare how to pass it across CP ranks; sharding it would train silently wrong. Declare it in "
-                "the family's ArchitectureSpec.recurrent_classes (or ignore_classes if it is stateless) and "
-                "re-register with rm.register_architecture(spec, override=True)"
-            )
-        elif _ATTENTION_LIKE.search(cls) and hasattr(module, "q_proj"):
-            raise UnsupportedLayerError(
-                f"layer {path!r} ({cls}) looks like attention but family {spec.name!r} declares only "
-                f"{spec.attention_classes}; add it to attention_classes and re-register the spec"
-            )
-    if not attention and not recurrent:
-        raise UnsupportedLayerError(
-            f"found no layer of {spec.attention_classes} in {type(model).__name__}; the family spec "
-            f"{spec.name!r} does not match this model's classes"
-        )
-    return attention, recurrent
-
-
-def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp"):
-    """Make ``model`` context parallel: look up its family, validate, set up the runtime,
-    switch attention in place. Returns the runtime; ``runtime.report`` says what changed and
-    ``runtime.report`` + ``unwire(model)`` undo it."""
-    from .runtime import setup
-    from .strategies.ulysses import kv_replication
-
-    if getattr(model, "_ringmaster_runtime", None) is not None:
-        raise RuntimeError(
-            f"{type(model).__name__} is already wired by ringmaster; call rm.unwire(model) before wiring again"
-        )
-    import torch.distributed as dist
-
-    if cfg is None:
-        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        cfg = RingmasterConfig(size=size)
+def _spec(model):
     try:
-        spec = get_architecture(model)
+        return get_architecture(model)
     except ValueError:
         found = stateful_layers(model)
         if found:  # name the layer that makes this model unsafe, not just the unknown family
@@ -92,77 +58,117 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             raise UnsupportedLayerError(unsupported_message(path, cls, getattr(model.config, "model_type", None))
                                         ) from None
         raise
+
+
+def _configs(model) -> list:
+    """Every distinct config object of the model and its submodules (a VLM has several)."""
+    seen, out = set(), []
+    for module in (model, *model.modules()):
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            out.append(config)
+    return out
+
+
+def _switch_off_cache(model, undo: list) -> bool:
+    """transformers' convention (as with gradient checkpointing): warn and switch the cache off.
+    Under CP a KV cache would hold only this rank's shard."""
+    switched = False
+    for config in _configs(model):
+        if getattr(config, "use_cache", False):
+            undo.append(lambda c=config: setattr(c, "use_cache", True))
+            config.use_cache = False
+            switched = True
+    if switched:
+        warnings.warn(f"ringmaster: {type(model).__name__} had use_cache=True; switched off while wired for CP "
+                      "(a KV cache would hold only this rank's shard). rm.unwire restores it", stacklevel=3)
+    return switched
+
+
+def _switch_attention(model, spec, name: str, inner: str, undo: list) -> None:
+    """Point the text model's attention at the runtime's registered name (a VLM's vision tower keeps
+    its own kernel); the undo puts every config's original value back."""
+    originals = [(config, config._attn_implementation) for config in _configs(model)]
+
+    def restore():
+        for config, value in originals:
+            config._attn_implementation = value
+
+    undo.append(restore)
+    if spec.multimodal:
+        wiring = wire_multimodal(model, spec, name)
+        undo.append(wiring.handle.remove)
+    else:
+        model.set_attn_implementation(name)
+
+
+def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
+    """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
+    model, switch attention in place, wire the recurrent layers. Returns the runtime;
+    ``runtime.report`` says what changed and ``unwire(model)`` undoes it. On any failure the model
+    (and the current runtime) is left exactly as it was."""
+    if getattr(model, "_ringmaster_runtime", None) is not None:
+        raise RuntimeError(
+            f"{type(model).__name__} is already wired by ringmaster; call rm.unwire(model) before wiring again"
+        )
+    if cfg is None:
+        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        cfg = RingmasterConfig(size=size)
+    # ---- validate: nothing changes until every check has passed
+    spec = _spec(model)
     tcfg = text_config(model.config)
     num_heads = getattr(tcfg, spec.num_heads_attr, None)
     num_kv = getattr(tcfg, spec.num_kv_heads_attr, None) or num_heads
-    from .multimodal import get_multimodal
-
-    multimodal = get_multimodal(model)
     inner = tcfg._attn_implementation or model.config._attn_implementation or "sdpa"
     if spec.supported_inner is not None and inner not in spec.supported_inner:
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
-    attention, recurrent = classify_layers(model, spec, skip=multimodal.vision_modules if multimodal else ())
-    recurrent_layers = []
-    if recurrent:
-        from .strategies.state_passing import check_recurrent_layers
-
-        modules = dict(model.named_modules())
-        # validate every recurrent layer before anything is changed (raises naming the layer)
-        recurrent_layers = check_recurrent_layers(model, [(path, modules[path], kind) for path, kind in recurrent])
+    layers = classify_layers(model, spec)
+    recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
     if not cfg.normalized:
-        from .mesh import intra_node_size
-
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
     if cfg.ulysses_size > 1 and num_heads is not None:
         kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
-    if model.training and getattr(tcfg, "use_cache", False):
-        raise ValueError(
-            f"{type(model).__name__} is in training mode with use_cache=True; under CP a KV cache would hold only "
-            "this rank's shard. Set model.config.use_cache = False (model.config.get_text_config().use_cache for "
-            "a VLM) before rm.wire"
-        )
     if cfg.ring_size > 1:
-        from .ring.kernels import check_dtype
-        from .strategies.ring import resolve_ring_impl
-
         param = next(model.parameters())
         check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype)
-    runtime = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
-                    num_heads=num_heads)
-    runtime.extras["original_attn_implementation"] = inner
-    if multimodal is not None:
-        from .multimodal import wire_multimodal
 
-        runtime.extras["multimodal"] = multimodal
-        runtime.extras["multimodal_wiring"] = wire_multimodal(model, multimodal, runtime.attn_implementation)
-    elif runtime.attn_implementation is not None:
-        model.set_attn_implementation(runtime.attn_implementation)
-    if recurrent_layers:
-        from .strategies.state_passing import wire_recurrent_layers
-
-        try:
-            runtime.extras["recurrent_wiring"] = wire_recurrent_layers(model, group=runtime.cp_group,
-                                                                       layers=recurrent_layers)
-        except Exception:
-            model.set_attn_implementation(inner)
-            raise
-    runtime.report = WireReport(family=spec.name, attn_implementation=runtime.attn_implementation,
-                                inner_attn=inner, attention=attention, recurrent=recurrent)
-    model._ringmaster_runtime = runtime
-    return runtime
+    # ---- change, recording every undo
+    previous = _runtime.active(required=False)
+    undo: list = []
+    try:
+        rt = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
+                   num_heads=num_heads)
+        rt.multimodal = spec if spec.multimodal else None
+        switched = _switch_off_cache(model, undo)
+        if rt.attn_implementation is not None:
+            _switch_attention(model, spec, rt.attn_implementation, inner, undo)
+        if recurrent:
+            wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)
+            undo.append(wiring.restore)
+            rt.recurrent_wiring = wiring
+        rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
+                               attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
+                               use_cache_switched_off=switched)
+        model._ringmaster_runtime = rt
+        undo.append(lambda: model.__dict__.pop("_ringmaster_runtime", None))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        _runtime.make_current(previous)
+        model.__dict__.pop("_ringmaster_runtime", None)
+        raise
+    rt.undo = undo
+    return rt
 
 
 def unwire(model) -> None:
-    """Restore the model's original attention implementation and recurrent layers; forget the wiring."""
-    runtime = getattr(model, "_ringmaster_runtime", None)
-    if runtime is None:
+    """Restore everything ``wire`` changed (attention, recurrent layers, VLM hook, use_cache)."""
+    rt = getattr(model, "_ringmaster_runtime", None)
+    if rt is None:
         return
-    wiring = runtime.extras.pop("recurrent_wiring", None)
-    if wiring is not None:
-        wiring.restore()
-    if "multimodal_wiring" in runtime.extras:
-        runtime.extras.pop("multimodal_wiring").restore()
-    else:
-        model.set_attn_implementation(runtime.extras["original_attn_implementation"])
-    model._ringmaster_runtime = None
+    for step in reversed(rt.undo):
+        step()
+    rt.undo = []
+    model.__dict__.pop("_ringmaster_runtime", None)

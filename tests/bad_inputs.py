@@ -138,13 +138,34 @@ def different_lengths_across_ranks(ctx):
     _forward(_wire(ctx), _batch(64 if ctx.rank % 2 else 128))
 
 
-def cache_on_in_training(ctx):
-    _wire(ctx, model=_model(use_cache=True))
+def unwired_model_sharded(ctx):
+    """A second model (a trainer's ref_model) gets sharded batches but was never wired."""
+    policy = _wire(ctx)
+    reference = _model()
+    manager = rm.ContextParallelContextManager([policy, reference], ctx.mesh(2)["cp"].get_group())
+    handles = manager.install()
+    try:
+        reference(**_batch())
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def ulysses_batch_cut_head_tail(ctx):
+    """A trainer cuts the batch head_tail for a model whose attention is Ulysses."""
+    model = _wire(ctx)
+    manager = rm.ContextParallelContextManager([model], ctx.mesh(2)["cp"].get_group(), load_balance="head_tail")
+    handles = manager.install()
+    try:
+        model(**_batch())
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def dtype_kernel_cannot_run():
     from ringmaster.config import RingImpl
-    from ringmaster.ring.kernels import check_dtype
+    from ringmaster.attention.ring.kernels import check_dtype
 
     check_dtype(RingImpl.TORCH_NATIVE, "cuda", torch.float32)
 
@@ -235,8 +256,8 @@ SCENARIOS = [
              "UnsupportedLayerError", ("JambaMambaMixer",)),
     Scenario("no_process_group", "setup before torch.distributed is initialised", no_process_group,
              "RuntimeError", ("init_process_group",), rank=False),
-    Scenario("no_runtime", "CP attention used with no active runtime", no_runtime, "RuntimeError",
-             ("rm.setup(cfg, ...) or rm.wire",), rank=False),
+    Scenario("no_runtime", "a batch sharded with no runtime set up", no_runtime, "RuntimeError",
+             ("rm.setup(cfg, ...) or rm.wire", "runtime="), rank=False),
     Scenario("shard_without_batch_structure", "a hand-cut shard without the batch's global structure",
              shard_without_batch_structure, "RuntimeError", ("without the batch's global structure",
                                                              "context_parallel_region")),
@@ -244,8 +265,12 @@ SCENARIOS = [
              different_batches_across_ranks, "InputMismatchError", ("disagrees on tokens", "same full batch")),
     Scenario("different_lengths_across_ranks", "ranks pass different sequence lengths",
              different_lengths_across_ranks, "InputMismatchError", ("disagrees on seq_len",)),
-    Scenario("cache_on_in_training", "training with use_cache=True", cache_on_in_training, "ValueError",
-             ("use_cache=True", "model.config.use_cache = False")),
+    Scenario("unwired_model_sharded", "a model that gets CP shards but was never wired (e.g. a ref_model)",
+             unwired_model_sharded, "RuntimeError", ("LlamaForCausalLM receives sequence shards but is not wired",
+                                                     "ref_model")),
+    Scenario("ulysses_batch_cut_head_tail", "batches cut head_tail for a Ulysses model",
+             ulysses_batch_cut_head_tail, "ValueError", ("uses ulysses attention, which needs contiguous",
+                                                         "load_balance=None")),
     Scenario("dtype_kernel_cannot_run", "fp32 model with the CUDA flash ring kernel", dtype_kernel_cannot_run,
              "ValueError", ("fp16/bf16 only", "ring_impl='math'"), rank=False),
     Scenario("bad_config_value", "misspelt enum value", bad_config_value, "ValueError",

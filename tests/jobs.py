@@ -87,9 +87,9 @@ def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
 
     from ringmaster.config import RingImpl
     from ringmaster.parity import rel_err
-    from ringmaster.ring.kernels import get_kernel
-    from ringmaster.ring.loop import RingPlan, ring_attention
-    from ringmaster.ring.merge import reference_attention
+    from ringmaster.attention.ring.kernels import get_kernel
+    from ringmaster.attention.ring.loop import RingPlan, ring_attention
+    from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.shard import shard_tensor
 
     group = ctx.mesh(P)["cp"].get_group()

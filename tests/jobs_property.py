@@ -21,9 +21,9 @@ def attention_case(ctx, case: dict) -> dict:
     import torch.distributed as dist
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ringmaster.documents import BATCH_KWARG, CPBatch
+    from ringmaster.sharding.documents import BATCH_KWARG, CPBatch
     from ringmaster.parity import rel_err
-    from ringmaster.ring.merge import reference_attention
+    from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.shard import shard_tensor
 
     P, B, Hkv, Hq, D, S = case["P"], case["B"], case["Hkv"], case["Hq"], case["D"], case["S"]

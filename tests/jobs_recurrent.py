@@ -61,7 +61,7 @@ def kernels(name: str):
     """``(mamba2_chunk_scan, chunk_gated_delta_rule, causal_conv1d_fn)``: ``ref`` = the float64
     naive recurrences, ``hf`` = transformers' pure-torch fallbacks (fp32 inside)."""
     if name == "ref":
-        from ringmaster.strategies import naive
+        from ringmaster.recurrent import naive
 
         return naive.mamba2_chunk_scan_ref, naive.chunk_gated_delta_rule_ref, naive.causal_conv1d_ref
     from transformers.models.nemotron_h import modeling_nemotron_h as nh
@@ -72,8 +72,8 @@ def kernels(name: str):
 
 def segment(kind: str, kernel_name: str, inputs: dict, sl: slice | torch.Tensor, chunk_size: int = 5):
     """One Segment over the positions ``sl`` of the full ``inputs``."""
-    from ringmaster.strategies.linear_attn import GatedDeltaSegment
-    from ringmaster.strategies.mamba import Mamba2Segment
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+    from ringmaster.recurrent.mamba2 import Mamba2Segment
 
     mamba, gdn, _ = kernels(kernel_name)
     t = {k: (v[:, sl] if k in SEQ_KEYS[kind] else v) for k, v in inputs.items()}
@@ -103,7 +103,7 @@ def rel(a, b) -> float:
 
 
 def _local_positions(P, rank, layout, l, lengths):
-    from ringmaster import balancers
+    from ringmaster.sharding import balancers
 
     if lengths is None:
         return balancers.shard_positions(l, P, rank, layout)
@@ -117,7 +117,7 @@ def state_passing(ctx, P, layout, strategy, kind, kernel_name="ref", lengths=Non
     outputs and every input gradient (shared parameters summed over the group)."""
     import torch.distributed as dist
 
-    from ringmaster.strategies.state_passing import chunk_ids, pass_state
+    from ringmaster.recurrent.scan import chunk_ids, pass_state
 
     group = ctx.mesh(P)["cp"].get_group()
     rank = dist.get_rank(group)
@@ -155,7 +155,7 @@ def conv_halo(ctx, P, layout, lengths=None, l=24, k=4, kernel_name="ref"):
     """``cp_causal_conv1d`` on this rank's shard vs the full conv, with gradients."""
     import torch.distributed as dist
 
-    from ringmaster.strategies.conv import cp_causal_conv1d
+    from ringmaster.recurrent.conv import cp_causal_conv1d
 
     group = ctx.mesh(P)["cp"].get_group()
     rank = dist.get_rank(group)
@@ -229,7 +229,7 @@ def without_state_passing(ctx, model_type, P):
     ref = reference(**batch, use_cache=False)
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
     try:
-        runtime.extras["recurrent_wiring"].restore()
+        runtime.recurrent_wiring.restore()
         with context_parallel_region(batch) as shard:
             out = model(**shard)
         logits = rm.gather_sequence(out.logits.detach(), dim=1)
@@ -298,11 +298,12 @@ def _packed_function_level(ctx, P, layout, strategy, rows, l=24, chunk_size=5):
     every input gradient."""
     import torch.distributed as dist
 
-    from ringmaster import balancers
-    from ringmaster.documents import CPBatch
-    from ringmaster.strategies import naive
-    from ringmaster.strategies.conv import cp_causal_conv1d
-    from ringmaster.strategies.state_passing import chunk_ids, local_documents, pass_state, with_documents
+    from ringmaster.sharding import balancers
+    from ringmaster.sharding.documents import CPBatch
+    from ringmaster.recurrent import naive
+    from ringmaster.recurrent.conv import cp_causal_conv1d
+    from ringmaster.recurrent.documents import local_documents, with_documents
+    from ringmaster.recurrent.scan import chunk_ids, pass_state
 
     group = ctx.mesh(P)["cp"].get_group()
     rank = dist.get_rank(group)
@@ -362,7 +363,7 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
     ``strip_kwarg``: the mixers are called without the ``ringmaster_batch`` kwarg (a pre-hook on each
     mixer drops it), as a decoder layer that does not forward its kwargs would; the document ids must
     then come from the pre-hook ringmaster puts on the enclosing decoder layer."""
-    from ringmaster.documents import BATCH_KWARG
+    from ringmaster.sharding.documents import BATCH_KWARG
     from ringmaster.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
@@ -387,7 +388,7 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
 def packed_hybrid_without_resets(ctx, model_type, P, doc_lens, strategy="scan"):
     """Negative control: the same packed comparison with the recurrent layers' document resets switched
     off (state and conv halo flow across document starts; attention stays packed-exact)."""
-    from ringmaster.strategies import linear_attn, mamba
+    from ringmaster.recurrent import gated_deltanet as linear_attn, mamba2 as mamba
 
     saved = [(mod, name, getattr(mod, name)) for mod in (mamba, linear_attn)
              for name in ("with_documents", "conv_documents")]

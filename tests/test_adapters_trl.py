@@ -1,5 +1,5 @@
 """trl: CPSFTTrainer against SFTTrainer without CP (3 SGD steps, fp32), eval-loss reduction,
-and ringmaster.loss.chunked_nll."""
+and ringmaster.sharding.loss.chunked_nll."""
 
 import jobs_adapters
 import pytest
@@ -11,7 +11,7 @@ TOL = 1e-4
 def test_chunked_nll_matches_cross_entropy():
     import torch.nn.functional as F
 
-    from ringmaster.loss import chunked_nll
+    from ringmaster.sharding.loss import chunked_nll
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -37,7 +37,7 @@ def test_chunked_nll_matches_cross_entropy():
 def test_chunked_nll_never_builds_full_logits():
     """Peak saved activations stay at one chunk of logits, not the whole shard's."""
     import ringmaster as rm
-    from ringmaster.loss import chunked_nll
+    from ringmaster.sharding.loss import chunked_nll
 
     hidden = torch.randn(1, 512, 32, requires_grad=True)
     weight = torch.randn(4000, 32, requires_grad=True)

@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 import ringmaster as rm
-from ringmaster.strategies.usp import auto_select
+from ringmaster.config import auto_select
 
 
 def test_strings_and_enums_are_interchangeable():

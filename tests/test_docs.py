@@ -35,9 +35,8 @@ def run_blocks(ctx, page: str, blocks: list[tuple[int, str]]):
     import io
 
     import ringmaster as rm
-    from ringmaster import architectures
+    from ringmaster.architectures import spec as architectures
 
-    architectures._load_builtin()
     registry = dict(architectures._REGISTRY)   # a page may register families: undo it afterwards
     namespace = {"__name__": f"docs_{page}"}
     out = io.StringIO()

@@ -15,9 +15,10 @@ import jobs_recurrent as jr
 import pytest
 import torch
 
-from ringmaster.strategies import naive
-from ringmaster.strategies.conv import conv_with_documents, halos_from_tails
-from ringmaster.strategies.state_passing import DocumentSegment, simulate_scan, simulate_sequential
+from ringmaster.recurrent import naive
+from ringmaster.recurrent.conv import conv_with_documents, halos_from_tails
+from ringmaster.recurrent.documents import DocumentSegment
+from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
 
 L = 24
 # shard edges of L=24: P=4 -> 6/12/18; head_tail P=4 -> every 3 tokens

@@ -11,9 +11,9 @@ import jobs_recurrent as jr
 import pytest
 import torch
 
-from ringmaster.strategies import naive
-from ringmaster.strategies.conv import conv_with_halo, halos_from_tails
-from ringmaster.strategies.state_passing import simulate_scan, simulate_sequential
+from ringmaster.recurrent import naive
+from ringmaster.recurrent.conv import conv_with_halo, halos_from_tails
+from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
 
 SPLITS = {
     "whole": [0, 24],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ringmaster.config import RingImpl
-from ringmaster.ring.kernels import get_kernel
-from ringmaster.ring.merge import merge, merge_sink, reference_attention
+from ringmaster.attention.ring.kernels import get_kernel
+from ringmaster.attention.ring.merge import merge, merge_sink, reference_attention
 
 PROVIDERS = [RingImpl.MATH, RingImpl.TORCH_NATIVE]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ringmaster import balancers
+from ringmaster.sharding import balancers
 from ringmaster.shard import CP_SHARD_KEY, shard_collated_batch, shard_tensor, shift_labels
 
 

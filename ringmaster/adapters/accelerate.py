@@ -21,6 +21,8 @@ and wires the model with :func:`ringmaster.wire`, so CP works for every family r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 from types import MethodType
 from typing import Any, Callable
@@ -118,7 +120,7 @@ def cp_num_items_in_batch(trainer, batch_samples: list, device, cp_group, cp_siz
     """
     import torch.distributed as dist
 
-    from ..shard import CP_SHARD_KEY, IGNORE_INDEX
+    from ..sharding.batch import CP_SHARD_KEY, IGNORE_INDEX
 
     if not batch_samples or "labels" not in batch_samples[0]:
         return None
@@ -144,6 +146,15 @@ def _unwrap(model, accelerator):
     return model
 
 
+@dataclass
+class AccelerateWiring:
+    """What :func:`setup_from_parallelism_config` installed: ``restore()`` undoes all of it."""
+
+    restore: Callable[[], Any]
+    context_manager: Any = None
+    device_mesh: Any = None
+
+
 def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfig | None = None, *,
                                   trainer=None, install_hooks: bool = True, gradient_accumulation_steps: int = 1,
                                   device_type: str | None = None):
@@ -153,12 +164,12 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
     an Accelerator, its torch-native CP hooks are replaced on that instance (and on ``trainer``'s
     when given). ``install_hooks`` registers :class:`ContextParallelContextManager` on the model,
     so a full batch in is cut to this rank's shard (with the global token count); pass False when
-    you shard yourself (``context_parallel_region``). ``runtime.extras["accelerate_restore"]()``
-    (or :func:`teardown`) undoes everything.
+    you shard yourself (``context_parallel_region``). ``runtime.adapter`` is an
+    :class:`AccelerateWiring`; :func:`teardown` (or ``runtime.adapter.restore()``) undoes everything.
     """
     import ringmaster as rm
 
-    from ..shard import ContextParallelContextManager
+    from ..sharding.batch import ContextParallelContextManager
 
     accelerator, pc = _resolve(accelerator_or_pc)
     cp_size = int(getattr(pc, "cp_size", 1) or 1)
@@ -177,6 +188,7 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
 
     inner = _unwrap(model, accelerator)
     runtime = rm.wire(inner, cfg, device_mesh=mesh, cp_dim="cp")
+    context_manager = None
     restores: list[Callable[[], Any]] = []
     try:
         if accelerator is not None:
@@ -186,7 +198,7 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
                                                     gradient_accumulation_steps=gradient_accumulation_steps,
                                                     load_balance=runtime.shard_load_balance)
             handles = manager.install()
-            runtime.extras["context_manager"] = manager
+            context_manager = manager
             restores.append(lambda: [h.remove() for h in handles])
     except Exception:
         for r in reversed(restores):
@@ -200,8 +212,7 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
         restores.clear()
         rm.unwire(inner)
 
-    runtime.extras["accelerate_restore"] = restore
-    runtime.extras["device_mesh"] = mesh
+    runtime.adapter = AccelerateWiring(restore=restore, context_manager=context_manager, device_mesh=mesh)
     return runtime
 
 
@@ -209,7 +220,7 @@ def teardown(runtime) -> None:
     """Undo :func:`setup_from_parallelism_config` (hooks, accelerate overrides, wiring) and drop the runtime."""
     import ringmaster as rm
 
-    restore = runtime.extras.pop("accelerate_restore", None)
-    if restore is not None:
-        restore()
+    wiring, runtime.adapter = runtime.adapter, None
+    if isinstance(wiring, AccelerateWiring):
+        wiring.restore()
     rm.teardown()

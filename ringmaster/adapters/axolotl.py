@@ -149,7 +149,7 @@ class RingmasterPlugin(_Base):
 
         import ringmaster as rm
 
-        from ..shard import ContextParallelContextManager
+        from ..sharding.batch import ContextParallelContextManager
         from .accelerate import _restore, _set_instance, cp_num_items_in_batch, disable_torch_cp
 
         settings = settings_of(cfg)
@@ -176,11 +176,18 @@ class RingmasterPlugin(_Base):
 
         _set_instance(trainer, "_get_num_items_in_batch", MethodType(_get_num_items_in_batch, trainer), originals)
         self._restores.append(lambda: _restore(originals))
-        models = [trainer.model] + ([trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else [])
+        models = [trainer.model]
+        ref_model = getattr(trainer, "ref_model", None)
+        if ref_model is not None:  # sharded like the policy, so its attention must be CP attention too
+            ref = accelerator.unwrap_model(ref_model) if hasattr(accelerator, "unwrap_model") else ref_model
+            if ref is not model and getattr(ref, "_ringmaster_runtime", None) is None:
+                rm.wire(ref, ringmaster_config(settings), device_mesh=mesh)
+                self._restores.append(lambda: rm.unwire(ref))
+            models.append(ref_model)
         manager = ContextParallelContextManager(
             models, runtime.cp_group, gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps") or 1)
             if isinstance(cfg, dict) else int(getattr(cfg, "gradient_accumulation_steps", 1) or 1),
-            gather_outputs=settings.gather_outputs, load_balance=runtime.shard_load_balance)
+            gather_outputs=settings.gather_outputs)
         handles = manager.install()
         self._restores.append(lambda: [h.remove() for h in handles])
         try:  # axolotl's own CP consumers (mamba corrections, GRPO) look the group up here

@@ -7,29 +7,34 @@ from typing import Any, Mapping
 
 import torch
 
-from ..documents import BATCH_KWARG
-from ..shard import CP_SHARD_KEY, batch_kwarg, global_num_items, shard_collated_batch
+from ..runtime import active, runtime_of
+from ..sharding.batch import CP_SHARD_KEY, batch_kwarg, check_shard_target, global_num_items, shard_collated_batch
+from ..sharding.documents import BATCH_KWARG
 from ..validation import validate_batch
 
 
 @contextlib.contextmanager
-def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, num_items_in_batch=None):
+def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=None, num_items_in_batch=None):
     """Yield this rank's shard of ``batch`` (every rank of the CP group passes the same full batch).
 
-    The batch may be packed (position_ids restarting per document, or ``cu_seq_lens``) or
-    padded (``attention_mask`` zeros, labels -100 there): documents never see each other and
-    padding is never attended. The shard carries the batch's global document structure as the
-    ``ringmaster_batch`` kwarg, which the CP layers read.
+    The shard is cut for ``runtime`` (what ``rm.wire`` returned), or for ``model``'s runtime, or
+    else for the current runtime (the last ``rm.setup``/``rm.wire``): with two wired models in one
+    process, pass the one this batch is for. The batch may be packed (position_ids restarting per
+    document, or ``cu_seq_lens``) or padded (``attention_mask`` zeros, labels -100 there):
+    documents never see each other and padding is never attended. The shard carries the batch's
+    global document structure and layout as the ``ringmaster_batch`` kwarg, which the CP layers
+    read (and check against what they were bound to).
 
     ``model(**shard).loss`` then follows the convention: the mean over the CP group of each
     rank's loss and gradients equals the single-device loss and gradients. Pass
     ``num_items_in_batch`` (global supervised tokens, e.g. over a gradient-accumulation window)
     to override the count taken from this batch.
     """
-    from ..runtime import active
-
-    rt = runtime or active()
-    shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance)
+    if runtime is None and model is not None:
+        runtime = check_shard_target(model, runtime_of(model), None, None)
+    rt = runtime if runtime is not None else active()
+    shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance,
+                                 multimodal=rt.multimodal is not None)
     meta = shard.pop(CP_SHARD_KEY)
     validate_batch(rt, meta, full_batch=batch)
     shard[BATCH_KWARG] = batch_kwarg(meta)

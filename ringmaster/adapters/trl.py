@@ -13,7 +13,7 @@ packing and padding-free batches are all exact. What this class adds to ``SFTTra
 - accelerate's and the Trainer's torch-native CP (SDPA only, in-place buffer sharding) are
   replaced on these instances; packing / padding-free are allowed (ringmaster keeps documents
   apart from the global ``position_ids``);
-- the loss is :func:`ringmaster.loss.chunked_nll` over the shard's hidden states (full-vocabulary
+- the loss is :func:`ringmaster.sharding.loss.chunked_nll` over the shard's hidden states (full-vocabulary
   logits never exist for the whole shard) unless ``cp_loss="trl"`` keeps trl's fused head;
 - evaluation losses are reduced (mean) over the CP group, so every rank logs the true eval loss.
 """
@@ -30,7 +30,7 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is an optional extra
     raise ImportError("ringmaster.adapters.trl needs trl: pip install 'axolotl-ringmaster[trl]'") from exc
 
-from ..shard import IGNORE_INDEX
+from ..sharding.batch import IGNORE_INDEX
 from .accelerate import cp_num_items_in_batch
 
 
@@ -43,7 +43,7 @@ def _install_chunked_loss(model, chunk_size: int):
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from ..loss import chunked_nll
+    from ..sharding.loss import chunked_nll
 
     had = "forward" in vars(model)
     original = model.forward
@@ -61,7 +61,7 @@ def _install_chunked_loss(model, chunk_size: int):
         if shift_labels is None:
             if labels is None:
                 raise ValueError("ringmaster_chunked_loss needs labels or shift_labels")
-            from ..shard import shift_labels as _shift
+            from ..sharding.batch import shift_labels as _shift
 
             shift_labels = _shift(labels)
         backbone = getattr(model, model.base_model_prefix, None) or model.get_decoder()
@@ -141,7 +141,7 @@ class CPSFTTrainer(SFTTrainer):
     def _rm_setup(self, cfg, device_mesh) -> None:
         import ringmaster as rm
 
-        from ..shard import ContextParallelContextManager
+        from ..sharding.batch import ContextParallelContextManager
         from .accelerate import disable_torch_cp
 
         model = self.accelerator.unwrap_model(self.model)

@@ -5,7 +5,7 @@ declared here: the window reaches the kernel through HF's mask builders and the
 ``sliding_window`` kwarg, sinks through the module's ``sinks`` parameter.
 """
 
-from . import ArchitectureSpec, register_architecture
+from .spec import ArchitectureSpec, register_architecture
 
 LLAMA = register_architecture(ArchitectureSpec(
     name="llama",

@@ -1,13 +1,13 @@
 """Mamba2 hybrids: Nemotron-H, Bamba, Falcon-H1, GraniteMoeHybrid.
 
 Attention blocks get Ulysses/Ring/USP; the Mamba2 mixers (causal conv1d + SSD chunk scan)
-get the conv halo and exact cross-rank state passing (:mod:`ringmaster.strategies.mamba`);
+get the conv halo and exact cross-rank state passing (:mod:`ringmaster.recurrent.mamba2`);
 MLP / MoE blocks are per-token and untouched. All four mixers call the same module-level
 kernels (``causal_conv1d_fn``, ``mamba2_chunk_scan``, the fused
 ``mamba2_split_conv1d_scan_combined`` that CP routes around).
 """
 
-from . import ArchitectureSpec, register_architecture
+from .spec import ArchitectureSpec, register_architecture
 
 NEMOTRON_H = register_architecture(ArchitectureSpec(
     name="nemotron_h",

@@ -2,11 +2,11 @@
 
 ``full_attention`` layers get Ulysses/Ring/USP through the attention function; the
 ``linear_attention`` layers (gated DeltaNet: causal conv1d + chunked gated delta rule) get the
-conv halo and exact cross-rank state passing (:mod:`ringmaster.strategies.linear_attn`).
+conv halo and exact cross-rank state passing (:mod:`ringmaster.recurrent.gated_deltanet`).
 The vision towers of the Qwen3.5 VLMs are not declared here (see the VLM families).
 """
 
-from . import ArchitectureSpec, register_architecture
+from .spec import ArchitectureSpec, register_architecture
 
 QWEN3_NEXT = register_architecture(ArchitectureSpec(
     name="qwen3_next",

@@ -1,1 +1,2 @@
-"""Parallel strategies: how each kind of layer is made exact when the sequence is sharded."""
+"""Import paths kept for axolotl 0.21 (``strategies.state_passing``, ``strategies.ring``); the code
+lives in :mod:`ringmaster.attention` and :mod:`ringmaster.recurrent`."""

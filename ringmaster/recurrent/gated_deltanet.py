@@ -17,7 +17,7 @@ is known (all-gathered maps, composed in fp32). ``sequential`` runs the kernel w
 ``initial_state=S_in`` and passes the final state on.
 
 Packed or padded rows: conv taps and the recurrence never cross a document start (global
-document ids from the ``ringmaster_batch`` kwarg; :class:`~ringmaster.strategies.state_passing.
+document ids from the ``ringmaster_batch`` kwarg; :class:`~ringmaster.recurrent.documents.
 DocumentSegment` cuts each chunk at its starts, and a chunk with a start maps with ``A = 0``).
 """
 
@@ -30,10 +30,12 @@ import torch
 
 import torch.distributed as dist
 
-from .conv import conv_documents, cp_causal_conv1d
-from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, decode_only_without_cp, hi,
-                            local_documents, pass_state,
-                            rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
+from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .documents import local_documents, with_documents
+from .intercept import rebind_forward
+from .kind import RecurrentKind
+from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
 REQUIRED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
@@ -98,8 +100,11 @@ class GatedDeltaSegment:
 def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, value, g, beta,
                               initial_state=None, output_final_state=False, **kwargs):
     """``chunk_gated_delta_rule`` for this rank's shard, with the earlier shards' state passed in."""
-    group, size, layout, strategy = ctx.resolve()
-    batch = take_batch(kwargs, ctx)
+    batch = ctx.take_batch(kwargs)
+    if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
+        seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
+        return seg.run(ctx.probe.state("torch_chunk_gated_delta_rule", *seg.state_meta()))[0], None
+    group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
         return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
@@ -124,8 +129,10 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
     namespace = inspect.unwrap(type(module).forward).__globals__
 
     def conv(x, weight, bias=None, activation=None, **kwargs):
-        group, size, layout, _ = ctx.resolve()
-        batch = take_batch(kwargs, ctx)
+        batch = ctx.take_batch(kwargs)
+        if ctx.probe is not None:
+            return probe_conv(ctx, namespace["causal_conv1d_fn"], x, weight, bias, activation, **kwargs)
+        group, size, layout, _ = ctx.resolve(batch)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)
         return cp_causal_conv1d(namespace["causal_conv1d_fn"], x, weight, bias, activation,
@@ -142,3 +149,7 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
         "torch_recurrent_gated_delta_rule": decode_only_without_cp(ctx, namespace, "torch_recurrent_gated_delta_rule"),
     }
     return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
+
+
+KIND = RecurrentKind(name="gated_deltanet", kernels=REQUIRED, wire=wire_gated_deltanet_layer,
+                     description="gated DeltaNet: causal conv1d + chunked gated delta rule (d_k x d_k transition)")

@@ -7,7 +7,7 @@ is routed around: it returns None, as the torch fallback does), ``causal_conv1d_
 pure-torch SSD). :func:`wire_mamba2_layer` gives one mixer *instance* a copy of its class
 forward in which those names resolve to CP-aware versions (nothing global is patched):
 
-* conv: :func:`ringmaster.strategies.conv.cp_causal_conv1d` (halo from the previous chunk);
+* conv: :func:`ringmaster.recurrent.conv.cp_causal_conv1d` (halo from the previous chunk);
 * scan: the chunk's map is ``S_end = a · S_start + b`` with ``a = exp(Σ A·dt)`` per head and
   ``b`` the final state from zero; ``scan`` all-gathers the maps and adds the closed-form
   correction ``y_t += exp(Σ_{s<=t} A·dt_s) · C_t · S_in``; ``sequential`` reruns the kernel
@@ -15,7 +15,7 @@ forward in which those names resolve to CP-aware versions (nothing global is pat
 
 Packed or padded rows (the ``ringmaster_batch`` kwarg carries global document ids): the conv
 masks every tap that crosses a document start and each shard chunk is cut at its document
-starts (:class:`~ringmaster.strategies.state_passing.DocumentSegment`: a chunk with a start
+starts (:class:`~ringmaster.recurrent.documents.DocumentSegment`: a chunk with a start
 has decay 0 in its map), so state never flows from one document into the next, at any CP size.
 """
 
@@ -28,11 +28,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .conv import conv_documents, cp_causal_conv1d
+from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .naive import mamba2_dt
-from .state_passing import (LayerContext, call_guard, check_call_kwargs, chunk_ids, decode_only_without_cp, hi,
-                            local_documents, pass_state,
-                            rebind_forward, simulate_sequential, split_local, state_dtype, take_batch, with_documents)
+from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .documents import local_documents, with_documents
+from .intercept import rebind_forward
+from .kind import RecurrentKind
+from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
 REQUIRED = ("causal_conv1d_fn", "mamba2_chunk_scan")
 FUSED = "mamba2_split_conv1d_scan_combined"
@@ -102,8 +104,12 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
                          dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                          return_final_states=False, **kwargs):
     """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in."""
-    group, size, layout, strategy = ctx.resolve()
-    batch = take_batch(kwargs, ctx)
+    batch = ctx.take_batch(kwargs)
+    if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
+        kwargs.pop("z", None)
+        seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
+        return seg.run(ctx.probe.state("mamba2_chunk_scan", *seg.state_meta()))[0]
+    group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
         return kernel(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
@@ -128,8 +134,8 @@ def _route_around_fused(ctx: LayerContext, namespace: dict):
     """The fused conv+scan kernel takes no incoming state: under CP return None (what the torch
     fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
     def call(*args, **kwargs):
-        batch = take_batch(kwargs, ctx)
-        if ctx.resolve()[1] > 1 or getattr(batch, "doc_ids", None) is not None:
+        batch = ctx.take_batch(kwargs)
+        if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
             return None   # under CP, or a packed row: the unfused path resets at document starts
         return namespace[FUSED](*args, **kwargs)
     return call
@@ -145,9 +151,11 @@ def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
     namespace = inspect.unwrap(type(module).forward).__globals__
 
     def conv(x, weight, bias=None, activation=None, **kwargs):
-        group, size, layout, _ = ctx.resolve()
         kernel = _live(namespace, "causal_conv1d_fn")
-        batch = take_batch(kwargs, ctx)
+        batch = ctx.take_batch(kwargs)
+        if ctx.probe is not None:
+            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
+        group, size, layout, _ = ctx.resolve(batch)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)
         return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
@@ -165,3 +173,7 @@ def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
     }
     return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
 
+
+
+KIND = RecurrentKind(name="mamba2", kernels=REQUIRED, wire=wire_mamba2_layer,
+                     description="Mamba2 mixer: causal conv1d + SSD chunk scan (per-head scalar decay)")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .shard import IGNORE_INDEX
+from .batch import IGNORE_INDEX
 
 
 def cp_num_items(global_num_items, cp_size: int) -> torch.Tensor:

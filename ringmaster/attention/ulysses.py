@@ -10,25 +10,17 @@ the ``ringmaster_batch`` kwarg captured before sharding.
 
 from __future__ import annotations
 
-import re
 import sys
-from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all, with_layer_context
+from ..comm import all_to_all
+from .binding import AttentionBinding
 
 # kwargs that describe the local shard only: the inner kernel must not see them
 _LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-
-
-def attention_name(inner: str) -> str:
-    """The name registered with transformers: no '/' (read as a hub repo), no 'flash' (HF
-    special-cases names containing it)."""
-    short = re.sub(r"[^0-9a-zA-Z]+", "_", inner).strip("_").replace("flash", "fa")
-    return f"ringmaster_ulysses_{short}"
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -109,20 +101,6 @@ def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
     return y.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
 
 
-def require_batch(kwargs) -> "CPBatch":
-    """The per-batch document structure every CP attention needs (fail closed without it)."""
-    from ..documents import BATCH_KWARG
-
-    cpb = kwargs.pop(BATCH_KWARG, None)
-    if cpb is None:
-        raise RuntimeError(
-            "ringmaster CP attention was called without the batch's global structure: shard batches with "
-            "ringmaster.adapters.raw.context_parallel_region(batch) or ContextParallelContextManager, which pass "
-            "it to the model as the `ringmaster_batch` kwarg"
-        )
-    return cpb
-
-
 def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwargs: dict):
     """The mask (or varlen kwargs) the inner kernel needs for the whole sequence."""
     if "flash" in inner or "/" in inner:  # flash kernels: causal flag + sliding_window kwarg + varlen boundaries
@@ -139,13 +117,10 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
         ~mask, torch.finfo(query.dtype).min)
 
 
-def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, **kwargs):
-    """Attention-interface function: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``."""
-    from ..runtime import active
-
-    rt = active()
-    cpb = require_batch(kwargs)
-    group = rt.ulysses_group
+def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
+    """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
+    inner = binding.inner
+    group = binding.ulysses_group
     P = dist.get_world_size(group)
     rank = dist.get_rank(group)
     num_heads, num_kv = query.shape[1], key.shape[1]
@@ -172,34 +147,3 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner: str, 
     fn = _inner_attention(inner, module)
     out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
-
-
-def no_cache_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, **kwargs):
-    """Mask-interface function for ringmaster's names: nothing to build here (the CP attention
-    builds its masks for the whole sequence from ``ringmaster_batch``), but a KV cache, whose
-    offsets describe one shard only, is refused."""
-    if (isinstance(q_offset, int) and q_offset) or kv_offset or q_length != kv_length:
-        raise NotImplementedError(
-            f"ringmaster CP runs training/prefill forwards without a KV cache (q_offset={q_offset}, "
-            f"q_length={q_length}, kv_length={kv_length}); call the model with use_cache=False"
-        )
-    return None
-
-
-def register_ulysses_attention(inner: str) -> str | None:
-    """Register the Ulysses wrapper of ``inner`` (and its global mask) with transformers; return its name.
-
-    Built-in names are never overwritten. Returns None when transformers is not installed
-    (the collectives in this module still work on raw tensors).
-    """
-    from ..compat import has_module
-
-    if not has_module("transformers"):
-        return None
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    name = attention_name(inner)
-    AttentionInterface.register(name, with_layer_context(partial(ulysses_attention, inner=inner)))
-    AttentionMaskInterface.register(name, no_cache_mask)
-    return name

@@ -2,7 +2,7 @@
 
 Slow on purpose: one step per token, no chunking, no kernels, any dtype (the unit tests run
 them in float64). They define what "exact" means for the state passing in
-:mod:`ringmaster.strategies.state_passing`; nothing on the training path calls them.
+:mod:`ringmaster.recurrent.scan`; nothing on the training path calls them.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import has_module
-from ..config import RingImpl
+from ...compat import has_module
+from ...config import RingImpl
 from .merge import acc_dtype
 
 NEG_INF = float("-inf")

@@ -17,7 +17,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .state_passing import chunk_ids, global_documents, split_local, tie
+from ..comm import all_gather
+from .documents import global_documents
+from .scan import chunk_ids, split_local, tie
 
 
 def _tail(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -53,8 +55,6 @@ def exchange_halos(chunks: Sequence[torch.Tensor], width: int, group, layout: st
 
     ``lengths``: every chunk's length in *sequence order* over the whole group; default: all
     chunks as long as this rank's (the equal split :func:`ringmaster.shard.shard_tensor` makes)."""
-    from ..comm import all_gather
-
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ids = chunk_ids(layout, P, rank)
     if len(ids) != len(chunks):
@@ -139,3 +139,11 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
         outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, **kwargs)
                 for i, c, h in zip(ids, chunks, halos)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
+    """The conv under ``wire``'s probe: the layer's own kernel with a random (or zero) halo."""
+    width = weight.shape[-1] - 1
+    halo = ctx.probe.state("causal_conv1d_fn", (*x.shape[:-1], width), x.dtype, x.device)
+    return conv_with_halo(kernel, x, x.new_zeros(*x.shape[:-1], width) if halo is None else halo, weight, bias,
+                          activation, **kwargs)

@@ -1,0 +1,96 @@
+"""The architecture spec type and its registry (one registry for text families and VLMs).
+
+A family module is data: an :class:`ArchitectureSpec` naming the attention classes, where the
+head counts live in the config, and which recurrent layers exist. ``rm.wire`` looks the spec
+up by ``config.model_type``, checks every layer of the model against it and fails closed on
+anything stateful it does not know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+_REGISTRY: dict[str, "ArchitectureSpec"] = {}
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What ringmaster needs to know about one model family.
+
+    ``attention_classes``: class names of the self-attention modules whose kernel call goes
+    through ``config._attn_implementation`` (these get Ulysses/Ring).
+    ``recurrent_classes``: class name -> strategy for state-carrying layers ringmaster handles.
+    ``ignore_classes``: class names that match the stateful pattern but carry no state.
+    ``recurrent_kernels``: kind -> the module-level kernel names its layers call (default: the
+    kind's own list, :mod:`ringmaster.recurrent.registry`); ``wire`` intercepts exactly these.
+
+    A vision-language model also names where its fused sequence starts (``language_model``:
+    the first module whose forward sees only the fused sequence; its pre-hook cuts the shard),
+    the modules that run unsharded on every rank (``vision_modules``), the per-token kwargs the
+    pre-hook cuts (``sequence_kwargs``: name -> dim) and deepstack embeddings to re-select.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    attention_classes: tuple[str, ...]
+    num_heads_attr: str = "num_attention_heads"
+    num_kv_heads_attr: str = "num_key_value_heads"
+    recurrent_classes: dict = field(default_factory=dict)
+    ignore_classes: tuple[str, ...] = ()
+    supported_inner: tuple[str, ...] | None = None  # None: every kernel the model itself supports
+    recurrent_kernels: dict = field(default_factory=dict)
+    notes: str = ""
+    # vision-language models
+    language_model: str | None = None
+    vision_modules: tuple[str, ...] = ()
+    sequence_kwargs: dict = field(default_factory=lambda: {"inputs_embeds": 1, "position_ids": -1,
+                                                           "visual_pos_masks": 1})
+    deepstack_kwarg: str | None = None         # list of [num_visual_tokens, hidden] per layer
+    deepstack_mask_kwarg: str = "visual_pos_masks"
+
+    @property
+    def multimodal(self) -> bool:
+        return self.language_model is not None
+
+    def vlm(self, name: str, model_types: tuple[str, ...], language_model: str, vision_modules: tuple[str, ...],
+            **fields) -> "ArchitectureSpec":
+        """This (text) family inside a vision-language model of ``model_types``."""
+        return replace(self, name=name, model_types=model_types, language_model=language_model,
+                       vision_modules=vision_modules, **fields)
+
+
+def register_architecture(spec: ArchitectureSpec, *, override: bool = False) -> ArchitectureSpec:
+    """Add a model family. Raises if a model type is already claimed, unless ``override``."""
+    if not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"register_architecture needs an ArchitectureSpec, got {type(spec).__name__}")
+    for model_type in spec.model_types:
+        if model_type in _REGISTRY and not override and _REGISTRY[model_type] is not spec:
+            raise ValueError(
+                f"model_type {model_type!r} is already registered by family {_REGISTRY[model_type].name!r}; "
+                "pass override=True to replace it"
+            )
+    for model_type in spec.model_types:
+        _REGISTRY[model_type] = spec
+    return spec
+
+
+def known_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def get_architecture(model_or_config) -> ArchitectureSpec:
+    """The spec for a model (or its config), found by ``model_type`` (the text config's for VLMs)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    for cfg in (config, text_config(config)):
+        model_type = getattr(cfg, "model_type", None)
+        if model_type in _REGISTRY:
+            return _REGISTRY[model_type]
+    model_type = getattr(config, "model_type", None)
+    raise ValueError(
+        f"ringmaster does not know model_type {model_type!r}. Known families: {', '.join(known_model_types())}. "
+        "Describe it with rm.register_architecture(rm.ArchitectureSpec(name=..., model_types=(...,), "
+        "attention_classes=('MyAttention',))); see docs/models.md"
+    )

@@ -1,0 +1,27 @@
+"""What a registered CP attention function is bound to (a leaf: imports nothing from the package)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AttentionBinding:
+    """What one registered CP attention function is closed over (never changes after setup)."""
+
+    backend: str                       # "ulysses" | "ring" | "usp"
+    inner: str                         # the model's own kernel: "sdpa", "eager", "flex_attention", ...
+    cp_group: Any
+    cp_rank: int
+    cp_size: int
+    ulysses_group: Any = None
+    ring_group: Any = None
+    ring_kernel: Any = None
+    rotate: str = "alltoall"
+    name: str = ""
+
+    def layouts(self) -> tuple[str, ...]:
+        """Shard layouts this attention is exact for: Ring plans with any layout the batch was cut
+        with; Ulysses (and USP's Ulysses stage) needs contiguous spans."""
+        return ("contiguous", "head_tail") if self.backend == "ring" else ("contiguous",)

@@ -1,0 +1,90 @@
+"""Register one CP attention function per runtime with transformers' attention interface.
+
+Each runtime gets a name of its own (``ringmaster_<backend>_<inner>_<n>``) whose function is
+closed over that runtime's :class:`~ringmaster.runtime.AttentionBinding` (groups, ring block
+kernel, rotation). A model switched to that name calls exactly that binding, so models wired
+differently in one process never see each other's settings.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+from ..comm import with_layer_context
+from ..compat import has_module
+from .binding import AttentionBinding
+from ..sharding.documents import BATCH_KWARG, CPBatch
+from . import ulysses, usp
+from .ring import hf as ring_hf
+
+
+def attention_name(backend: str, inner: str, serial: int | None = None) -> str:
+    """The name registered with transformers: no '/' (read as a hub repo), no 'flash' (HF
+    special-cases names containing it)."""
+    short = re.sub(r"[^0-9a-zA-Z]+", "_", inner).strip("_").replace("flash", "fa")
+    return f"ringmaster_{backend}_{short}" + (f"_{serial}" if serial is not None else "")
+
+
+def require_batch(kwargs: dict, binding: AttentionBinding) -> CPBatch:
+    """The per-batch structure a CP attention call needs, checked against what the function is bound
+    to, before any collective (fail closed: a batch cut for another group, rank or layout raises)."""
+    cpb = kwargs.pop(BATCH_KWARG, None)
+    if cpb is None:
+        raise RuntimeError(
+            f"ringmaster CP attention ({binding.name or binding.backend}) was called without the batch's global "
+            "structure: shard batches with ringmaster.adapters.raw.context_parallel_region(batch) or "
+            "ContextParallelContextManager, which pass it to the model as the `ringmaster_batch` kwarg"
+        )
+    if cpb.size != binding.cp_size or cpb.rank != binding.cp_rank:
+        raise RuntimeError(
+            f"the batch was cut for rank {cpb.rank} of {cpb.size}, but this model's CP attention "
+            f"({binding.name}) runs as rank {binding.cp_rank} of {binding.cp_size}; shard it with this model's "
+            "runtime (context_parallel_region(batch, runtime=runtime) or ContextParallelContextManager(models, "
+            "runtime.cp_group))"
+        )
+    if cpb.layout not in binding.layouts():
+        raise RuntimeError(
+            f"the batch was cut in the {cpb.layout!r} layout, but {binding.backend} attention ({binding.name}) "
+            f"needs {' or '.join(binding.layouts())} shards; shard with load_balance='contiguous' (or leave "
+            "load_balance unset so the model's own runtime decides)"
+        )
+    return cpb
+
+
+def _call(fn, binding: AttentionBinding, module, query, key, value, attention_mask, **kwargs):
+    cpb = require_batch(kwargs, binding)
+    return fn(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
+
+
+def cp_attention(binding: AttentionBinding):
+    """The attention-interface function for ``binding``: q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]``
+    -> ``[B, S/P, Hq, D]``."""
+    fn = {"ulysses": ulysses.ulysses_attention, "ring": ring_hf.ring_attention_hf,
+          "usp": usp.usp_attention_hf}[binding.backend]
+    return with_layer_context(partial(_call, fn, binding))
+
+
+def no_cache_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, **kwargs):
+    """Mask-interface function for ringmaster's names: nothing to build here (the CP attention
+    builds its masks for the whole sequence from ``ringmaster_batch``), but a KV cache, whose
+    offsets describe one shard only, is refused."""
+    if (isinstance(q_offset, int) and q_offset) or kv_offset or q_length != kv_length:
+        raise NotImplementedError(
+            f"ringmaster CP runs training/prefill forwards without a KV cache (q_offset={q_offset}, "
+            f"q_length={q_length}, kv_length={kv_length}); call the model with use_cache=False"
+        )
+    return None
+
+
+def register_attention(binding: AttentionBinding) -> bool:
+    """Register ``binding``'s function (and its mask function) under ``binding.name``. Returns False
+    when transformers is not installed (the collectives still work on raw tensors)."""
+    if not has_module("transformers"):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(binding.name, cp_attention(binding))
+    AttentionMaskInterface.register(binding.name, no_cache_mask)
+    return True

@@ -1,0 +1,26 @@
+"""USP: Ulysses inside a node, Ring across nodes (the split itself: ``config.auto_select``)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .binding import AttentionBinding
+from .ring.hf import module_sinks, ring_core
+from .ulysses import head_to_seq, kv_replication, seq_to_head
+
+
+def usp_attention_hf(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
+    """Ulysses all-to-all inside the Ulysses group turns ``[B, H, S/P, D]`` into ``[B, H/u, S/r, D]``
+    (the Ulysses group's contiguous span), Ring runs over the ring group on that span, and the
+    reverse all-to-all returns ``[B, S/P, H, D]``."""
+    ug = binding.ulysses_group
+    u, i = dist.get_world_size(ug), dist.get_rank(ug)
+    rep = kv_replication(query.shape[1], key.shape[1], u)
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    q, k, v = seq_to_head([query, key, value], ug)
+    sinks = module_sinks(module, kwargs)
+    if sinks is not None:
+        sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]
+    out = ring_core(binding, cpb, module, q, k, v, binding.ring_group, "contiguous", kwargs, sinks)
+    return head_to_seq(out.transpose(1, 2), ug), None

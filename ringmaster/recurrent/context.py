@@ -1,0 +1,119 @@
+"""What a wired recurrent layer is bound to, and the checks every call of it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..sharding.documents import BATCH_KWARG
+from .scan import STRATEGIES
+
+
+@dataclass
+class Probe:
+    """What a probe forward records: which replacement kernels ran, and whether they start from a
+    random non-zero incoming state (conv halo, scan state) instead of zeros."""
+
+    inject: set = field(default_factory=set)      # kernel names that get a random incoming state
+    called: set = field(default_factory=set)
+    seed: int = 0
+
+    def state(self, name: str, shape, dtype, device):
+        self.called.add(name)
+        if name not in self.inject:
+            return None
+        g = torch.Generator().manual_seed(self.seed + len(self.called))
+        return torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+@dataclass
+class LayerContext:
+    """What a wired layer is bound to when it is wired: its path, CP group and state-passing
+    strategy. The per-step layout and documents come only from the ``ringmaster_batch`` of the call
+    (nothing is read from a process global), checked against the group here."""
+
+    path: str
+    group: Any = None
+    strategy: str = "auto"
+    # the ``ringmaster_batch`` the enclosing layer was last called with (set by an instance-local
+    # forward pre-hook; only used when the kernels are called without it): see :meth:`take_batch`
+    batch: Any = field(default=None, repr=False)
+    # set only while ``wire`` probes the layer (:func:`ringmaster.recurrent.intercept.probe_layer`)
+    probe: "Probe | None" = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.strategy not in ("auto", *STRATEGIES):
+            raise ValueError(f"{self.path}: recurrent strategy {self.strategy!r}: use 'auto' or one of {STRATEGIES}")
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+    def take_batch(self, kwargs: dict):
+        """The ``ringmaster_batch`` of this call, removed from ``kwargs`` (the kernels never see it):
+        the kwarg itself when the layer forwarded it, else what the enclosing layer's pre-hook saw."""
+        batch = kwargs.pop(BATCH_KWARG, None)
+        return batch if batch is not None else self.batch
+
+    def resolve(self, batch) -> tuple[Any, int, str, str]:
+        """``(group, size, layout, strategy)`` for a call that carries ``batch`` (its ``CPBatch``)."""
+        size = self.size
+        if batch is None:
+            if size > 1:
+                raise RuntimeError(
+                    f"{self.path}: a recurrent layer wired for CP ran without the batch's global structure "
+                    "(`ringmaster_batch`); shard batches with context_parallel_region(batch) or "
+                    "ContextParallelContextManager"
+                )
+            return self.group, size, "contiguous", "sequential"
+        if batch.size != size or (size > 1 and batch.rank != dist.get_rank(self.group)):
+            raise RuntimeError(
+                f"{self.path}: the batch was cut for rank {batch.rank} of {batch.size}, but this layer is wired "
+                f"to a CP group of {size} ranks (this rank: {dist.get_rank(self.group) if size > 1 else 0}); "
+                "shard with the runtime this model was wired with"
+            )
+        strategy = self.strategy if self.strategy != "auto" else ("sequential" if size <= 2 else "scan")
+        return self.group, size, batch.layout, strategy
+
+
+def check_call_kwargs(path: str, kwargs: dict) -> None:
+    """Refuse packing metadata that describes the *local* shard or the full row in kernel terms
+    (``cu_seqlens``/``seq_idx``): under CP the document structure comes from the global document
+    ids of the ``ringmaster_batch`` kwarg (see :class:`DocumentSegment`); these would be ambiguous."""
+    for key in ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(key) is not None:
+            raise NotImplementedError(
+                f"{path}: {key} reached the recurrent kernel under CP; pass packed rows through "
+                "context_parallel_region / ContextParallelContextManager (position_ids restarting per document, "
+                "or cu_seq_lens in the full batch), which carry the global document boundaries to every layer"
+            )
+
+
+def call_guard(ctx: LayerContext) -> Callable[[tuple, dict], None]:
+    """Checks before every forward of a wired layer ``forward(hidden_states, cache, attention_mask)``:
+    no cache under CP (training runs use_cache=False), and a padding mask cut like the shard."""
+    def guard(args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
+        if cache is not None and ctx.size > 1:
+            raise RuntimeError(f"{ctx.path}: the model was called with a cache under CP; "
+                               "run it with use_cache=False in training")
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        if isinstance(mask, torch.Tensor) and isinstance(hidden, torch.Tensor) and mask.dim() == 2 \
+                and mask.shape[-1] != hidden.shape[1]:
+            raise ValueError(f"{ctx.path}: the padding mask has {mask.shape[-1]} positions but the shard has "
+                             f"{hidden.shape[1]}; shard the attention_mask with the batch")
+    return guard
+
+
+def decode_only_without_cp(ctx: LayerContext, namespace: dict, name: str):
+    """Cached single-token decoding kernels: the original at CP size 1, refused under CP."""
+    def call(*args, **kwargs):
+        if ctx.size > 1:
+            raise RuntimeError(f"{ctx.path}: {name} (cached decoding) is not supported under CP; "
+                               "run the model with use_cache=False")
+        return namespace[name](*args, **kwargs)
+    return call

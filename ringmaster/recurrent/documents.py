@@ -1,0 +1,190 @@
+"""Packed rows and padding through recurrent layers: the state resets at every document start.
+
+A chunk is cut at its document starts (:class:`DocumentSegment`); a chunk holding a start has
+the map ``A = 0`` (its end state does not depend on the incoming state), so both strategies and
+every layout stay unchanged around it. The document ids come from the ``ringmaster_batch`` kwarg
+(or, for a mixer called without kwargs, from a pre-hook on its enclosing layer).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .scan import chunk_ids, tie
+
+class DocumentSegment:
+    """A segment whose tokens may belong to several documents (a packed row, or padding).
+
+    The recurrence restarts from a zero state at every document start, exactly as if each
+    document ran alone. ``docs [B, m]``: the global document id of each token of the chunk;
+    ``prev [B]``: the id of the token just before the chunk in sequence order (None for the
+    first chunk of the sequence, whose incoming state is zero anyway).
+
+    The chunk is cut at its document starts into pieces, each run by the unmodified kernel (any
+    kernel: no ``seq_idx`` support needed). The first piece continues the incoming state unless a
+    document starts exactly at the chunk's first token; every later piece starts from zero. The
+    chunk's affine map is then a "reset" map: ``A = 0`` (the incoming state cannot reach the end
+    of the chunk) and ``b`` = the last piece's final state, so the scan's prefix composition and
+    the sequential hand-over stay unchanged. Rows with different cut patterns (B > 1 with padding)
+    are run in groups of identical patterns.
+
+    ``base`` must provide, besides the :class:`Segment` methods, ``sub(rows, start, stop)`` (the
+    same kind of segment over some batch rows and a token range) and ``state_map(final)`` (the
+    packed map ``(A=0, b=final)``)."""
+
+    def __init__(self, base, docs: torch.Tensor, prev: torch.Tensor | None):
+        self.base = base
+        B, m = docs.shape
+        inner = docs[:, 1:] != docs[:, :-1]
+        at_start = (docs[:, 0] != prev) if prev is not None else torch.zeros(B, dtype=torch.bool, device=docs.device)
+        patterns: dict[tuple, list[int]] = {}
+        for r in range(B):
+            key = (bool(at_start[r]), tuple((inner[r].nonzero().flatten() + 1).tolist()))
+            patterns.setdefault(key, []).append(r)
+        self.length = m
+        self.batch = B
+        self.groups = [(rows, reset, list(cuts)) for (reset, cuts), rows in patterns.items()]
+        self.trivial = len(self.groups) == 1 and not self.groups[0][1] and not self.groups[0][2]
+        order = [r for rows, _, _ in self.groups for r in rows]
+        self._inverse = None
+        if order != list(range(B)):
+            self._inverse = torch.empty(B, dtype=torch.long)
+            self._inverse[torch.tensor(order)] = torch.arange(B)
+
+    # the prefix composition and the state's layout are the base segment's
+    def state_meta(self):
+        return self.base.state_meta()
+
+    def combine(self, state, packed):
+        return self.base.combine(state, packed)
+
+    def _rows(self, rows: list[int]):
+        return None if len(rows) == self.batch else rows
+
+    def _pieces(self, rows: list[int], cuts: list[int]) -> list:
+        bounds = [0, *cuts, self.length]
+        return [self.base.sub(self._rows(rows), a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _select(self, state: torch.Tensor | None, rows: list[int]):
+        if state is None or len(rows) == self.batch:
+            return state
+        return state.index_select(0, torch.tensor(rows, device=state.device))
+
+    def _assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out if self._inverse is None else out.index_select(0, self._inverse.to(out.device))
+
+    def local_map(self):
+        if self.trivial:
+            return self.base.local_map()
+        packed, aux = [], []
+        for rows, reset, cuts in self.groups:
+            pieces = self._pieces(rows, cuts)
+            if reset:                       # a document starts on the chunk's first token
+                first = _first(pieces[0].run(None))
+                head = (None, first[0])
+                final = first[1]
+            else:
+                p0, a0 = pieces[0].local_map()
+                head, final = (a0, None), None
+            rest = []
+            for piece in pieces[1:]:
+                out, final = _first(piece.run(None))
+                rest.append(out)
+            packed.append(p0 if (not reset and not cuts) else self.base.state_map(final))
+            aux.append((pieces[0], reset, head, rest))
+        return self._assemble(packed), aux
+
+    def finish(self, aux, state_in):
+        if self.trivial:
+            return self.base.finish(aux, state_in)
+        outs = []
+        for (rows, _, _), (piece, reset, (a0, y0), rest) in zip(self.groups, aux):
+            if not reset:
+                y0 = _out(piece.finish(a0, self._select(state_in, rows)))
+            outs.append(torch.cat([y0, *rest], dim=1) if rest else y0)
+        return self._tied(self._assemble(outs), state_in)
+
+    def _tied(self, out, state_in):
+        """A document that starts on the chunk's first token ignores the incoming state; keep it in the
+        graph anyway (zero gradient), so the backward of the collective or p2p receive that produced it
+        runs on this rank too (else the sending rank waits for a gradient forever)."""
+        if state_in is None or not any(reset for _, reset, _ in self.groups):
+            return out
+        return tie(out, state_in)
+
+    def run(self, state_in):
+        if self.trivial:
+            return self.base.run(state_in)
+        outs, finals = [], []
+        for rows, reset, cuts in self.groups:
+            pieces = self._pieces(rows, cuts)
+            y, final = _first(pieces[0].run(None if reset else self._select(state_in, rows)))
+            ys = [y]
+            for piece in pieces[1:]:
+                y, final = _first(piece.run(None))
+                ys.append(y)
+            outs.append(torch.cat(ys, dim=1) if len(ys) > 1 else ys[0])
+            finals.append(final)
+        return self._tied(self._assemble(outs), state_in), self._assemble(finals)
+
+
+def _first(result) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(outputs, final state)`` of a kernel call that returned them (as a tuple)."""
+    return result[0], result[1]
+
+
+def _out(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> torch.Tensor | None:
+    """The batch's global document ids ``[rows, S]`` for a layer holding ``local_len`` tokens of a CP
+    group of ``size``, checked against that shape; None when every row is one document."""
+    docs = getattr(batch, "doc_ids", None) if batch is not None else None
+    if docs is None:
+        return None
+    seq_len = int(docs.shape[-1])
+    if getattr(batch, "size", size) != size or seq_len != local_len * size:
+        raise RuntimeError(
+            f"{path}: the batch's document ids describe {seq_len} tokens over CP size {getattr(batch, 'size', '?')}, "
+            f"but this layer holds {local_len} tokens of a CP group of size {size}; pass the batch through "
+            "context_parallel_region / ContextParallelContextManager once per forward")
+    if docs.shape[0] != rows:
+        if docs.shape[0] != 1:
+            raise RuntimeError(f"{path}: document ids for {docs.shape[0]} rows, the layer got {rows}")
+        docs = docs.expand(rows, -1)
+    return docs
+
+
+def local_documents(batch, path: str, size: int, rank: int, layout: str, shape: tuple[int, int],
+                    n_chunks: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]] | None:
+    """For each chunk this rank stores (storage order): ``(docs [B, m], prev [B] | None, start)`` from
+    the global document ids, or None when every row is one document (nothing to reset)."""
+    B, local_len = shape
+    docs = global_documents(batch, path, size, B, local_len)
+    if docs is None:
+        return None
+    m = local_len // n_chunks
+    out = []
+    for c in chunk_ids(layout, size, rank):
+        start = c * m
+        prev = docs[:, start - 1] if start > 0 else None
+        out.append((docs[:, start:start + m], prev, start))
+    return out
+
+
+def with_documents(segments: Sequence, docs) -> list:
+    """Wrap each segment in a :class:`DocumentSegment` (``docs`` from :func:`local_documents`)."""
+    if docs is None:
+        return list(segments)
+    return [DocumentSegment(seg, d.to(_device(seg)), None if p is None else p.to(_device(seg)))
+            for seg, (d, p, _) in zip(segments, docs)]
+
+
+def _device(seg) -> torch.device:
+    return seg.state_meta()[2]
+
+

@@ -1,0 +1,103 @@
+"""Kernel interception, in one place: a wired layer instance gets a copy of its class forward whose
+module-level kernel names (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) resolve to
+ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import inspect
+import types
+from typing import Callable, Sequence
+
+from ..errors import UnsupportedLayerError
+
+
+
+class _Overlay(dict):
+    """Globals for a re-bound forward: our replacements first, then the live module namespace."""
+
+    def __init__(self, base: dict, replacements: dict):
+        super().__init__(replacements)
+        self._base = base
+        self.setdefault("__builtins__", base.get("__builtins__", builtins))
+
+    def __missing__(self, key):
+        return self._base[key]
+
+
+def _rebuild_chain(fn: Callable, innermost_globals: dict) -> Callable:
+    """Copy ``fn`` (a chain of functools.wraps decorators around a plain function) so the innermost
+    function looks up its globals in ``innermost_globals``; each wrapper is copied with its closure
+    cell that held the next function replaced. Nothing shared (the class, the module) is touched."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        new = types.FunctionType(fn.__code__, innermost_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__dict__.update(fn.__dict__)
+        return new
+    new_inner = _rebuild_chain(inner, innermost_globals)
+    cells = fn.__closure__ or ()
+    hits = [i for i, cell in enumerate(cells) if cell.cell_contents is inner]
+    if len(hits) != 1:
+        raise TypeError(f"cannot see through the decorator {fn.__qualname__} around {inner.__qualname__}")
+    closure = tuple(types.CellType(new_inner) if i == hits[0] else cell for i, cell in enumerate(cells))
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update({k: v for k, v in fn.__dict__.items() if k != "__wrapped__"})
+    new.__wrapped__ = new_inner
+    return new
+
+
+def interceptable(module, path: str, required: Sequence[str]) -> Callable:
+    """The class forward of ``module`` if it calls every kernel in ``required`` by module-global name
+    (so re-binding those names reaches it); raises naming the layer otherwise."""
+    cls = type(module)
+    if "forward" in vars(module):
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({cls.__name__}) has an instance-level forward (a hub kernel via kernelize(), or "
+            "another patch) that would bypass ringmaster's state passing; load the model without use_kernels / "
+            "that patch, or unwire the other tool first"
+        )
+    forward = cls.forward
+    inner = inspect.unwrap(forward)
+    names = set(inner.__code__.co_names)
+    missing = [name for name in required if name not in names]
+    if missing:
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({cls.__name__}) does not call {missing} from its forward (a different transformers "
+            "version or a replaced forward); ringmaster cannot route its sequence kernels through the state "
+            "passing, so CP would be silently wrong. Declare it with another strategy or leave CP off"
+        )
+    if "__builtins__" not in inner.__globals__:
+        raise UnsupportedLayerError(f"layer {path!r}: its forward has no module namespace to re-bind")
+    return forward
+
+
+def rebind_forward(module, path: str, replacements: dict[str, Callable], required: Sequence[str],
+                   guard: Callable[[tuple, dict], None] | None = None) -> Callable[[], None]:
+    """Give ``module`` (this instance only) a copy of its class forward whose kernel names resolve to
+    ``replacements``; returns the undo. ``guard(args, kwargs)`` runs before every call."""
+    forward = interceptable(module, path, required)
+    inner = inspect.unwrap(forward)
+    rebound = _rebuild_chain(forward, _Overlay(inner.__globals__, replacements))
+    bound = types.MethodType(rebound, module)
+
+    if guard is not None:
+        @functools.wraps(rebound)
+        def guarded(*args, **kwargs):
+            guard(args, kwargs)
+            return bound(*args, **kwargs)
+        module.forward = guarded
+    else:
+        module.forward = bound
+    module._ringmaster_recurrent = path
+
+    def restore() -> None:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_ringmaster_recurrent", None)
+
+    return restore
+
+

@@ -1,0 +1,181 @@
+"""Wire a model's recurrent layers: validate every one (kind known, kernels interceptable), then
+route each instance through exact cross-rank state passing, and prove it with a probe forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..architectures import classify_layers, get_architecture, text_config
+from ..errors import UnsupportedLayerError
+from ..runtime import active
+from ..sharding.documents import BATCH_KWARG
+from .context import LayerContext, Probe
+from .intercept import interceptable
+from .registry import get_kind
+
+
+def _spec_of(model):
+    try:
+        return get_architecture(model)
+    except ValueError:
+        return None
+
+
+def _kernels(spec, kind: str) -> tuple[str, ...]:
+    if spec is not None and kind in spec.recurrent_kernels:
+        return tuple(spec.recurrent_kernels[kind])
+    return get_kind(kind).kernels
+
+
+def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None = None, spec=None) -> list:
+    """Validate without changing anything: every stateful layer is declared, of a known kind, and
+    calls the kernels its kind intercepts. Returns ``[(path, module, kind)]``."""
+    if spec is None:
+        spec = _spec_of(model)
+    if layers is None:
+        layers = classify_layers(model, spec).recurrent
+    for path, module, kind in layers:
+        interceptable(module, path, _kernels(spec, kind))
+    return list(layers)
+
+
+@dataclass
+class RecurrentWiring:
+    layers: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    _restores: list[Callable[[], None]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        for undo in reversed(self._restores):
+            undo()
+        self._restores.clear()
+        self.layers.clear()
+        self.kinds.clear()
+
+
+def _default_group(group):
+    if group is not None:
+        return group
+    rt = active(required=False)
+    if rt is not None:
+        return rt.cp_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _default_strategy(strategy: str | None) -> str:
+    if strategy is not None:
+        return strategy
+    rt = active(required=False)
+    return getattr(rt.config, "recurrent", "auto") if rt is not None else "auto"
+
+
+def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None = None,
+                          probe: bool = True) -> RecurrentWiring:
+    """Route every declared recurrent layer of ``model`` through exact cross-rank state passing.
+
+    ``group`` and ``strategy`` are bound now (default: the current runtime's, else the default
+    process group and ``"auto"``). Fails closed, before touching anything, on a stateful layer the
+    family does not declare. Then every wired layer is probed (:func:`probe_layer`): it must reach
+    its replacement kernels and its output must depend on the state they pass in, or the wiring
+    is undone and the layer named. ``restore()`` on the handle puts every original forward back."""
+    spec = _spec_of(model)
+    layers = check_recurrent_layers(model, None if layers is None else [(p, m, k) for p, m, k in layers], spec)
+    group, strategy = _default_group(group), _default_strategy(strategy)
+    wiring = RecurrentWiring()
+    modules = dict(model.named_modules())
+    hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+    try:
+        for path, module, kind in layers:
+            ctx = LayerContext(path, group, strategy)
+            wiring._restores.append(get_kind(kind).wire(module, ctx))
+            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx))
+            wiring.layers.append(path)
+            wiring.kinds.append(kind)
+            if probe:
+                probe_layer(module, ctx, _kernels(spec, kind), hidden)
+    except BaseException:
+        wiring.restore()
+        raise
+    return wiring
+
+
+def probe_layer(module, ctx: LayerContext, kernels: Sequence[str], hidden: int | None, length: int = 8) -> None:
+    """Prove the interception on one wired layer with a tiny forward (no grad, its own RNG): every
+    intercepted kernel must be reached, and a random non-zero incoming state (conv halo, scan state)
+    given to each must change the layer's output. If a transformers release changes the layer
+    (another kernel name, a path that bypasses the kernels, a state that no longer reaches the
+    output) this fails closed, naming the layer."""
+    param = next(module.parameters(), None)
+    if hidden is None or param is None or param.device.type == "meta" or _is_dtensor(param):
+        # nothing local to run on (deferred init, or FSDP2 already sharded the weights: wire before
+        # fully_shard to get the probe): the static check of the kernel names stands
+        return
+    x = torch.randn(1, length, hidden, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x.to(device=param.device, dtype=param.dtype)
+
+    def run(inject: set) -> tuple[torch.Tensor, set]:
+        ctx.probe = Probe(inject=inject, seed=17)
+        try:
+            with torch.no_grad():
+                out = module(x)
+        finally:
+            called, ctx.probe = ctx.probe.called, None
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out, called
+
+    base, called = run(set())
+    missing = [k for k in kernels if k not in called]
+    if missing:
+        raise UnsupportedLayerError(
+            f"layer {ctx.path!r} ({type(module).__name__}) never called {missing} in a probe forward, so ringmaster's "
+            "state passing would not run (a different transformers version, or a fused/hub kernel path); CP "
+            "would be silently wrong. Load the model without that kernel path or leave CP off for it"
+        )
+    for name in kernels:
+        out, _ = run({name})
+        if torch.equal(out, base):
+            raise UnsupportedLayerError(
+                f"layer {ctx.path!r} ({type(module).__name__}): a non-zero incoming state given to {name} does not "
+                "change the layer's output in a probe forward, so the state ringmaster passes across ranks would be "
+                "ignored (a changed transformers layer?); CP would be silently wrong"
+            )
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
+    """An instance-local forward pre-hook on the module enclosing a wired layer (its decoder layer)
+    that records the call's ``ringmaster_batch`` in ``ctx``: the document ids then reach the layer's
+    kernels even when the decoder layer calls the mixer without forwarding its kwargs. Set on every
+    call (None when absent), so no batch outlives the forward that brought it (gradient checkpointing
+    replays the decoder layer, hook included)."""
+
+    def hook(module, args, kwargs):
+        ctx.batch = kwargs.get(BATCH_KWARG)
+        return None
+
+    handle = parent.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def restore() -> None:
+        handle.remove()
+        ctx.batch = None
+
+    return restore
+
+
+def recurrent_plan(models, size: int):
+    """``(gated_deltanet_mixers, kda_mixers, mamba2_mixers)`` that need state passing at CP ``size``
+    (lists of modules; all empty at size 1). Raises on a stateful layer ringmaster cannot pass."""
+    gdn, kda, mamba = [], [], []
+    if size <= 1:
+        return gdn, kda, mamba
+    for model in models:
+        for path, module, kind in check_recurrent_layers(model):
+            (mamba if kind == "mamba2" else gdn).append(module)
+    return gdn, kda, mamba

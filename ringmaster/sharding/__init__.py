@@ -1,0 +1,8 @@
+"""Cutting a batch into sequence shards and putting outputs back together.
+
+``balancers``: which global positions each rank holds (contiguous, head_tail).
+``documents``: the batch's global document structure (packing, padding) captured before the cut,
+carried to every layer as the ``ringmaster_batch`` kwarg (:class:`~.documents.CPBatch`).
+``batch``: the shard step (``shard_collated_batch``, ``ContextParallelContextManager``,
+``gather_sequence``) and the loss convention's token count. ``loss``: chunked NLL.
+"""

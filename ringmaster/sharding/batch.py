@@ -1,0 +1,282 @@
+"""Cut a full batch into this rank's sequence shard, and put sharded outputs back together.
+
+Labels are shifted *before* sharding (``shift_labels``) so the target of a shard's last
+token, which lives on the next rank, is not lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather
+from ..runtime import Runtime, active, runtime_of
+from . import balancers
+from ..validation import validate_batch
+from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
+
+CP_SHARD_KEY = "_cp_shard"
+IGNORE_INDEX = -100
+
+# batch keys that describe the full batch only: the document structure they carry is captured
+# before sharding (``doc_ids``) and the CP attention builds every mask from it
+LOCAL_ONLY_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k",
+                   "seq_idx")
+
+# batch keys that run along the sequence, and the dim they run along
+SEQUENCE_KEYS: dict[str, int] = {
+    "input_ids": 1,
+    "labels": 1,
+    "shift_labels": 1,
+    "attention_mask": 1,
+    "position_ids": -1,
+    "inputs_embeds": 1,
+    "token_type_ids": 1,
+}
+
+
+def shard_tensor(x: torch.Tensor, dim: int, rank: int, size: int, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` for the given layout."""
+    seq_len = x.shape[dim]
+    balancers.check_divisible(seq_len, size, layout)
+    n = balancers.chunks_per_rank(layout)
+    chunk = seq_len // (size * n)
+    parts = [x.narrow(dim, c * chunk, chunk) for c in balancers.shard_chunks(layout, size, rank)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels[..., 1:]`` padded with ``ignore_index`` to the full length: the target of token t."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def sequence_length(batch: Mapping[str, Any]) -> int:
+    for key in ("input_ids", "inputs_embeds", "labels", "shift_labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.shape[1]
+    raise ValueError(
+        f"cannot find the sequence in the batch (keys: {sorted(batch)}); pass input_ids or inputs_embeds "
+        "of shape [batch, seq, ...]"
+    )
+
+
+def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
+                         load_balance: str = "contiguous", multimodal: bool = False) -> dict[str, Any]:
+    """Return this rank's shard of a full collated batch (no collective runs here).
+
+    Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
+    carries both ``labels`` and ``shift_labels`` (HF's causal-LM loss uses the latter);
+    ``position_ids`` are global (``arange``, or restarting per document of a packed row) so
+    RoPE sees true positions. Packed rows (restarting position_ids, ``cu_seq_lens``, axolotl's
+    packed ``attention_mask`` ids) and padding are captured as global ``doc_ids`` before the cut;
+    ``attention_mask`` and ``cu_seq_lens`` themselves are dropped (they describe the full row).
+    The result carries ``_cp_shard`` metadata so a later forward hook does not shard again.
+
+    For a VLM wired with ``rm.wire`` (``multimodal=True``; ``context_parallel_region`` and
+    ``ContextParallelContextManager`` pass it from the model's runtime) only the labels are cut here: input_ids, pixel values and the attention mask stay whole
+    because the model builds the fused sequence (and its mrope positions) from them, and the
+    language model's pre-hook cuts the fused sequence.
+    """
+    layout = balancers.check_layout(load_balance)
+    if not (0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
+    if CP_SHARD_KEY in batch:
+        raise ValueError("this batch is already a CP shard (it carries _cp_shard); shard the full batch once")
+    seq_len = sequence_length(batch)
+    balancers.check_divisible(seq_len, cp_size, layout)
+    doc_ids = batch_documents(batch, seq_len)
+
+    keep_whole = ("attention_mask",) if multimodal else ()
+    full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS or k in keep_whole}
+    if isinstance(full.get("labels"), torch.Tensor) and full.get("shift_labels") is None:
+        full["shift_labels"] = shift_labels(full["labels"])
+    if full.get("position_ids") is None and not multimodal:
+        ref = full.get("input_ids", full.get("inputs_embeds"))
+        if doc_ids is not None and batch.get("attention_mask") is None:
+            full["position_ids"] = positions_from_doc_ids(doc_ids)
+        else:
+            full["position_ids"] = torch.arange(seq_len, device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        dim = SEQUENCE_KEYS.get(key) if (not multimodal or key in ("labels", "shift_labels")) else None
+        if dim is not None and isinstance(value, torch.Tensor):
+            if value.shape[dim] != seq_len:
+                raise ValueError(
+                    f"batch[{key!r}] has length {value.shape[dim]} along dim {dim} but the sequence is {seq_len}"
+                )
+            out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout).contiguous()
+        else:
+            out[key] = value
+    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len, "doc_ids": doc_ids}
+    return out
+
+
+def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str | None = None,
+                    runtime: Runtime | None = None) -> torch.Tensor:
+    """Undo the shard: all-gather ``local`` along ``dim`` over the CP group and restore sequence order.
+
+    Differentiable (backward reduce-scatters). ``group``/``layout`` default to ``runtime``'s (the
+    one ``rm.wire`` returned), else to the current runtime's (the last ``rm.setup``/``rm.wire``).
+    """
+    if group is None or layout is None:
+        rt = runtime if runtime is not None else active()
+        group = rt.cp_group if group is None else group
+        layout = rt.shard_load_balance if layout is None else layout
+    layout = balancers.check_layout(layout)
+    stacked = all_gather(local, group, tag="gather_sequence")  # [P, ..., S/P, ...]
+    P = stacked.shape[0]
+    dim = dim % local.dim()
+    full = torch.cat(stacked.unbind(0), dim=dim)
+    if layout == "contiguous":
+        return full
+    order = balancers.gathered_positions(full.shape[dim], P, layout, device=full.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return full.index_select(dim, inverse)
+
+
+def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
+    """The ``ringmaster_batch`` kwarg for a shard's metadata: the only way the per-step layout and
+    document structure reach the CP layers (nothing reads them from a process global)."""
+    return CPBatch.from_meta(meta)
+
+
+def global_num_items(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor | None:
+    """Supervised tokens in a *full* batch (labels shifted first), or None without labels."""
+    labels = batch.get("shift_labels")
+    if labels is None and isinstance(batch.get("labels"), torch.Tensor):
+        labels = shift_labels(batch["labels"], ignore_index)
+    return None if labels is None else labels.ne(ignore_index).sum()
+
+
+def _model_name(model) -> str:
+    return type(model).__name__
+
+
+def check_shard_target(model, runtime: Runtime | None, layout: str | None, cp_size: int | None) -> Runtime:
+    """Refuse, before any collective, to shard batches for a model whose attention is not CP
+    attention (an unwired model, e.g. a separate reference model) or whose attention cannot use
+    the shard layout (None: not checked). Returns the model's runtime."""
+    if runtime is None:
+        raise RuntimeError(
+            f"{_model_name(model)} receives sequence shards but is not wired for context parallelism: its "
+            "attention would see only this rank's tokens and train (or score) silently wrong. Wire every model "
+            "that gets sharded batches (rm.wire(model, cfg), or rm.setup + model.set_attn_implementation("
+            "runtime.attn_implementation)), e.g. a trainer's ref_model too"
+        )
+    if cp_size is not None and runtime.cp_size != cp_size:
+        raise ValueError(f"{_model_name(model)} is wired for a CP group of {runtime.cp_size} ranks but its batches "
+                         f"are sharded over {cp_size}; pass the model's runtime.cp_group to the manager")
+    binding = runtime.binding
+    if binding is not None and layout is not None and layout not in binding.layouts():
+        raise ValueError(
+            f"{_model_name(model)} uses {binding.backend} attention, which needs {' or '.join(binding.layouts())} "
+            f"shards, but the batch is cut {layout!r}; use load_balance=None (the model's own layout, "
+            f"{runtime.shard_load_balance!r}) or 'contiguous'"
+        )
+    return runtime
+
+
+class ContextParallelContextManager:
+    """Shard every forward of ``models`` over ``cp_group`` with forward pre-hooks.
+
+    The hook takes the full batch the trainer passes, cuts this rank's shard, and sets
+    ``num_items_in_batch`` to (global supervised tokens) / P, so the mean over the CP group
+    of each rank's loss, and of its gradients, equals the single-device value. Batches that
+    were already cut in the collator (they carry ``_cp_shard``) are not cut again; their
+    token count is summed over the group. ``gather_outputs`` all-gathers the logits back to
+    the full sequence after the forward (for losses that need every position).
+
+    ``load_balance=None`` (the default) cuts each model's batches in the layout its own runtime
+    was set up with; an explicit layout is used as given (Ring attention plans with whatever
+    layout the batch carries; Ulysses/USP refuse a non-contiguous one before any collective).
+    Every hooked model must be wired for CP (its runtime is found from ``rm.wire`` or from its
+    attention implementation); a model that is not raises at its first forward.
+    """
+
+    def __init__(self, models, cp_group, gradient_accumulation_steps: int = 1, gather_outputs: bool = False,
+                 load_balance: str | None = None):
+        self.models = list(models) if isinstance(models, (list, tuple)) else [models]
+        self.cp_group = cp_group
+        self.cp_size = dist.get_world_size(cp_group)
+        self.cp_rank = dist.get_rank(cp_group)
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps or 1)
+        self.gather_outputs = gather_outputs
+        self.load_balance = None if load_balance is None else balancers.check_layout(load_balance)
+        self._local_valid: torch.Tensor | None = None
+        self._layouts: dict[int, str] = {}
+
+    def _target(self, model) -> tuple[Runtime, str]:
+        """The model's runtime and the layout its batches are cut in (checked before any collective)."""
+        runtime = runtime_of(model)
+        layout = self.load_balance
+        if layout is None:
+            layout = runtime.shard_load_balance if runtime is not None else "contiguous"
+        return check_shard_target(model, runtime, layout, self.cp_size), layout
+
+    def _make_pre_hook(self, forward_params):
+        params = list(forward_params)
+
+        def pre_hook(module, args, kwargs):
+            kwargs = dict(kwargs)
+            for name, value in zip(params, args):
+                kwargs.setdefault(name, value)
+            runtime, layout = self._target(module)
+            self._layouts[id(module)] = layout
+            meta = kwargs.pop(CP_SHARD_KEY, None)
+            full_batch = None
+            if meta is None:
+                full_batch = dict(kwargs)
+                tensors = {k: v for k, v in kwargs.items()
+                           if (k in SEQUENCE_KEYS or k in LOCAL_ONLY_KEYS) and v is not None}
+                shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, layout,
+                                             multimodal=runtime.multimodal is not None)
+                meta = shard.pop(CP_SHARD_KEY)
+                for key in tensors:
+                    kwargs.pop(key)
+                kwargs.update(shard)
+            elif runtime.binding is not None and meta["layout"] not in runtime.binding.layouts():
+                check_shard_target(module, runtime, meta["layout"], self.cp_size)
+            # the ranks agree on the batch before the first collective (the token count below)
+            validate_batch(runtime, meta, full_batch=full_batch, local=kwargs if full_batch is None else None)
+            if full_batch is not None:
+                full_count = global_num_items(full_batch)
+            else:
+                full_count = None
+                local = kwargs.get("shift_labels")
+                if local is not None:
+                    full_count = local.ne(IGNORE_INDEX).sum()
+                    dist.all_reduce(full_count, group=self.cp_group)
+            local = kwargs.get("shift_labels")
+            self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
+            if kwargs.get("num_items_in_batch") is None and full_count is not None:
+                kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
+            kwargs[BATCH_KWARG] = batch_kwarg(meta)
+            kwargs["use_cache"] = False
+            return (), kwargs
+
+        return pre_hook
+
+    def _post_hook(self, module, args, kwargs, output):
+        logits = getattr(output, "logits", None)
+        if self.gather_outputs and isinstance(logits, torch.Tensor):
+            layout = self._layouts.get(id(module), self.load_balance or "contiguous")
+            output.logits = gather_sequence(logits, dim=1, group=self.cp_group, layout=layout)
+        return output
+
+    def install(self) -> list:
+        """Register the hooks on every model; returns the handles (``handle.remove()`` undoes)."""
+        import inspect
+
+        handles = []
+        for model in self.models:
+            params = [p for p in inspect.signature(model.forward).parameters if p not in ("self", "args", "kwargs")]
+            handles.append(model.register_forward_pre_hook(self._make_pre_hook(params), with_kwargs=True))
+            if self.gather_outputs:
+                handles.append(model.register_forward_hook(self._post_hook, with_kwargs=True))
+        return handles
