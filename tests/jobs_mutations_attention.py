@@ -23,70 +23,70 @@ import ringmaster as rm
 def ring_merge_without_lse_weights():
     """Ring: blocks merge by a plain mean of their outputs (no exp(lse - total) rescaling).
 
-    Target: ``ringmaster.ring.loop.merge`` (loop.py binds ``merge`` with ``from .merge import``,
-    so patching ``ringmaster.ring.merge.merge`` would not reach the loop)."""
+    Target: ``ringmaster.attention.ring.loop.merge`` (loop.py binds ``merge`` with ``from .merge import``,
+    so patching ``ringmaster.attention.ring.merge.merge`` would not reach the loop)."""
 
     def merge(out, lse, out_b, lse_b):
-        from ringmaster.ring.merge import acc_dtype
+        from ringmaster.attention.ring.merge import acc_dtype
 
         out_b, lse_b = out_b.to(acc_dtype(out_b)), lse_b.to(acc_dtype(lse_b))
         if out is None:
             return out_b, lse_b
         return (out + out_b) / 2, torch.logaddexp(lse, lse_b)  # the LSE itself stays right
 
-    return [("ringmaster.ring.loop", "merge", merge)]
+    return [("ringmaster.attention.ring.loop", "merge", merge)]
 
 
 def ulysses_without_kv_replication():
     """Ulysses: ``kv_replication`` answers 1 when kv_heads < P (KV heads are never repeated).
 
-    Target: ``ringmaster.strategies.ulysses.kv_replication`` (read as a module global by
-    ``ulysses_attention``; wiring.py and usp.py import it inside their functions, at call time,
-    so they see the patch too)."""
-    from ringmaster.strategies import ulysses
+    Target: ``ringmaster.attention.ulysses.kv_replication`` (read as a module global by
+    ``ulysses_attention``; wiring.py's validation keeps the real one, so it does not stop the
+    mutated attention first)."""
+    from ringmaster.attention import ulysses
 
     original = ulysses.kv_replication
 
     def kv_replication(num_heads, num_kv_heads, size):
         return 1 if num_kv_heads < size else original(num_heads, num_kv_heads, size)
 
-    return [("ringmaster.strategies.ulysses", "kv_replication", kv_replication)]
+    return [("ringmaster.attention.ulysses", "kv_replication", kv_replication)]
 
 
 def ring_plans_contiguous_layout():
     """Ring: the batch is cut head_tail, but the ring plans its blocks as if it were contiguous.
 
-    Target: ``ringmaster.strategies.ring.ring_core`` (``ring_attention_hf`` reads it as a module
-    global and passes it the runtime's layout)."""
-    from ringmaster.strategies import ring
+    Target: ``ringmaster.attention.ring.hf.ring_core`` (``ring_attention_hf`` reads it as a module
+    global and passes it the layout the batch was cut in)."""
+    from ringmaster.attention.ring import hf as ring
 
     original = ring.ring_core
 
-    def ring_core(rt, cpb, module, query, key, value, group, layout, *rest):
-        return original(rt, cpb, module, query, key, value, group,
+    def ring_core(binding, cpb, module, query, key, value, group, layout, *rest):
+        return original(binding, cpb, module, query, key, value, group,
                         "contiguous" if layout == "head_tail" else layout, *rest)
 
-    return [("ringmaster.strategies.ring", "ring_core", ring_core)]
+    return [("ringmaster.attention.ring.hf", "ring_core", ring_core)]
 
 
 def ring_plans_swapped_head_tail_chunks():
     """Ring: the planner's head_tail chunks come in the wrong order ([2P-1-r, r] instead of
     [r, 2P-1-r]); the batch is still cut the right way.
 
-    Target: the ``balancers`` global of ``ringmaster.ring.loop`` (``RingPlan.chunks`` calls
-    ``balancers.shard_chunks``). Patching ``ringmaster.balancers.shard_chunks`` itself would
+    Target: the ``balancers`` global of ``ringmaster.attention.ring.loop`` (``RingPlan.chunks`` calls
+    ``balancers.shard_chunks``). Patching ``ringmaster.sharding.balancers.shard_chunks`` itself would
     change the batch cut (shard.py) and the gather as well, which stay consistent with the plan:
     that is a different layout, not a bug, and parity holds."""
     import types
 
-    from ringmaster import balancers
+    from ringmaster.sharding import balancers
 
     def shard_chunks(layout, size, rank):
         return list(reversed(balancers.shard_chunks(layout, size, rank)))
 
     proxy = types.SimpleNamespace(**{k: getattr(balancers, k) for k in dir(balancers) if not k.startswith("__")})
     proxy.shard_chunks = shard_chunks
-    return [("ringmaster.ring.loop", "balancers", proxy)]
+    return [("ringmaster.attention.ring.loop", "balancers", proxy)]
 
 
 MUTATIONS = {f.__name__: f for f in (ring_merge_without_lse_weights, ulysses_without_kv_replication,
