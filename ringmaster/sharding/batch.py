@@ -192,7 +192,7 @@ class ContextParallelContextManager:
     token count is summed over the group. ``gather_outputs`` all-gathers the logits back to
     the full sequence after the forward (for losses that need every position).
 
-    ``load_balance=None`` (the default) cuts each model's batches in the layout its own runtime
+    ``load_balance=None`` (the default, or ``"auto"``) cuts each model's batches in the layout its own runtime
     was set up with; an explicit layout is used as given (Ring attention plans with whatever
     layout the batch carries; Ulysses/USP refuse a non-contiguous one before any collective).
     Every hooked model must be wired for CP (its runtime is found from ``rm.wire`` or from its
@@ -207,7 +207,7 @@ class ContextParallelContextManager:
         self.cp_rank = dist.get_rank(cp_group)
         self.gradient_accumulation_steps = int(gradient_accumulation_steps or 1)
         self.gather_outputs = gather_outputs
-        self.load_balance = None if load_balance is None else balancers.check_layout(load_balance)
+        self.load_balance = None if load_balance in (None, "auto") else balancers.check_layout(load_balance)
         self._local_valid: torch.Tensor | None = None
         self._layouts: dict[int, str] = {}
 
