@@ -5,13 +5,22 @@ from . import compat, mesh, shard
 from .architectures import ArchitectureSpec, get_architecture, register_architecture
 from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RotateMethod
 from .errors import UnsupportedLayerError
-from .profiling import profile_comms, profile_memory
 from .recurrent.wiring import wire_recurrent_layers
 from .runtime import Runtime, runtime_of, setup, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
 from .wiring import WireReport, unwire, wire
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``rm.profile_comms`` / ``rm.profile_memory``: measurement tooling, loaded on first use so that
+    ``import ringmaster`` (the training path) does not import it."""
+    if name in ("profile_comms", "profile_memory"):
+        from . import profiling
+
+        return getattr(profiling, name)
+    raise AttributeError(f"module 'ringmaster' has no attribute {name!r}")
 
 __all__ = [
     "AUTO",

@@ -6,13 +6,49 @@ all-gather's is reduce-scatter (sum). Bytes are reported to ``rm.profile_comms()
 
 from __future__ import annotations
 
+import contextlib
+import time
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-import contextlib
-
 from .compat import all_gather_single, reduce_scatter_single
-from .profiling import timed_comm
+
+# (sink, sync_cuda) pairs that rm.profile_comms() registers while its block runs; empty otherwise,
+# so timing costs nothing unless someone is measuring. sink(kind, phase, bytes_sent, seconds, tag).
+_RECORDERS: list[tuple[Callable, bool]] = []
+
+
+@contextlib.contextmanager
+def recording(sink: Callable, sync_cuda: bool = True):
+    """Send every collective record issued inside the block to ``sink`` (what the profilers use)."""
+    entry = (sink, bool(sync_cuda))
+    _RECORDERS.append(entry)
+    try:
+        yield
+    finally:
+        _RECORDERS.remove(entry)
+
+
+def _maybe_sync() -> None:
+    if any(sync for _, sync in _RECORDERS) and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timed_comm(kind: str, phase: str, bytes_sent: int, tag: str = ""):
+    """Time one collective and report it to the active recorders (no-op when nobody records)."""
+    if not _RECORDERS:
+        yield
+        return
+    _maybe_sync()
+    start = time.perf_counter()
+    yield
+    _maybe_sync()
+    seconds = time.perf_counter() - start
+    for sink, _ in list(_RECORDERS):
+        sink(kind, phase, int(bytes_sent), seconds, tag)
 
 _HANG_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 

@@ -38,7 +38,8 @@ from typing import Iterable
 
 import torch
 
-_COMM_PROFILERS: list["CommProfile"] = []
+from .comm import _RECORDERS, recording, timed_comm  # noqa: F401  (timed_comm: kept for old imports)
+
 
 PHASES = ("forward", "backward")
 LAYER_KINDS = ("attention", "recurrent", "other")
@@ -217,32 +218,13 @@ class CommProfile:
 
 
 def record_comm(kind: str, phase: str, bytes_sent: int, seconds: float, tag: str = "") -> None:
-    for prof in _COMM_PROFILERS:
-        prof.records.append(CommRecord(kind, phase, int(bytes_sent), seconds, tag))
+    """Record one collective in every active :func:`profile_comms` block (for code outside ringmaster)."""
+    for sink, _ in list(_RECORDERS):
+        sink(kind, phase, int(bytes_sent), seconds, tag)
 
 
 def comms_enabled() -> bool:
-    return bool(_COMM_PROFILERS)
-
-
-_SYNC_CUDA: list[bool] = []
-
-
-def _maybe_sync() -> None:
-    if any(_SYNC_CUDA) and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def timed_comm(kind: str, phase: str, bytes_sent: int, tag: str = ""):
-    if not _COMM_PROFILERS:
-        yield
-        return
-    _maybe_sync()
-    start = time.perf_counter()
-    yield
-    _maybe_sync()
-    record_comm(kind, phase, bytes_sent, time.perf_counter() - start, tag)
+    return bool(_RECORDERS)
 
 
 @contextlib.contextmanager
@@ -255,13 +237,12 @@ def profile_comms(sync_cuda: bool = True):
     while profiling; pass ``False`` to keep it).
     """
     prof = CommProfile(rank=_dist_rank())
-    _COMM_PROFILERS.append(prof)
-    _SYNC_CUDA.append(bool(sync_cuda))
-    try:
+
+    def sink(kind, phase, bytes_sent, seconds, tag):
+        prof.records.append(CommRecord(kind, phase, bytes_sent, seconds, tag))
+
+    with recording(sink, sync_cuda):
         yield prof
-    finally:
-        _COMM_PROFILERS.remove(prof)
-        _SYNC_CUDA.pop()
 
 
 # ---------------------------------------------------------------------------------------------

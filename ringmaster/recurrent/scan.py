@@ -36,8 +36,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather
-from ..profiling import timed_comm
+from ..comm import all_gather, timed_comm
 from ..sharding import balancers
 
 STRATEGIES = ("scan", "sequential")

@@ -18,9 +18,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from ...comm import _all_gather, _reduce_scatter, diagnosed, timed_comm
 from ...sharding import balancers
-from ...comm import _all_gather, _reduce_scatter, diagnosed
-from ...profiling import timed_comm
 from .merge import acc_dtype, merge, merge_sink
 
 SKIP = "skip"
