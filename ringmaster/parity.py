@@ -4,14 +4,20 @@
 reference, on the full sequence) and once wired for CP on its shard, then reports the
 loss error, the gathered-logit error and every parameter's gradient error (gradients
 averaged over the CP group, as DDP/FSDP2 would). Errors are relative: ``|a-b| / |b|`` in
-the max norm, per tensor; for gradients the denominator is at least ``GRAD_FLOOR`` (1e-4)
-times the model's largest gradient entry, so a gradient that is zero in exact arithmetic
-(a key bias under softmax) is not judged by its rounding noise.
+the max norm, every tensor against its own norm (see :func:`group_mean_grad_errors` for the
+few gradients that are zero in exact arithmetic).
+
+fp32 is not enough to check recurrent parameters one by one: the A_log / dt_bias gradients are
+sums of large terms that cancel, and transformers' pure-torch recurrent kernels cast to float32
+inside even in an fp64 model. ``compare(..., fp64=True)`` builds the model in float64 and runs the
+reference and the CP model under :func:`keep_fp64`, which keeps those casts wide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fnmatch
 from typing import Any
 
 import torch
@@ -62,15 +68,21 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
-    """A random tiny causal LM of ``model_type`` in fp32, identical for a given seed."""
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
+               dtype: torch.dtype = torch.float32, **overrides):
+    """A random tiny causal LM of ``model_type``, identical for a given seed: initialised in fp32,
+    then cast to ``dtype`` (float64: the same weights, every parameter and buffer wide; MoE
+    experts run the eager loop, ``grouped_mm`` has no float64)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {**COMMON, "use_cache": False, **TINY.get(model_type, {}), **overrides}
     config = AutoConfig.for_model(model_type, **kwargs)
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                             dtype=torch.float32)
+                                             dtype=torch.float32, **extra)
+    if dtype != torch.float32:
+        model = model.to(dtype)
     return model.train()
 
 
@@ -82,9 +94,6 @@ def tiny_batch(vocab_size: int, seq_len: int, batch_size: int = 1, seed: int = 1
     return {"input_ids": input_ids, "labels": labels}
 
 
-GRAD_FLOOR = 1e-4
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """``max|a-b| / max(max|b|, floor)``: relative error in the max norm."""
     a, b = a.detach().double(), b.detach().double()
@@ -92,14 +101,41 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return (a - b).abs().max().item() / max(scale, floor, 1e-12)
 
 
-def group_mean_grad_errors(model, reference, group, P: int):
+# Gradients that are zero in exact arithmetic, by model type (fnmatch patterns on parameter names).
+# Softmax is invariant to adding one constant to all of a query's scores; a key bias b adds q·b to
+# every score of query q, so dL/d(k_proj.bias) = 0 (only without attention sinks: a sink's logit
+# does not move, and gpt_oss's key bias gets a real gradient). What is left is rounding noise, and
+# its size relative to itself means nothing. These are listed, not detected, so a real gradient
+# can never be waved through as "noise".
+STRUCTURAL_ZEROS: dict[str, tuple[str, ...]] = {
+    "qwen2": ("*.self_attn.k_proj.bias",),
+    "qwen2_5_vl": ("*.self_attn.k_proj.bias",),
+}
+
+
+def structural_zeros(model) -> tuple[str, ...]:
+    return STRUCTURAL_ZEROS.get(getattr(model.config, "model_type", ""), ())
+
+
+def _sibling_weight(name: str, grads: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    return grads.get(name[: -len("bias")] + "weight") if name.endswith("bias") else None
+
+
+def group_mean_grad_errors(model, reference, group, P: int, zeros: tuple[str, ...] | None = None):
     """Every parameter's error of the CP-group-mean gradient against the reference's:
     ``({name: err}, [names with no CP gradient], whole-gradient error)``.
 
-    A gradient that is zero in exact arithmetic (e.g. a key bias under softmax) is rounding noise
-    on both sides, so every tensor is measured against at least ``GRAD_FLOOR`` of the largest
-    reference gradient entry.
+    Every tensor is measured against its **own** reference norm, ``max|g_cp - g_ref| / max|g_ref|``:
+    no floor relative to the model's largest gradient, so a small gradient (A_log, dt_bias) that
+    is wrong is reported as wrong.
+
+    The exception is a gradient that is zero in exact arithmetic (``zeros``: fnmatch patterns,
+    default :data:`STRUCTURAL_ZEROS` for the model type): both sides hold only rounding noise, so
+    it is checked to *be* ~0 on both sides, ``max(max|g_cp|, max|g_ref|)`` over the scale of the
+    gradient its module's weight gets (``k_proj.weight`` for ``k_proj.bias``: the same upstream
+    ``dL/dk``, summed with the inputs as weights): a real gradient leaking into it reads O(1).
     """
+    zeros = structural_zeros(reference) if zeros is None else tuple(zeros)
     names, missing, cp_flat, ref_flat = [], [], [], []
     for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
         if p_ref.grad is None:
@@ -111,12 +147,67 @@ def group_mean_grad_errors(model, reference, group, P: int):
         dist.all_reduce(g, group=group)
         names.append(name)
         cp_flat.append((g / P).reshape(-1))
-        ref_flat.append(p_ref.grad.reshape(-1))
+        ref_flat.append(p_ref.grad.detach().reshape(-1))
     if not names:
         return {}, missing, float("nan")
-    floor = GRAD_FLOOR * max(float(r.abs().max()) for r in ref_flat)
-    errs = {name: rel_err(a, b, floor) for name, a, b in zip(names, cp_flat, ref_flat)}
+    ref_by_name = dict(zip(names, ref_flat))
+    errs = {}
+    for name, a, b in zip(names, cp_flat, ref_flat):
+        if any(fnmatch.fnmatchcase(name, pat) for pat in zeros):
+            sibling = _sibling_weight(name, ref_by_name)
+            if sibling is None:
+                raise ValueError(f"{name}: a structurally-zero gradient needs its module's weight for scale")
+            noise = max(a.abs().max().item(), b.abs().max().item())
+            errs[name] = noise / max(sibling.abs().max().item(), 1e-30)
+        else:
+            errs[name] = rel_err(a, b)
     return errs, missing, rel_err(torch.cat(cp_flat), torch.cat(ref_flat))
+
+
+_F32 = (torch.float32, "torch.FloatTensor", "torch.float32")
+
+
+def _is_f64(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float64
+
+
+class _KeepFP64(torch.overrides.TorchFunctionMode):
+    """See :func:`keep_fp64`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        self_ = args[0] if args else kwargs.get("input")
+        if _is_f64(self_):
+            if name == "float" and len(args) == 1:
+                return self_
+            if name == "type" and ((len(args) > 1 and args[1] in _F32) or kwargs.get("dtype") in _F32):
+                return self_
+            if name == "to":
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:      # .to(dtype=), softmax(dtype=), sum(dtype=), ...
+                kwargs["dtype"] = torch.float64
+        elif kwargs.get("dtype") is torch.float32 and any(_is_f64(a) for a in args):
+            kwargs["dtype"] = torch.float64                # torch.softmax(x, -1, dtype=...) and friends
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def keep_fp64():
+    """While active, a cast of a float64 tensor to float32 is a no-op: ``t.float()``,
+    ``t.to(torch.float32, ...)``, ``t.to(dtype=torch.float32)``, ``t.type(torch.float32)``, and
+    ``dtype=torch.float32`` in any call on float64 tensors (``softmax(x, dtype=torch.float32)``).
+
+    transformers' pure-torch recurrent kernels (``mamba2_chunk_scan``, ``torch_chunk_gated_delta_rule``,
+    the gated RMSNorm, the Mamba2 ``A = -exp(A_log.float())``) cast to float32 inside; with this
+    mode an fp64 model stays fp64 end to end. Tensors that are not float64 (integer position ids
+    ``.float()``-ed for RoPE, fp32 buffers) are left alone, and factories with no float64 input
+    keep their dtype: none of the recurrent kernels makes one (they use ``zeros_like`` or the
+    input's dtype). A ``TorchFunctionMode`` is per thread: run the forward and backward in the
+    thread that entered it.
+    """
+    with _KeepFP64():
+        yield
 
 
 def _plain_forward(model, batch):
@@ -163,7 +254,7 @@ def per_document_forward(model, batch):
 
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
             attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", prepare=None,
-            batch=None, reference_forward=None, build=None, **overrides) -> dict[str, Any]:
+            batch=None, reference_forward=None, build=None, fp64: bool = False, **overrides) -> dict[str, Any]:
     """Run the reference and the CP model on this rank; return errors and what CP cost.
 
     ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
@@ -173,9 +264,17 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     the plain forward of the reference (e.g. each packed document alone) and returns an object
     with ``.loss`` and ``.logits`` over the whole batch. ``build`` replaces ``tiny_model``
     (same arguments), e.g. ``tiny_vlm``; ``batch`` may then be a callable ``batch(model)``.
-    The result has every parameter's error (``grad_errs``) and the whole gradient's
-    (``grad_err_total``: all parameters concatenated, same relative max-norm).
+    The result has every parameter's error (``grad_errs``, each against its own norm, see
+    :func:`group_mean_grad_errors`) and the whole gradient's (``grad_err_total``: all parameters
+    concatenated, same relative max-norm).
+    ``fp64=True``: the model is built in float64 (``dtype=torch.float64`` to ``build``) and the
+    reference and the CP model both run under :func:`keep_fp64`, so the per-parameter errors
+    measure CP, not fp32 cancellation.
     """
+    if fp64:
+        with keep_fp64():
+            return compare(model_type, cfg, seq_len, batch_size, device_mesh, attn_implementation, seed, via,
+                           prepare, batch, reference_forward, build, dtype=torch.float64, **overrides)
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
 

@@ -194,11 +194,12 @@ def slow_decay(model) -> None:
                 a_log.copy_(torch.linspace(-9.0, 0.5, h))
 
 
-def hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=96):
+def hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=96, fp64=False):
+    """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``."""
     from ringmaster.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy)
-    return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay)
+    return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay, fp64=fp64)
 
 
 def jamba_raises(ctx):
