@@ -56,12 +56,13 @@ def accelerate_mesh(ctx, cp: int):
 
 
 def grads_vs(model, reference, group, P):
-    """(worst error, its parameter, parameters without a CP gradient, whole-gradient error)."""
+    """(worst error, its parameter, parameters without a CP gradient, whole-gradient error, every
+    parameter's error)."""
     from ringmaster.parity import group_mean_grad_errors
 
     errs, missing, total = group_mean_grad_errors(model, reference, group, P)
     worst = max(errs, key=errs.get) if errs else None
-    return (errs[worst] if worst else 0.0), worst, missing, total
+    return (errs[worst] if worst else 0.0), worst, missing, total, errs
 
 
 def cp_mean(value, group, P):
@@ -142,8 +143,8 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
             out["loss_cp"] = cp_mean(loss, group, P)
             out["loss_ref"] = ref_out.loss.item()
             out["loss_err"] = abs(out["loss_cp"] - out["loss_ref"]) / abs(out["loss_ref"])
-            out["grad_err"], out["worst_param"], out["missing"], out["grad_err_total"] = grads_vs(
-                model, reference, group, P)
+            (out["grad_err"], out["worst_param"], out["missing"], out["grad_err_total"],
+             out["grad_errs"]) = grads_vs(model, reference, group, P)
         finally:
             plugin.post_train_unload(cfg)
             state.parallelism_config, state.device_mesh = None, None
@@ -447,3 +448,14 @@ def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
                loss_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), weights_moved=moved,
                dims=tuple(mesh.mesh_dim_names), restored=rm.runtime.active(required=False) is None)
     return out
+
+
+def fp64_step(ctx, job, *args, **kwargs):
+    """``job`` (a job of this module taking ``overrides``) with the model in float64 and everything
+    under ``ringmaster.parity.keep_fp64``: per-parameter errors of recurrent models measure CP, not fp32
+    cancellation in the A_log / dt_bias gradients."""
+    from ringmaster.parity import keep_fp64
+
+    kwargs["overrides"] = {**(kwargs.get("overrides") or {}), "dtype": torch.float64}
+    with keep_fp64():
+        return job(ctx, *args, **kwargs)

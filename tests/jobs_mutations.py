@@ -98,3 +98,39 @@ def mutated_parity(ctx, mutation: str, model_type: str, P: int, strategy: str, s
         undo()
     out["clean"] = _summary(jr.hybrid_parity(ctx, model_type, P, strategy, seq_len=seq_len, fp64=True))
     return out
+
+
+# --------------------------------------------------------------------------- controls of the metric itself
+
+
+def structural_zero_metric(ctx, P: int = 2) -> dict:
+    """A key bias under softmax with no positions has dL/db = 0 in exact arithmetic. The same toy
+    attention run twice (the second on the tokens permuted: the same math, another rounding) gives
+    that gradient as rounding noise: its own-norm error says nothing, the explicit structural-zero
+    check (``zeros=``) measures it against the k weight's gradient."""
+    import copy
+
+    import torch
+
+    from ringmaster.parity import group_mean_grad_errors
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            a = torch.softmax(self.q(x) @ self.k(x).T, dim=-1)
+            return (a @ self.v(x)).square().sum()
+
+    torch.manual_seed(0)
+    ref = Toy()
+    cp = copy.deepcopy(ref)
+    x = torch.randn(24, 8)
+    ref(x).backward()
+    cp(x[torch.randperm(24)]).backward()
+    group = ctx.mesh(P)["cp"].get_group()
+    plain, _, _ = group_mean_grad_errors(cp, ref, group, P, zeros=())
+    listed, _, _ = group_mean_grad_errors(cp, ref, group, P, zeros=("k.bias",))
+    return {"plain": plain, "listed": listed, "k_bias_max": ref.k.bias.grad.abs().max().item(),
+            "k_weight_max": ref.k.weight.grad.abs().max().item()}

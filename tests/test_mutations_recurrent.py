@@ -36,3 +36,14 @@ def test_mutation_fails_fp64_parity(pool, case):
               f"{param} {max(errs.values()):.2e}, logits {r['logits_err']:.2e}, whole gradient {r['grad_err_total']:.2e}")
         assert max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
     check_fp64([out["clean"] for out in results], P)
+
+
+def test_structural_zero_gradient_is_checked_against_its_module(pool):
+    """Control of the metric: a key bias under position-free softmax has a zero gradient; against its own
+    (noise) norm it reads O(1), listed as a structural zero it is checked ~0 next to k.weight's gradient."""
+    r = pool.run(jm.structural_zero_metric, 2)[0]
+    print(r["k_bias_max"], r["k_weight_max"], r["plain"]["k.bias"], r["listed"]["k.bias"])
+    assert r["k_bias_max"] <= 1e-5 * r["k_weight_max"], r
+    assert r["plain"]["k.bias"] > 1e-2, r["plain"]
+    assert r["listed"]["k.bias"] <= 1e-5, r["listed"]
+    assert max(v for k, v in r["listed"].items() if k != "k.bias") <= 1e-5, r["listed"]
