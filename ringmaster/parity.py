@@ -381,7 +381,9 @@ VLM_TINY: dict[str, dict[str, Any]] = {
 IMAGE_TOKEN, VISION_START = 151, 150
 
 
-def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
+             dtype: torch.dtype = torch.float32, **overrides):
+    """A random tiny VLM of ``model_type``; ``dtype`` as in :func:`tiny_model`."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     kwargs = {**VLM_TINY[model_type], **overrides}
@@ -392,8 +394,11 @@ def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, 
                              "tie_word_embeddings": False, "use_cache": False}
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation,
-                                                    dtype=torch.float32)
+                                                    dtype=torch.float32, **extra)
+    if dtype != torch.float32:
+        model = model.to(dtype)
     return model.train()
 
 

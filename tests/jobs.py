@@ -202,15 +202,16 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None, model_type="llama"
             "grad_err": max(errs.values()), "grad_err_total": total_err, "nan": bool(torch.isnan(logits).any())}
 
 
-def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=None):
-    """A VLM with one image whose tokens straddle a shard edge, against the same model without CP."""
+def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=None, fp64=False):
+    """A VLM with one image whose tokens straddle a shard edge, against the same model without CP
+    (``fp64``: in float64 under ``keep_fp64``)."""
     from functools import partial
 
     from ringmaster.parity import compare, tiny_vlm, vlm_batch
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), build=tiny_vlm,
-                   batch=partial(vlm_batch, seq_len=64, image_at=image_at))
+                   batch=partial(vlm_batch, seq_len=64, image_at=image_at), fp64=fp64)
 
 
 def _cp_step(ctx, model, P, cfg_kwargs, batch):

@@ -12,10 +12,11 @@ import jobs_adapters
 import pytest
 
 TOL = 1e-4
-# hybrids: test_hybrid_parity.py's bounds - the whole gradient (all parameters concatenated) <= 2e-4
-# (measured: 2.4e-7) and every parameter <= 1e-2, measured against at least 1e-4 of the largest
-# gradient (parity.GRAD_FLOOR: a small cancelling A_log gradient is otherwise judged by its rounding)
-HYBRID_TOTAL_TOL, HYBRID_PARAM_TOL = 2e-4, 1e-2
+# hybrids in fp32: the loss and the whole gradient (all parameters concatenated) <= 2e-4 (measured
+# 2.4e-7). Per parameter (each against its own norm) fp32 says nothing about the decay path: the
+# A_log / dt_bias gradients of layer 2 cancel by ~1e5 and read 1.3e-2 in fp32 (in_proj_a 4e-3), so
+# every parameter is checked in a second, fp64 step (keep_fp64): <= 1e-5, measured 7.2e-11 (A_log).
+HYBRID_TOTAL_TOL, HYBRID_FP64_PARAM_TOL = 2e-4, 1e-5
 
 
 def _axolotl_missing() -> str | None:
@@ -37,9 +38,10 @@ def check(results, P, hybrid=False):
         assert r["num_items"] == pytest.approx(r["num_items_expected"]), (rank, r)
         assert not r["missing"], r["missing"]
         assert r["loss_err"] <= TOL, (rank, r)
-        assert r["grad_err_total"] <= HYBRID_TOTAL_TOL if hybrid else r["grad_err"] <= TOL, (rank, r)
-        assert r["grad_err"] <= (HYBRID_PARAM_TOL if hybrid else TOL), (rank, r["worst_param"], r["grad_err"],
-                                                                        r["grad_err_total"])
+        if hybrid:
+            assert r["grad_err_total"] <= HYBRID_TOTAL_TOL, (rank, r["grad_err_total"])
+        else:
+            assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"], r["grad_err_total"])
         # post_train_unload restores the model, the collator and the trainer
         assert r["restored_attn"] == "sdpa", r
         assert r["hooks_left"] == 0, r
@@ -69,6 +71,16 @@ def test_axolotl_plugin_hybrid_qwen3_5(pool):
     """A gated-DeltaNet hybrid through the plugin's recurrent_plan / wire_recurrent_layers path."""
     results = pool.run(jobs_adapters.axolotl_plugin_step, 2, "qwen3_5_text", True)
     check(results, 2, hybrid=True)
+    check_fp64(pool.run(jobs_adapters.fp64_step, jobs_adapters.axolotl_plugin_step, 2, "qwen3_5_text", True))
+
+
+def check_fp64(results):
+    """The same plugin step in float64 under keep_fp64: every parameter, A_log / dt_bias included."""
+    for rank, r in enumerate(results):
+        assert not r["missing"] and r["loss_err"] <= 1e-10, (rank, r["missing"], r["loss_err"])
+        assert any(k.endswith("A_log") for k in r["grad_errs"]), sorted(r["grad_errs"])
+        worst = {k: v for k, v in r["grad_errs"].items() if v > HYBRID_FP64_PARAM_TOL}
+        assert not worst, (rank, worst)
 
 
 # -- ringmaster's own entry point (ringmaster.adapters.axolotl) ------------------------------
@@ -126,3 +138,6 @@ def test_ringmaster_plugin_trainer_step(pool, model_type):
     results = pool.run(jobs_adapters.axolotl_plugin_step, 2, model_type, True, None, True)
     assert not any(r["presharded"] for r in results)
     check(results, 2, hybrid=model_type != "llama")
+    if model_type != "llama":
+        check_fp64(pool.run(jobs_adapters.fp64_step, jobs_adapters.axolotl_plugin_step, 2, model_type, True,
+                            ours=True))

@@ -31,8 +31,16 @@ def test_vlm_matches_single_device(pool, model_type, backend, P):
         assert not r["missing_grads"], r["missing_grads"]
         assert r["loss_err"] <= TOL, r
         assert r["logits_err"] <= TOL, r
-        if model_type == "qwen3_5":  # recurrent layers: the hybrid tolerances of test_hybrid_parity
+        if model_type == "qwen3_5":  # recurrent layers: the whole gradient in fp32, every parameter in fp64
             assert r["recurrent_layers"] == 2, r["recurrent_layers"]
-            assert r["grad_err_total"] <= 2e-4 and r["grad_err"] <= 1e-2, (r["worst_param"], r["grad_err"])
+            assert r["grad_err_total"] <= 2e-4, r["grad_err_total"]
         else:
             assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
+    if model_type == "qwen3_5":
+        # fp32 per parameter (own norm) measured 5.1e-4 on the A_log / dt_bias decay path (cancelling
+        # sums): not a CP error. In fp64 under keep_fp64 every parameter must be within 1e-5.
+        for r in pool.run(jobs.vlm_parity, model_type, P, name, cfg_kwargs=cfg_kwargs, fp64=True):
+            assert r["loss_err"] <= 1e-10 and r["logits_err"] <= 1e-10, (r["loss_err"], r["logits_err"])
+            assert any(k.endswith("A_log") for k in r["grad_errs"]) and not r["missing_grads"], r["missing_grads"]
+            worst = {k: v for k, v in r["grad_errs"].items() if v > 1e-5}
+            assert not worst, worst
