@@ -239,7 +239,7 @@ def per_document_forward(model, batch):
     from types import SimpleNamespace
 
     from ringmaster.sharding.documents import doc_ids_from_positions
-    from ringmaster.shard import global_num_items, shift_labels
+    from ringmaster.sharding.batch import global_num_items, shift_labels
 
     docs = doc_ids_from_positions(batch["position_ids"])[0]
     total = global_num_items(batch)

@@ -2,8 +2,7 @@
 
 Each mutation is one small function that monkeypatches one module attribute of ringmaster (a
 method of a segment class, or a module-level helper the wired layers look up per call) and
-returns the undo. The docstring names the patch target: when the recurrent modules move (e.g. to
-``ringmaster/recurrent/``), update the import in that function and nothing else.
+returns the undo. The docstring names the patch target (in ``ringmaster/recurrent/``).
 
 Mutations keep every collective's autograd graph connected (they zero a tensor with ``* 0``
 rather than dropping it), so a mutated run fails its parity check instead of hanging a rank.
@@ -24,10 +23,10 @@ def _patch(owner, name: str, new) -> Callable[[], None]:
 
 
 def detach_mamba2_decay() -> Callable[[], None]:
-    """``ringmaster.strategies.mamba.Mamba2Segment.finish``: the scan correction
+    """``ringmaster.recurrent.mamba2.Mamba2Segment.finish``: the scan correction
     ``C_t · S_in · exp(Σ A·dt)`` with the decay detached (``log_decay.detach().exp()``), so no
     gradient reaches A_log / dt_bias / dt through the incoming state's decay."""
-    from ringmaster.strategies import mamba
+    from ringmaster.recurrent import mamba2 as mamba
 
     finish = mamba.Mamba2Segment.finish
 
@@ -39,9 +38,9 @@ def detach_mamba2_decay() -> Callable[[], None]:
 
 
 def drop_conv_halo() -> Callable[[], None]:
-    """``ringmaster.strategies.conv.exchange_halos`` (called by ``cp_causal_conv1d``): the halos from
+    """``ringmaster.recurrent.conv.exchange_halos`` (called by ``cp_causal_conv1d``): the halos from
     the previous shard replaced by zeros, as if every shard's conv started the sequence."""
-    from ringmaster.strategies import conv
+    from ringmaster.recurrent import conv
 
     exchange = conv.exchange_halos
 
@@ -52,9 +51,9 @@ def drop_conv_halo() -> Callable[[], None]:
 
 
 def drop_gated_delta_state() -> Callable[[], None]:
-    """``ringmaster.strategies.linear_attn.GatedDeltaSegment.finish`` (scan) and ``.run`` (sequential):
+    """``ringmaster.recurrent.gated_deltanet.GatedDeltaSegment.finish`` (scan) and ``.run`` (sequential):
     the incoming recurrent state ignored (zeroed), as if every shard started from a zero state."""
-    from ringmaster.strategies import linear_attn
+    from ringmaster.recurrent import gated_deltanet as linear_attn
 
     cls = linear_attn.GatedDeltaSegment
     finish, run = cls.finish, cls.run
