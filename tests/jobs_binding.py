@@ -185,6 +185,7 @@ try:  # the kernels the fake layers below call by module-global name (what wire 
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch_chunk_gated_delta_rule
 except ImportError:  # pragma: no cover - transformers is a test dependency
     causal_conv1d_fn = torch_chunk_gated_delta_rule = None
+my_delta_rule = torch_chunk_gated_delta_rule   # the same kernel under another name (a renamed release)
 
 
 class FakeGatedDeltaNet(torch.nn.Module):
@@ -206,27 +207,44 @@ class FakeGatedDeltaNet(torch.nn.Module):
         v = x.reshape(b, l, 1, h)
         g = -torch.ones(b, l, 1, dtype=x.dtype) * 0.1
         beta = torch.full((b, l, 1), 0.5, dtype=x.dtype)
-        y, _ = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False)
+        if self.mode == "renamed":
+            y, _ = my_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False)
+        else:
+            y, _ = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False)
         out = self.proj(hidden_states)
         return out if self.mode == "blind" else out + y.reshape(b, l, h)
 
 
 class _Container(torch.nn.Module):
-    def __init__(self, mode: str, hidden: int = 16):
+    def __init__(self, mode: str, hidden: int = 16, model_type: str | None = None):
         super().__init__()
         from types import SimpleNamespace
 
-        self.config = SimpleNamespace(hidden_size=hidden)
+        self.config = SimpleNamespace(hidden_size=hidden, model_type=model_type)
         self.mixer = FakeGatedDeltaNet(hidden, mode)
 
 
-def probe_outcome(ctx, mode):
-    """wire_recurrent_layers on a fake layer: None when wiring (and its probe) passed, else the error."""
-    container = _Container(mode)
+def probe_outcome(ctx, mode, declare_rename=False):
+    """wire_recurrent_layers on a fake layer: error None when wiring (and its probe) passed, else the
+    error. ``declare_rename``: a family spec declares the renamed scan kernel (``my_delta_rule``)."""
+    from ringmaster.architectures import spec as spec_module
+
+    registry = dict(spec_module._REGISTRY)
+    model_type = None
+    if declare_rename:
+        model_type = "ringmaster_fake_renamed"
+        rm.register_architecture(rm.ArchitectureSpec(
+            name=model_type, model_types=(model_type,), attention_classes=(),
+            recurrent_classes={"FakeGatedDeltaNet": "gated_deltanet"},
+            recurrent_kernels={"gated_deltanet": {"scan": "my_delta_rule"}}))
+    container = _Container(mode, model_type=model_type)
     try:
         wiring = rm.wire_recurrent_layers(container, layers=[("mixer", container.mixer, "gated_deltanet")])
     except rm.UnsupportedLayerError as exc:
         return {"error": str(exc), "restored": "forward" not in vars(container.mixer)}
+    finally:
+        spec_module._REGISTRY.clear()
+        spec_module._REGISTRY.update(registry)
     wired = "forward" in vars(container.mixer)
     wiring.restore()
     return {"error": None, "wired": wired, "restored": "forward" not in vars(container.mixer)}

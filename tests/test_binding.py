@@ -105,3 +105,12 @@ def test_wire_probe_fails_closed(pool, mode, fragment):
 def test_wire_probe_passes_on_a_layer_that_uses_its_state(pool):
     for r in pool.run(jb.probe_outcome, "honest"):
         assert r["error"] is None and r["wired"] and r["restored"], r
+
+
+def test_kernel_names_come_from_the_family_spec(pool):
+    """A layer calling its scan kernel under another name: refused unless its family spec declares
+    the name (ArchitectureSpec.recurrent_kernels), then wired and probed through it."""
+    for r in pool.run(jb.probe_outcome, "renamed"):
+        assert r["error"] and "never called ['torch_chunk_gated_delta_rule']" in r["error"], r
+    for r in pool.run(jb.probe_outcome, "renamed", True):
+        assert r["error"] is None and r["wired"] and r["restored"], r

@@ -8,11 +8,15 @@ The vision towers of the Qwen3.5 VLMs are not declared here (see the VLM familie
 
 from .spec import ArchitectureSpec, register_architecture
 
+# the module-level kernels the gated-DeltaNet layers call by name (role -> name); wire intercepts them
+GDN_KERNELS = {"gated_deltanet": {"conv": "causal_conv1d_fn", "scan": "torch_chunk_gated_delta_rule"}}
+
 QWEN3_NEXT = register_architecture(ArchitectureSpec(
     name="qwen3_next",
     model_types=("qwen3_next",),
     attention_classes=("Qwen3NextAttention",),
     recurrent_classes={"Qwen3NextGatedDeltaNet": "gated_deltanet"},
+    recurrent_kernels=GDN_KERNELS,
     notes="layer_types mixes linear_attention (gated DeltaNet) and full_attention (gated softmax attention)",
 ))
 
@@ -21,6 +25,7 @@ QWEN3_5 = register_architecture(ArchitectureSpec(
     model_types=("qwen3_5_text",),
     attention_classes=("Qwen3_5Attention",),
     recurrent_classes={"Qwen3_5GatedDeltaNet": "gated_deltanet"},
+    recurrent_kernels=GDN_KERNELS,
 ))
 
 QWEN3_5_MOE = register_architecture(ArchitectureSpec(
@@ -28,6 +33,7 @@ QWEN3_5_MOE = register_architecture(ArchitectureSpec(
     model_types=("qwen3_5_moe_text",),
     attention_classes=("Qwen3_5MoeAttention",),
     recurrent_classes={"Qwen3_5MoeGatedDeltaNet": "gated_deltanet"},
+    recurrent_kernels=GDN_KERNELS,
 ))
 
 OLMO_HYBRID = register_architecture(ArchitectureSpec(
@@ -35,5 +41,6 @@ OLMO_HYBRID = register_architecture(ArchitectureSpec(
     model_types=("olmo_hybrid",),
     attention_classes=("OlmoHybridAttention",),
     recurrent_classes={"OlmoHybridGatedDeltaNet": "gated_deltanet"},
+    recurrent_kernels=GDN_KERNELS,
     notes="same kernels as Qwen3.5 (causal_conv1d_fn + torch_chunk_gated_delta_rule); not parity-tested",
 ))

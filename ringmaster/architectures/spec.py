@@ -20,8 +20,9 @@ class ArchitectureSpec:
     through ``config._attn_implementation`` (these get Ulysses/Ring).
     ``recurrent_classes``: class name -> strategy for state-carrying layers ringmaster handles.
     ``ignore_classes``: class names that match the stateful pattern but carry no state.
-    ``recurrent_kernels``: kind -> the module-level kernel names its layers call (default: the
-    kind's own list, :mod:`ringmaster.recurrent.registry`); ``wire`` intercepts exactly these.
+    ``recurrent_kernels``: kind -> {role: the module-level kernel name its layers call} (roles
+    ``"conv"``, ``"scan"`` and the kind's optional ones; unset roles keep the kind's defaults,
+    :mod:`ringmaster.recurrent.registry`); ``wire`` intercepts and probes exactly these.
 
     A vision-language model also names where its fused sequence starts (``language_model``:
     the first module whose forward sees only the fused sequence; its pre-hook cuts the shard),

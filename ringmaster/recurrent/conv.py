@@ -144,6 +144,6 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
 def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
     """The conv under ``wire``'s probe: the layer's own kernel with a random (or zero) halo."""
     width = weight.shape[-1] - 1
-    halo = ctx.probe.state("causal_conv1d_fn", (*x.shape[:-1], width), x.dtype, x.device)
+    halo = ctx.probe.state("conv", (*x.shape[:-1], width), x.dtype, x.device)
     return conv_with_halo(kernel, x, x.new_zeros(*x.shape[:-1], width) if halo is None else halo, weight, bias,
                           activation, **kwargs)

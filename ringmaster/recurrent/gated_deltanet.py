@@ -37,7 +37,10 @@ from .intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
-REQUIRED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+# role -> the module-level name transformers' gated-DeltaNet layers call (a family spec may rename them)
+KERNELS = {"conv": "causal_conv1d_fn", "scan": "torch_chunk_gated_delta_rule"}
+OPTIONAL = {"conv_update": "causal_conv1d_update", "state_update": "torch_recurrent_gated_delta_rule"}
+REQUIRED = tuple(KERNELS.values())
 
 
 class GatedDeltaSegment:
@@ -103,7 +106,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
-        return seg.run(ctx.probe.state("torch_chunk_gated_delta_rule", *seg.state_meta()))[0], None
+        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0], None
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -124,32 +127,34 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
 
 
-def wire_gated_deltanet_layer(module, ctx: LayerContext) -> Callable[[], None]:
-    """Route one gated-DeltaNet layer instance through exact CP; returns the undo."""
+def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
+    """Route one gated-DeltaNet layer instance through exact CP; returns the undo. ``names``: role ->
+    the kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
+    names = {**KERNELS, **OPTIONAL, **(names or {})}
     namespace = inspect.unwrap(type(module).forward).__globals__
 
     def conv(x, weight, bias=None, activation=None, **kwargs):
         batch = ctx.take_batch(kwargs)
         if ctx.probe is not None:
-            return probe_conv(ctx, namespace["causal_conv1d_fn"], x, weight, bias, activation, **kwargs)
+            return probe_conv(ctx, namespace[names["conv"]], x, weight, bias, activation, **kwargs)
         group, size, layout, _ = ctx.resolve(batch)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)
-        return cp_causal_conv1d(namespace["causal_conv1d_fn"], x, weight, bias, activation,
+        return cp_causal_conv1d(namespace[names["conv"]], x, weight, bias, activation,
                                 group=group if size > 1 else None, layout=layout,
                                 docs=conv_documents(batch, ctx.path, size, x), **kwargs)
 
     def rule(*args, **kwargs):
-        return cp_chunk_gated_delta_rule(namespace["torch_chunk_gated_delta_rule"], ctx, *args, **kwargs)
+        return cp_chunk_gated_delta_rule(namespace[names["scan"]], ctx, *args, **kwargs)
 
     replacements: dict[str, Any] = {
-        "causal_conv1d_fn": conv,
-        "torch_chunk_gated_delta_rule": rule,
-        "causal_conv1d_update": decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
-        "torch_recurrent_gated_delta_rule": decode_only_without_cp(ctx, namespace, "torch_recurrent_gated_delta_rule"),
+        names["conv"]: conv,
+        names["scan"]: rule,
+        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
+        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
     }
-    return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
+    return rebind_forward(module, ctx.path, replacements, [names[r] for r in KERNELS], guard=call_guard(ctx))
 
 
-KIND = RecurrentKind(name="gated_deltanet", kernels=REQUIRED, wire=wire_gated_deltanet_layer,
+KIND = RecurrentKind(name="gated_deltanet", kernels=KERNELS, optional=OPTIONAL, wire=wire_gated_deltanet_layer,
                      description="gated DeltaNet: causal conv1d + chunked gated delta rule (d_k x d_k transition)")

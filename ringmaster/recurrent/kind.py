@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
 @dataclass(frozen=True)
 class RecurrentKind:
-    """``kernels``: the module-level names a layer's forward must call (each is intercepted;
-    a family spec may override them per kind). ``wire(module, ctx) -> undo`` routes one layer
-    instance through exact CP. ``document_aware``: packed/padded rows reset state and halo."""
+    """``kernels``: role -> the module-level name a layer's forward must call (each is intercepted
+    and probed; roles ``"conv"`` and ``"scan"``); ``optional``: role -> names that are intercepted
+    when the forward calls them (fused kernels, cached decoding). A family spec may rename any
+    of them (``ArchitectureSpec.recurrent_kernels``). ``wire(module, ctx, names) -> undo`` routes
+    one layer instance through exact CP. ``document_aware``: packed/padded rows reset state and halo."""
 
     name: str
-    kernels: tuple[str, ...]
+    kernels: dict
     wire: Callable
+    optional: dict = field(default_factory=dict)
     document_aware: bool = True
     description: str = ""

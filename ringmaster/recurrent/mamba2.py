@@ -36,8 +36,11 @@ from .intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
-REQUIRED = ("causal_conv1d_fn", "mamba2_chunk_scan")
-FUSED = "mamba2_split_conv1d_scan_combined"
+# role -> the module-level name transformers' Mamba2 mixers call (a family spec may rename them)
+KERNELS = {"conv": "causal_conv1d_fn", "scan": "mamba2_chunk_scan"}
+OPTIONAL = {"fused": "mamba2_split_conv1d_scan_combined", "conv_update": "causal_conv1d_update",
+            "state_update": "mamba2_selective_state_update"}
+REQUIRED = tuple(KERNELS.values())
 
 
 class Mamba2Segment:
@@ -108,7 +111,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         kwargs.pop("z", None)
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
-        return seg.run(ctx.probe.state("mamba2_chunk_scan", *seg.state_meta()))[0]
+        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0]
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -130,14 +133,14 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
 
 
-def _route_around_fused(ctx: LayerContext, namespace: dict):
+def _route_around_fused(ctx: LayerContext, namespace: dict, name: str):
     """The fused conv+scan kernel takes no incoming state: under CP return None (what the torch
     fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
     def call(*args, **kwargs):
         batch = ctx.take_batch(kwargs)
         if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
             return None   # under CP, or a packed row: the unfused path resets at document starts
-        return namespace[FUSED](*args, **kwargs)
+        return namespace[name](*args, **kwargs)
     return call
 
 
@@ -146,12 +149,14 @@ def _live(namespace: dict, name: str) -> Callable:
     return namespace[name]
 
 
-def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
-    """Route one Mamba2 mixer instance through exact CP; returns the undo."""
+def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
+    """Route one Mamba2 mixer instance through exact CP; returns the undo. ``names``: role -> the
+    kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
+    names = {**KERNELS, **OPTIONAL, **(names or {})}
     namespace = inspect.unwrap(type(module).forward).__globals__
 
     def conv(x, weight, bias=None, activation=None, **kwargs):
-        kernel = _live(namespace, "causal_conv1d_fn")
+        kernel = _live(namespace, names["conv"])
         batch = ctx.take_batch(kwargs)
         if ctx.probe is not None:
             return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
@@ -162,18 +167,18 @@ def wire_mamba2_layer(module, ctx: LayerContext) -> Callable[[], None]:
                                 layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
 
     def scan(*args, **kwargs):
-        return cp_mamba2_chunk_scan(_live(namespace, "mamba2_chunk_scan"), ctx, *args, **kwargs)
+        return cp_mamba2_chunk_scan(_live(namespace, names["scan"]), ctx, *args, **kwargs)
 
     replacements: dict[str, Any] = {
-        "causal_conv1d_fn": conv,
-        "mamba2_chunk_scan": scan,
-        FUSED: _route_around_fused(ctx, namespace),
-        "causal_conv1d_update": decode_only_without_cp(ctx, namespace, "causal_conv1d_update"),
-        "mamba2_selective_state_update": decode_only_without_cp(ctx, namespace, "mamba2_selective_state_update"),
+        names["conv"]: conv,
+        names["scan"]: scan,
+        names["fused"]: _route_around_fused(ctx, namespace, names["fused"]),
+        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
+        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
     }
-    return rebind_forward(module, ctx.path, replacements, REQUIRED, guard=call_guard(ctx))
+    return rebind_forward(module, ctx.path, replacements, [names[r] for r in KERNELS], guard=call_guard(ctx))
 
 
 
-KIND = RecurrentKind(name="mamba2", kernels=REQUIRED, wire=wire_mamba2_layer,
+KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer,
                      description="Mamba2 mixer: causal conv1d + SSD chunk scan (per-head scalar decay)")

@@ -25,10 +25,22 @@ def _spec_of(model):
         return None
 
 
-def _kernels(spec, kind: str) -> tuple[str, ...]:
-    if spec is not None and kind in spec.recurrent_kernels:
-        return tuple(spec.recurrent_kernels[kind])
-    return get_kind(kind).kernels
+def kernel_names(spec, kind: str) -> dict:
+    """Role -> kernel name for the layers of ``kind`` in this family: the kind's defaults, renamed
+    where the spec declares (``ArchitectureSpec.recurrent_kernels[kind]``)."""
+    k = get_kind(kind)
+    names = {**k.kernels, **k.optional}
+    declared = dict(spec.recurrent_kernels.get(kind, {})) if spec is not None else {}
+    unknown = sorted(set(declared) - set(names))
+    if unknown:
+        raise ValueError(f"family {spec.name!r} renames kernel roles {unknown} of kind {kind!r}, which has roles "
+                         f"{sorted(names)}")
+    return {**names, **declared}
+
+
+def _required(spec, kind: str) -> dict:
+    names = kernel_names(spec, kind)
+    return {role: names[role] for role in get_kind(kind).kernels}
 
 
 def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None = None, spec=None) -> list:
@@ -39,7 +51,7 @@ def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None 
     if layers is None:
         layers = classify_layers(model, spec).recurrent
     for path, module, kind in layers:
-        interceptable(module, path, _kernels(spec, kind))
+        interceptable(module, path, list(_required(spec, kind).values()))
     return list(layers)
 
 
@@ -91,19 +103,19 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     try:
         for path, module, kind in layers:
             ctx = LayerContext(path, group, strategy)
-            wiring._restores.append(get_kind(kind).wire(module, ctx))
+            wiring._restores.append(get_kind(kind).wire(module, ctx, kernel_names(spec, kind)))
             wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx))
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                probe_layer(module, ctx, _kernels(spec, kind), hidden)
+                probe_layer(module, ctx, _required(spec, kind), hidden)
     except BaseException:
         wiring.restore()
         raise
     return wiring
 
 
-def probe_layer(module, ctx: LayerContext, kernels: Sequence[str], hidden: int | None, length: int = 8) -> None:
+def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int = 8) -> None:
     """Prove the interception on one wired layer with a tiny forward (no grad, its own RNG): every
     intercepted kernel must be reached, and a random non-zero incoming state (conv halo, scan state)
     given to each must change the layer's output. If a transformers release changes the layer
@@ -128,15 +140,15 @@ def probe_layer(module, ctx: LayerContext, kernels: Sequence[str], hidden: int |
         return out, called
 
     base, called = run(set())
-    missing = [k for k in kernels if k not in called]
+    missing = [name for role, name in kernels.items() if role not in called]
     if missing:
         raise UnsupportedLayerError(
             f"layer {ctx.path!r} ({type(module).__name__}) never called {missing} in a probe forward, so ringmaster's "
             "state passing would not run (a different transformers version, or a fused/hub kernel path); CP "
             "would be silently wrong. Load the model without that kernel path or leave CP off for it"
         )
-    for name in kernels:
-        out, _ = run({name})
+    for role, name in kernels.items():
+        out, _ = run({role})
         if torch.equal(out, base):
             raise UnsupportedLayerError(
                 f"layer {ctx.path!r} ({type(module).__name__}): a non-zero incoming state given to {name} does not "
