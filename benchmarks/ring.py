@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    from ringmaster.launch import LocalPool
+    from ringmaster.testing.pool import LocalPool
 
     print(f"causal attention, seq={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} fp32, one layer, per rank\n")

@@ -124,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     analytic(32768)
     if not args.skip_pool:
-        from ringmaster.launch import LocalPool
+        from ringmaster.testing.pool import LocalPool
 
         with LocalPool(4, timeout=300) as pool:
             measured(pool)

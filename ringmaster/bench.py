@@ -1,6 +1,6 @@
 """Benchmarks behind ``ringmaster bench``, ``benchmarks/cp_vs_noncp.py`` and ``benchmarks/peers.py``.
 
-Two measurements, each run on local CPU gloo ranks (:class:`~ringmaster.launch.LocalPool`) or,
+Two measurements, each run on local CPU gloo ranks (:class:`~ringmaster.testing.pool.LocalPool`) or,
 under ``torchrun``, on the launched ranks (NCCL when CUDA is available):
 
 * **CP vs non-CP** (:func:`run_cp_vs_noncp`): one training step (forward + backward of a causal
@@ -89,7 +89,7 @@ def make_pool(world: int, timeout: float = 600.0):
     high-water mark of each step measures that step (not memory an earlier, larger step left)."""
     if under_torchrun():
         return TorchrunPool()
-    from .launch import LocalPool
+    from .testing.pool import LocalPool
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     return LocalPool(world, timeout=timeout, grace=15.0)
@@ -200,7 +200,7 @@ def step_job(ctx, model_type: str, overrides: dict, P: int, seq: int, reps: int,
 
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import tiny_batch, tiny_model
+    from ringmaster.testing.parity import tiny_batch, tiny_model
 
     mesh = cp_mesh(ctx, P) if P > 1 else None
     if ctx.rank >= P:

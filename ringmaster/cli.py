@@ -10,7 +10,7 @@ import time
 
 def _demo_job(ctx, model_type, world, backend, seq_len, attn, overrides):
     import ringmaster as rm
-    from ringmaster.parity import compare
+    from ringmaster.testing.parity import compare
 
     cfg = rm.RingmasterConfig(size=world, backend=backend)
     result = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(world), attn_implementation=attn,
@@ -28,7 +28,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def demo(args) -> int:
-    from .launch import LocalPool
+    from .testing.pool import LocalPool
 
     overrides = dict(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     print(f"ringmaster demo: {args.world} CPU gloo ranks, tiny random {args.model} "

@@ -20,7 +20,7 @@ class PoolHolder:
         self._pool = None
 
     def run(self, fn, *args, **kwargs):
-        from ringmaster.launch import LocalPool
+        from ringmaster.testing.pool import LocalPool
 
         if self._pool is None or self._pool.broken:
             self._pool = LocalPool(self.world, timeout=240, grace=15)

@@ -196,14 +196,14 @@ def slow_decay(model) -> None:
 
 def hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=96, fp64=False):
     """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``."""
-    from ringmaster.parity import compare
+    from ringmaster.testing.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy)
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay, fp64=fp64)
 
 
 def jamba_raises(ctx):
-    from ringmaster.parity import tiny_model
+    from ringmaster.testing.parity import tiny_model
 
     model = tiny_model("jamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_offset=1,
                        attn_layer_period=2)
@@ -221,7 +221,7 @@ def without_state_passing(ctx, model_type, P):
     import copy
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
 
     model = tiny_model(model_type)
     slow_decay(model)
@@ -243,7 +243,7 @@ def without_state_passing(ctx, model_type, P):
 def wire_unwire_roundtrip(ctx, model_type):
     """wire() swaps the recurrent layers' forward per instance; unwire() puts the class forward back
     and the model computes exactly what it did before."""
-    from ringmaster.parity import tiny_batch, tiny_model
+    from ringmaster.testing.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type)
     batch = tiny_batch(model.config.vocab_size, 32)
@@ -365,7 +365,7 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
     mixer drops it), as a decoder layer that does not forward its kwargs would; the document ids must
     then come from the pre-hook ringmaster puts on the enclosing decoder layer."""
     from ringmaster.sharding.documents import BATCH_KWARG
-    from ringmaster.parity import compare, packed_batch, per_document_forward
+    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
 

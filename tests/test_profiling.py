@@ -54,7 +54,7 @@ def hybrid_profile_job(ctx, P, seq):
 
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import tiny_batch, tiny_model
+    from ringmaster.testing.parity import tiny_batch, tiny_model
 
     model = tiny_model("qwen3_5_text")
     batch = tiny_batch(model.config.vocab_size, seq)
