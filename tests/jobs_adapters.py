@@ -82,7 +82,8 @@ def _reset_accelerate():
 # -- axolotl 0.21's built-in plugin ----------------------------------------------------------
 
 
-def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, overrides=None, ours=False):
+def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, overrides=None, ours=False,
+                        with_ref=False):
     """axolotl's ContextParallelPlugin on a HF Trainer: pre_model_load, post_trainer_create, one
     training_step through the Trainer, post_train_unload.
 
@@ -100,6 +101,7 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
     pc, mesh = accelerate_mesh(ctx, P)
     model = tiny_model(model_type, **(overrides or {}))
     reference = copy.deepcopy(model)
+    ref_model = copy.deepcopy(model) if with_ref else None   # a separate reference model (DPO/GRPO style)
     tok = tiny_tokenizer()
     mbs = 2 if model_type == "llama" else 1
     rows = features([64, 45][:mbs])
@@ -126,6 +128,8 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
         plugin = RingmasterPlugin() if ours else ContextParallelPlugin()
         plugin.pre_model_load(cfg)
         trainer = Trainer(model=model, args=args, data_collator=collator, train_dataset=rows)
+        if ref_model is not None:
+            trainer.ref_model = ref_model
         state = trainer.accelerator.state
         state.parallelism_config, state.device_mesh = pc, mesh
         try:
@@ -145,6 +149,11 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
             out["loss_err"] = abs(out["loss_cp"] - out["loss_ref"]) / abs(out["loss_ref"])
             (out["grad_err"], out["worst_param"], out["missing"], out["grad_err_total"],
              out["grad_errs"]) = grads_vs(model, reference, group, P)
+            if ref_model is not None:  # the reference model gets the same shards: it must be CP-wired too
+                out["ref_wired"] = rm.runtime_of(ref_model) is not None
+                with torch.no_grad():
+                    ref_loss = ref_model(**trainer.data_collator([dict(r) for r in rows])).loss
+                out["ref_loss_err"] = abs(cp_mean(ref_loss, group, P) - out["loss_ref"]) / abs(out["loss_ref"])
         finally:
             plugin.post_train_unload(cfg)
             state.parallelism_config, state.device_mesh = None, None
@@ -154,6 +163,8 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
         out["collator_restored"] = collator.cp_shard is None
         out["trainer_restored"] = "_get_num_items_in_batch" not in vars(trainer)
         out["runtime_dropped"] = rm.runtime.active(required=False) is None
+        if ref_model is not None:
+            out["ref_unwired"] = rm.runtime_of(ref_model) is None
         with torch.no_grad():  # the unloaded model is the plain model again
             again = model(**reference_batch, use_cache=False).logits
             out["unload_logits_err"] = (again - reference(**reference_batch, use_cache=False).logits).abs().max().item()

@@ -39,14 +39,15 @@ def two_models(ctx, P, cfgs, rounds=2, model_types=("llama", "llama")):
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.testing.parity import tiny_batch, tiny_model
 
-    mesh = ctx.mesh(P)
     entries = []
+    cfgs = [dict(cfg) for cfg in cfgs]
+    sizes = [cfg.pop("P", P) for cfg in cfgs]   # a config may name its own CP size (another CP group)
     for i, (cfg, model_type) in enumerate(zip(cfgs, model_types)):
         model = tiny_model(model_type, seed=i, num_attention_heads=4, num_key_value_heads=2)
         entries.append({"model": model, "reference": copy.deepcopy(model),
                         "batch": tiny_batch(model.config.vocab_size, 64, seed=10 + i)})
-    for e, cfg in zip(entries, cfgs):
-        e["runtime"] = rm.wire(e["model"], rm.RingmasterConfig(size=P, **cfg), device_mesh=mesh)
+    for e, cfg, size in zip(entries, cfgs, sizes):
+        e["runtime"] = rm.wire(e["model"], rm.RingmasterConfig(size=size, **cfg), device_mesh=ctx.mesh(size))
     rm.teardown()  # nothing may depend on "the current runtime" from here on
     results = []
     try:

@@ -141,3 +141,14 @@ def test_ringmaster_plugin_trainer_step(pool, model_type):
     if model_type != "llama":
         check_fp64(pool.run(jobs_adapters.fp64_step, jobs_adapters.axolotl_plugin_step, 2, model_type, True,
                             ours=True))
+
+
+@needs_axolotl
+@pytest.mark.parametrize("ours", [True, False], ids=["ringmaster_plugin", "axolotl_builtin_plugin"])
+def test_plugin_wires_a_separate_ref_model(pool, ours):
+    """A trainer's ref_model is sharded like the policy: its attention must be CP attention too (its
+    loss on the sharded batch equals the single-device loss), and unloading unwires it."""
+    results = pool.run(jobs_adapters.axolotl_plugin_step, 2, "llama", True, None, ours, True)
+    for r in results:
+        assert r["ref_wired"] and r["ref_unwired"], r
+        assert r["ref_loss_err"] <= 1e-4, r

@@ -39,6 +39,15 @@ def test_two_wired_models_alternating_are_both_exact(pool, P, pair):
             _exact(r)
 
 
+def test_two_models_on_two_cp_groups_are_both_exact(pool):
+    """A Ring model over CP groups of 2 and a Ulysses model over the CP group of 4, in one process."""
+    cfgs = [dict(backend="ring", P=2), dict(backend="ulysses", P=4)]
+    for results in pool.run(jb.two_models, 2, cfgs):
+        assert [r["backend"] for r in results] == ["ring", "ulysses"]
+        for r in results:
+            _exact(r)
+
+
 @pytest.mark.parametrize("load_balance", ["unset", None, "none", "contiguous", "head_tail", "auto"])
 @pytest.mark.parametrize("P", [2, 4])
 def test_manager_with_every_layout_and_ring_auto_is_exact(pool, P, load_balance):
