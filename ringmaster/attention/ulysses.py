@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..comm import all_to_all
 from .binding import AttentionBinding
+from .flex import block_mask as flex_block_mask
 
 # kwargs that describe the local shard only: the inner kernel must not see them
 _LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -108,7 +109,9 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
             cu, longest = cpb.cu_seqlens(query.device)
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return None
-    sdpa_like = inner in ("sdpa", "flex_attention")  # apply is_causal themselves when given no mask
+    if inner == "flex_attention":  # HF's flex path adds a tensor mask to the scores and is not causal without one
+        return flex_block_mask(cpb, causal, window, query.device)
+    sdpa_like = inner == "sdpa"  # applies is_causal itself when given no mask
     mask = cpb.dense_mask(causal, window, query.device, materialize=not sdpa_like)
     if mask is None or sdpa_like:
         return mask
