@@ -127,19 +127,3 @@ def block_mask(cpb, causal: bool, window, device):
         cpb._cache[key] = build_block_mask(cpb.seq_len, causal, window, cpb.docs_on(device), device)
     return cpb._cache[key]
 
-
-def materialize(bm, S: int) -> torch.Tensor:
-    """Bool ``[B, H, S, S]``: what a flex kernel attends with ``bm`` (full tiles, and partial tiles
-    where the mask_mod holds). For tests on small S."""
-    blocks = bm.to_dense()  # [B, H, nQ, nK], partial and full tiles
-    Bq, Bk = bm.BLOCK_SIZE
-    tiles = blocks.repeat_interleave(Bq, -2).repeat_interleave(Bk, -1)[..., :S, :S].bool()
-    full_bm = type(bm).from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
-                                      seq_lengths=(S, S)) if bm.full_kv_num_blocks is not None else None
-    full = (full_bm.to_dense().repeat_interleave(Bq, -2).repeat_interleave(Bk, -1)[..., :S, :S].bool()
-            if full_bm is not None else torch.zeros_like(tiles))
-    B, H = blocks.shape[:2]
-    q = torch.arange(S, device=blocks.device)
-    elem = torch.stack([torch.stack([bm.mask_mod(torch.tensor(b), torch.tensor(h), q[:, None], q[None, :])
-                                     for h in range(H)]) for b in range(B)])
-    return full | (tiles & ~full & elem)
