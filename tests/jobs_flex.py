@@ -28,7 +28,7 @@ def _padded_reference(model, batch):
     padding logits are left at 0 and not compared."""
     from types import SimpleNamespace
 
-    from ringmaster.shard import global_num_items, shift_labels
+    from ringmaster.sharding.batch import global_num_items, shift_labels
 
     total = global_num_items(batch)
     loss, logits = 0.0, None
@@ -52,7 +52,7 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import _plain_forward, packed_batch, per_document_forward, rel_err, tiny_batch, tiny_model
+    from ringmaster.testing.parity import _plain_forward, packed_batch, per_document_forward, rel_err, tiny_batch, tiny_model
 
     model = tiny_model(model_type, "flex_attention", **(overrides or {})).eval()
     reference = copy.deepcopy(model)
@@ -99,7 +99,7 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
 def flex_causality(ctx, P=1, model_type="llama", overrides=None, seq_len=64):
     """Wired flex model: changing the last token must leave every earlier position's logits unchanged."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.parity import tiny_batch, tiny_model
+    from ringmaster.testing.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type, "flex_attention", **(overrides or {})).eval()
     vocab = model.config.vocab_size

@@ -12,8 +12,8 @@ import jobs_flex
 import pytest
 import torch
 
-from ringmaster.documents import CPBatch, batch_documents, doc_ids_from_positions
-from ringmaster.strategies.flex import block_mask, build_block_mask
+from ringmaster.sharding.documents import CPBatch, batch_documents, doc_ids_from_positions
+from ringmaster.attention.flex import block_mask, build_block_mask
 
 TOL = 1e-4
 
