@@ -155,8 +155,8 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None, model_type="llama"
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import group_mean_grad_errors, rel_err, tiny_model
-    from ringmaster.shard import global_num_items, shift_labels
+    from ringmaster.sharding.batch import global_num_items, shift_labels
+    from ringmaster.testing.parity import group_mean_grad_errors, padded_rows, rel_err, tiny_model
 
     if model_type == "llama" and not overrides:
         overrides = dict(num_attention_heads=8, num_key_value_heads=2)
@@ -165,15 +165,8 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None, model_type="llama"
         prepare(model)
     reference = copy.deepcopy(model)
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, vocab, (2, S), generator=g)
-    mask = torch.ones(2, S, dtype=torch.long)
-    mask[1, :left] = 0
-    mask[1, left + real:] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[1, left] = -100  # a document's first token is no target (what precedes it is padding)
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    batch = padded_rows(vocab, S, left, real)
+    ids, labels = batch["input_ids"], batch["labels"]
     total = global_num_items(batch)
     ref_loss, ref_logits = 0.0, []
     for row, (a, b) in ((0, (0, S)), (1, (left, left + real))):

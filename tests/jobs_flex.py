@@ -10,17 +10,10 @@ import torch
 import ringmaster as rm
 
 
-def _padded_rows(vocab: int, S: int, left: int = 3, real: int = 41) -> dict[str, torch.Tensor]:
-    """B=2: row 0 one full document, row 1 ``left`` padding tokens, ``real`` tokens, padding."""
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, vocab, (2, S), generator=g)
-    mask = torch.ones(2, S, dtype=torch.long)
-    mask[1, :left] = 0
-    mask[1, left + real:] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[1, left] = -100
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+def _padded_rows(vocab: int, S: int) -> dict[str, torch.Tensor]:
+    from ringmaster.testing.parity import padded_rows
+
+    return padded_rows(vocab, S)
 
 
 def _padded_reference(model, batch):

@@ -233,6 +233,20 @@ def packed_batch(vocab_size: int, doc_lens: list[int], seed: int = 1, ignore_fra
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
+def padded_rows(vocab: int, S: int, left: int = 3, real: int = 41) -> dict[str, torch.Tensor]:
+    """B=2: row 0 one full document, row 1 ``left`` padding tokens, ``real`` tokens, padding
+    (labels -100 on the padding and on row 1's first real token, whose predecessor is padding)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, :left] = 0
+    mask[1, left + real:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[1, left] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
 def per_document_forward(model, batch):
     """Reference for a packed row: every document run alone (positions from 0), losses weighted by
     the global token count, logits concatenated back into the row."""
