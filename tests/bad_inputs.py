@@ -142,19 +142,18 @@ def unwired_model_sharded(ctx):
     """A second model (a trainer's ref_model) gets sharded batches but was never wired."""
     policy = _wire(ctx)
     reference = _model()
-    manager = rm.ContextParallelContextManager([policy, reference], ctx.mesh(2)["cp"].get_group())
-    handles = manager.install()
-    try:
-        reference(**_batch())
-    finally:
-        for handle in handles:
-            handle.remove()
+    _hooked_forward(reference, rm.ContextParallelContextManager([policy, reference], ctx.mesh(2)["cp"].get_group()))
 
 
 def ulysses_batch_cut_head_tail(ctx):
     """A trainer cuts the batch head_tail for a model whose attention is Ulysses."""
     model = _wire(ctx)
-    manager = rm.ContextParallelContextManager([model], ctx.mesh(2)["cp"].get_group(), load_balance="head_tail")
+    _hooked_forward(model, rm.ContextParallelContextManager([model], ctx.mesh(2)["cp"].get_group(),
+                                                            load_balance="head_tail"))
+
+
+def _hooked_forward(model, manager):
+    """One forward of ``model`` on a full batch through ``manager``'s hooks (removed afterwards)."""
     handles = manager.install()
     try:
         model(**_batch())
