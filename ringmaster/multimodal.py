@@ -17,7 +17,6 @@ would need a broadcast forward and an all-reduce of the embedding gradients back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -71,20 +70,10 @@ def shard_language_model_inputs(spec: ArchitectureSpec):
     return pre_hook
 
 
-@dataclass
-class MultimodalWiring:
-    handle: object
-    model: object
-    original: dict
-
-    def restore(self) -> None:
-        self.handle.remove()
-        self.model.set_attn_implementation(self.original)
-
-
-def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | None) -> MultimodalWiring:
+def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | None):
     """Install the language-model pre-hook and switch only the text model's attention: a plain
-    ``set_attn_implementation(name)`` on a VLM would switch the vision tower too."""
+    ``set_attn_implementation(name)`` on a VLM would switch the vision tower too. Returns the hook's
+    handle (``rm.wire`` restores the configs' attention implementations itself)."""
     language_model = model.get_submodule(spec.language_model)
     config = model.config
     original = {"text_config": config.get_text_config()._attn_implementation}
@@ -92,5 +81,4 @@ def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | No
         original["vision_config"] = config.vision_config._attn_implementation
     if attn_implementation is not None:
         model.set_attn_implementation({**original, "text_config": attn_implementation})
-    handle = language_model.register_forward_pre_hook(shard_language_model_inputs(spec), with_kwargs=True)
-    return MultimodalWiring(handle, model, original)
+    return language_model.register_forward_pre_hook(shard_language_model_inputs(spec), with_kwargs=True)

@@ -28,6 +28,7 @@ from .attention.ring.kernels import get_kernel
 from .attention.ring.select import resolve_ring_impl, resolve_rotate
 from .config import Backend, LoadBalance, RingImpl, RingmasterConfig
 from .mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
+from .sharding.balancers import DISTFLASH_REFUSAL
 
 
 @dataclass(eq=False)
@@ -59,10 +60,6 @@ class Runtime:
     def backend(self) -> Backend:
         return self.config.backend
 
-    @property
-    def ring_kernel(self):
-        return None if self.binding is None else self.binding.ring_kernel
-
 
 _CURRENT: Runtime | None = None
 # registered attention name -> the runtime that registered it (weak: a dropped runtime disappears)
@@ -86,16 +83,17 @@ def make_current(rt: Runtime | None) -> None:
     _CURRENT = rt
 
 
-def _unwrap(model):
+def unwrap_wrappers(model):
+    """The model inside DDP-style wrappers (``.module`` until something has a ``config``)."""
     while model is not None and not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module  # DDP / accelerate wrappers
+        model = model.module
     return model
 
 
 def runtime_of(model) -> Runtime | None:
     """The runtime whose CP attention ``model`` uses: the one ``rm.wire`` bound to it, else the one
     that registered the model's (text config's) attention implementation; None if not wired."""
-    model = _unwrap(model)
+    model = unwrap_wrappers(model)
     rt = getattr(model, "_ringmaster_runtime", None)
     if rt is not None:
         return rt
@@ -123,10 +121,7 @@ def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
             "use load_balance='none' (or 'auto'), or backend='ring' for head_tail balancing"
         )
     if cfg.load_balance is LoadBalance.DISTFLASH:
-        raise NotImplementedError(
-            "load_balance='distflash' is not implemented: head_tail already balances causal work to within 1% "
-            "(balancers.work_figure); use load_balance='head_tail'"
-        )
+        raise NotImplementedError(DISTFLASH_REFUSAL)
     return ulysses_only
 
 

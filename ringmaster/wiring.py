@@ -77,7 +77,7 @@ def _switch_off_cache(model, undo: list) -> bool:
     switched = False
     for config in _configs(model):
         if getattr(config, "use_cache", False):
-            undo.append(lambda c=config: setattr(c, "use_cache", True))
+            undo.append(lambda c=config, value=config.use_cache: setattr(c, "use_cache", value))
             config.use_cache = False
             switched = True
     if switched:
@@ -86,7 +86,7 @@ def _switch_off_cache(model, undo: list) -> bool:
     return switched
 
 
-def _switch_attention(model, spec, name: str, inner: str, undo: list) -> None:
+def _switch_attention(model, spec, name: str, undo: list) -> None:
     """Point the text model's attention at the runtime's registered name (a VLM's vision tower keeps
     its own kernel); the undo puts every config's original value back."""
     originals = [(config, config._attn_implementation) for config in _configs(model)]
@@ -97,8 +97,7 @@ def _switch_attention(model, spec, name: str, inner: str, undo: list) -> None:
 
     undo.append(restore)
     if spec.multimodal:
-        wiring = wire_multimodal(model, spec, name)
-        undo.append(wiring.handle.remove)
+        undo.append(wire_multimodal(model, spec, name).remove)
     else:
         model.set_attn_implementation(name)
 
@@ -143,7 +142,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt.multimodal = spec if spec.multimodal else None
         switched = _switch_off_cache(model, undo)
         if rt.attn_implementation is not None:
-            _switch_attention(model, spec, rt.attn_implementation, inner, undo)
+            _switch_attention(model, spec, rt.attn_implementation, undo)
         if recurrent:
             wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)
             undo.append(wiring.restore)
@@ -157,7 +156,6 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         for step in reversed(undo):
             step()
         _runtime.make_current(previous)
-        model.__dict__.pop("_ringmaster_runtime", None)
         raise
     rt.undo = undo
     return rt

@@ -283,8 +283,8 @@ def wire_fails_midway(ctx, P, step):
             raise rm.UnsupportedLayerError("injected probe failure")
         return original_probe(*args, **kwargs)
 
-    def failing_switch(model_, spec, name, inner, undo):
-        original_switch(model_, spec, name, inner, undo)
+    def failing_switch(model_, spec, name, undo):
+        original_switch(model_, spec, name, undo)
         raise RuntimeError("injected failure after the attention switch")
 
     if step == "probe":

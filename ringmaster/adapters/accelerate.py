@@ -28,6 +28,7 @@ from types import MethodType
 from typing import Any, Callable
 
 from ..config import RingmasterConfig
+from ..runtime import unwrap_wrappers
 
 
 def _is_accelerator(obj) -> bool:
@@ -141,9 +142,7 @@ def _unwrap(model, accelerator):
             return accelerator.unwrap_model(model)
         except Exception:  # an unprepared model: nothing to unwrap
             pass
-    while hasattr(model, "module") and not hasattr(model, "config"):
-        model = model.module
-    return model
+    return unwrap_wrappers(model)
 
 
 @dataclass

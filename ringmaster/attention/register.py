@@ -13,9 +13,9 @@ from functools import partial
 
 from ..comm import with_layer_context
 from ..compat import has_module
-from .binding import AttentionBinding
 from ..sharding.documents import BATCH_KWARG, CPBatch
 from . import ulysses, usp
+from .binding import AttentionBinding
 from .ring import hf as ring_hf
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 
 LAYOUTS = ("contiguous", "head_tail")
+DISTFLASH_REFUSAL = ("load_balance='distflash' is not implemented: head_tail already balances causal work to within "
+                     "1% (balancers.work_figure); use load_balance='head_tail'")
 
 
 def check_layout(layout: str) -> str:
     aliases = {"none": "contiguous", "zigzag": "head_tail"}
     layout = aliases.get(layout, layout)
     if layout == "distflash":
-        raise ValueError("shard layout 'distflash' is not implemented: head_tail already balances causal work to "
-                         "within 1% (balancers.work_figure); use load_balance='head_tail'")
+        raise ValueError(DISTFLASH_REFUSAL)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown shard layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     return layout

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from ..comm import all_gather
 from ..runtime import Runtime, active, runtime_of
-from . import balancers
 from ..validation import validate_batch
+from . import balancers
 from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
 
 CP_SHARD_KEY = "_cp_shard"
@@ -211,13 +211,11 @@ class ContextParallelContextManager:
         self._local_valid: torch.Tensor | None = None
         self._layouts: dict[int, str] = {}
 
-    def _target(self, model) -> tuple[Runtime, str]:
-        """The model's runtime and the layout its batches are cut in (checked before any collective)."""
-        runtime = runtime_of(model)
-        layout = self.load_balance
-        if layout is None:
-            layout = runtime.shard_load_balance if runtime is not None else "contiguous"
-        return check_shard_target(model, runtime, layout, self.cp_size), layout
+    def _layout(self, runtime: Runtime | None) -> str:
+        """The layout a full batch is cut in: the manager's, else the model's own runtime's."""
+        if self.load_balance is not None:
+            return self.load_balance
+        return runtime.shard_load_balance if runtime is not None else "contiguous"
 
     def _make_pre_hook(self, forward_params):
         params = list(forward_params)
@@ -226,9 +224,11 @@ class ContextParallelContextManager:
             kwargs = dict(kwargs)
             for name, value in zip(params, args):
                 kwargs.setdefault(name, value)
-            runtime, layout = self._target(module)
+            runtime = runtime_of(module)
+            meta = kwargs.pop(CP_SHARD_KEY, None)   # a batch the collator already cut
+            layout = meta["layout"] if meta is not None else self._layout(runtime)
+            runtime = check_shard_target(module, runtime, layout, self.cp_size)   # before any collective
             self._layouts[id(module)] = layout
-            meta = kwargs.pop(CP_SHARD_KEY, None)
             full_batch = None
             if meta is None:
                 full_batch = dict(kwargs)
@@ -240,8 +240,6 @@ class ContextParallelContextManager:
                 for key in tensors:
                     kwargs.pop(key)
                 kwargs.update(shard)
-            elif runtime.binding is not None and meta["layout"] not in runtime.binding.layouts():
-                check_shard_target(module, runtime, meta["layout"], self.cp_size)
             # the ranks agree on the batch before the first collective (the token count below)
             validate_batch(runtime, meta, full_batch=full_batch, local=kwargs if full_batch is None else None)
             if full_batch is not None:
