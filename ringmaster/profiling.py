@@ -383,6 +383,82 @@ def profile_memory(cuda_device=None):
         prof.peak_rss_bytes = peak_rss_bytes()
 
 
+@dataclass
+class TensorMemory:
+    """Live tensor bytes created inside a :func:`track_tensor_memory` block (see there)."""
+
+    peak_bytes: int = 0        # most bytes alive at once, counting only storages created in the block
+    live_bytes: int = 0        # bytes still alive now (or at exit)
+    allocations: int = 0       # distinct storages created
+    peak_op: str = ""          # the op whose outputs set the peak
+    largest_bytes: int = 0     # the single largest storage created
+    largest_op: str = ""       # the op that created it, and its shape
+    rank: int | None = None
+
+
+def _storages(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for item in out:
+            yield from _storages(item)
+
+
+@contextlib.contextmanager
+def track_tensor_memory():
+    """Peak bytes of the tensor storages created inside the block and alive at once, on any device.
+
+    A ``TorchDispatchMode`` sees every aten op below autograd (forward and backward, composite
+    ops decomposed): each new output storage is counted when created and uncounted when freed
+    (a weak reference to the storage, whose Python object lives exactly as long as the storage).
+    Storages from before the block (parameters, inputs) are not counted; gradients created in the
+    block are. What a kernel allocates inside itself (a fused kernel's tiles, the body of a
+    higher-order op such as ``flex_attention``) is not seen, which is the point: this measures what the code around the kernels materialises. Slower than
+    :func:`profile_memory` (a Python call per op), so a test tool, not a training-time profiler.
+    """
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    stats = TensorMemory(rank=_dist_rank())
+    refs: dict[int, object] = {}  # id(storage) -> weakref (keeps the callback alive)
+
+    def freed(key, nbytes):
+        def callback(_):
+            refs.pop(key, None)
+            stats.live_bytes -= nbytes
+        return callback
+
+    class _Mode(TorchDispatchMode):
+        # a higher-order op (flex_attention) is one kernel here: its outputs count, its insides do not
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            grew = False
+            for t in _storages(out):
+                try:
+                    st = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                key = id(st)
+                if key in refs:
+                    continue
+                nbytes = st.nbytes()
+                refs[key] = weakref.ref(st, freed(key, nbytes))
+                stats.allocations += 1
+                stats.live_bytes += nbytes
+                grew = True
+                if nbytes > stats.largest_bytes:
+                    stats.largest_bytes, stats.largest_op = nbytes, f"{func} {tuple(t.shape)} {t.dtype}"
+            if grew and stats.live_bytes > stats.peak_bytes:
+                stats.peak_bytes, stats.peak_op = stats.live_bytes, str(func)
+            return out
+
+    with _Mode():
+        yield stats
+
+
 def gather_profiles(prof, group=None) -> list:
     """``[profile of rank 0, rank 1, ...]`` of ``group`` (all_gather_object; a world of one or no
     initialised process group returns ``[prof]``)."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..comm import all_to_all
 from .binding import AttentionBinding
+from . import tiled
 from .flex import block_mask as flex_block_mask
 
 # kwargs that describe the local shard only: the inner kernel must not see them
@@ -145,8 +146,11 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     for name in _LOCAL_ONLY_KWARGS:
         kwargs.pop(name, None)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    mask = kernel_mask(inner, cpb, causal, kwargs.get("sliding_window"), q, kwargs)
-
+    window = kwargs.get("sliding_window")
     fn = _inner_attention(inner, module)
+    if inner == "sdpa" and tiled.needs_tiles(cpb, window):  # no S x S mask: one call per query tile
+        out = tiled.tiled_attention(fn, _HeadSliceModule(module, overrides), q, k, v, cpb, causal, window, kwargs)
+        return head_to_seq(out, group), None
+    mask = kernel_mask(inner, cpb, causal, window, q, kwargs)
     out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
