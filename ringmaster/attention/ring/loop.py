@@ -64,8 +64,9 @@ def _mask(kind, c: int, window: int | None, device):
     if not isinstance(kind, tuple):
         return kind
     _, a, b = kind
-    d = (a * c + torch.arange(c, device=device))[:, None] - (b * c + torch.arange(c, device=device))[None, :]
-    return (d >= 0) & (d < window)
+    qp = (a * c + torch.arange(c, device=device))[:, None]
+    kp = (b * c + torch.arange(c, device=device))[None, :]
+    return (kp <= qp) & (kp > qp - window)  # compared by broadcast: no [c, c] int64 difference
 
 
 def _doc_mask(plan: RingPlan, a: int, b: int, base):
