@@ -89,8 +89,38 @@ def ring_plans_swapped_head_tail_chunks():
     return [("ringmaster.attention.ring.loop", "balancers", proxy)]
 
 
+def _replan(edit):
+    """Patch for ``ringmaster.attention.tiled.plan_row`` (read as a module global by ``plan``): every
+    planned call passes through ``edit``."""
+    from ringmaster.attention import tiled
+
+    original = tiled.plan_row
+
+    def plan_row(*args, **kwargs):
+        return [edit(c) for c in original(*args, **kwargs)]
+
+    return [("ringmaster.attention.tiled", "plan_row", plan_row)]
+
+
+def tiled_window_keys_start_one_late():
+    """Ulysses/sdpa tiles: a window tile's key range starts one key late (the oldest key of the
+    tile's first query is cut off), an off-by-one in the tile's key range."""
+    import dataclasses
+
+    return _replan(lambda c: dataclasses.replace(c, k0=c.k0 + 1) if c.masked and c.k0 < c.q0 else c)
+
+
+def tiled_calls_without_masks():
+    """Ulysses/sdpa tiles: every call goes unmasked, so the kernel applies its own is_causal, which
+    SDPA aligns top-left: wrong for a tile with more keys than queries (and ignores documents)."""
+    import dataclasses
+
+    return _replan(lambda c: dataclasses.replace(c, masked=False))
+
+
 MUTATIONS = {f.__name__: f for f in (ring_merge_without_lse_weights, ulysses_without_kv_replication,
-                                      ring_plans_contiguous_layout, ring_plans_swapped_head_tail_chunks)}
+                                      ring_plans_contiguous_layout, ring_plans_swapped_head_tail_chunks,
+                                      tiled_window_keys_start_one_late, tiled_calls_without_masks)}
 
 # -- harness --------------------------------------------------------------------------------
 

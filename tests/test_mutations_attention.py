@@ -15,8 +15,9 @@ DETECT = 1e-2
 LLAMA_GQA = dict(num_attention_heads=8, num_key_value_heads=2)
 
 
-def _run(pool, mutation, model_type, P, overrides, backend="ring", **cfg_kwargs):
-    return pool.run(jm.mutated_parity, mutation, model_type, P, overrides, backend=backend, cfg_kwargs=cfg_kwargs)
+def _run(pool, mutation, model_type, P, overrides, backend="ring", seq_len=64, **cfg_kwargs):
+    return pool.run(jm.mutated_parity, mutation, model_type, P, overrides, backend=backend, cfg_kwargs=cfg_kwargs,
+                    seq_len=seq_len)
 
 
 def _assert_clean(results, backend, layout=None):
@@ -69,3 +70,21 @@ def test_ring_head_tail_plan_mismatch_is_caught(pool, mutation):
     results = _run(pool, mutation, "llama", 2, LLAMA_GQA, load_balance="head_tail")
     _assert_clean(results, "ring", "head_tail")
     _assert_wrong_numbers(results)
+
+
+@pytest.mark.parametrize("mutation", ["tiled_window_keys_start_one_late", "tiled_calls_without_masks"])
+def test_ulysses_sdpa_tile_key_ranges_are_checked(pool, mutation):
+    """Ulysses over sdpa with a sliding window at S=640: three 256-query tiles per row, each against
+    the keys its window reaches (attention/tiled.py). A tile's key range one key short, or a tile
+    left to SDPA's top-left is_causal, must break parity."""
+    results = _run(pool, mutation, "mistral", 2, dict(sliding_window=48), backend="ulysses", seq_len=640)
+    _assert_clean(results, "ulysses")
+    if mutation == "tiled_calls_without_masks":
+        _assert_wrong_numbers(results)
+        return
+    # one key missing for one query per tile (2 of 640 positions): the loss, an average over every
+    # position, barely moves (~5e-7), but those positions' logits and the gradients are far off
+    for rank, r in enumerate(results):
+        mutated = r["mutated"]
+        assert "raised" not in mutated, (rank, mutated)
+        assert mutated["logits_err"] > DETECT and mutated["grad_err"] > DETECT, (rank, mutated)

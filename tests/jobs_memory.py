@@ -1,0 +1,100 @@
+"""Jobs for tests/test_memory.py: per-rank peak tensor memory of one CP step as S doubles."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+import ringmaster as rm
+
+# mask kinds -> (model type, model overrides); the batch comes from ``batch_of``
+MODELS = {
+    "causal": ("llama", {}),
+    "window": ("mistral", dict(sliding_window=128)),
+    "packed": ("llama", {}),
+    "padded": ("llama", {}),
+    # sinks on full-attention layers only, so the row measures the sinks (windows have their own row)
+    # (gpt-oss loads with eager only; the ring backends never call the inner kernel)
+    "sinks": ("gpt_oss", dict(layer_types=["full_attention", "full_attention"])),
+}
+
+
+def batch_of(kind: str, vocab: int, S: int) -> dict[str, torch.Tensor]:
+    """A batch whose structure scales with S (documents and padding as fractions of S)."""
+    from ringmaster.testing.parity import packed_batch, tiny_batch
+
+    if kind == "packed":  # one long document, mid-size ones, a run of short ones
+        lens = [S // 2, S // 4, S // 8] + [S // 64] * 6
+        lens.append(S - sum(lens))
+        return packed_batch(vocab, lens)
+    if kind == "padded":  # B=2: row 0 one document, row 1 left and right padding (each pad token its own doc)
+        batch = tiny_batch(vocab, S, batch_size=2)
+        mask = torch.ones(2, S, dtype=torch.long)
+        mask[1, :S // 16] = 0
+        mask[1, S // 16 + S // 2:] = 0
+        batch["attention_mask"] = mask
+        batch["labels"][mask == 0] = -100
+        return batch
+    return tiny_batch(vocab, S)
+
+
+def _step(model, batch, backward: bool = True):
+    from ringmaster.adapters.raw import context_parallel_region
+
+    with torch.set_grad_enabled(backward), context_parallel_region(batch) as shard:
+        out = model(**shard)
+    if backward:
+        out.loss.backward()
+
+
+@contextlib.contextmanager
+def _eager_flex(attn: str):
+    """HF compiles flex_attention, and torch.compile refuses to run under a (non-infra) dispatch mode:
+    while measured, run it eagerly and call flex's op directly (torch's own debug switch). The tracker
+    counts the flex_attention op as one kernel (its outputs); what it allocates inside (eagerly: the
+    dense scores of torch's reference implementation) is the kernel's own, as a fused kernel's tiles
+    are. What ringmaster builds around it (the BlockMask) is counted."""
+    if attn != "flex_attention":
+        yield
+        return
+    import torch.nn.attention.flex_attention as fa
+
+    with torch._dynamo.config.patch(disable=True), mock.patch.object(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True):
+        yield
+
+
+def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa", cfg_kwargs=None,
+                backward: bool = True):
+    """Peak bytes of tensors alive at once during one CP forward+backward on this rank, per S.
+
+    Gradients are allocated (zeroed) before the measured block, so the peak counts activations,
+    temporaries and collectives' buffers, not the parameter/gradient baseline. Each S runs once
+    unmeasured first (lazy caches, allocator warm-up outside the count). ``backward=False``: forward
+    only, under no_grad (flex_attention has no CPU backward in torch 2.13).
+    """
+    from ringmaster.profiling import track_tensor_memory
+    from ringmaster.testing.parity import tiny_model
+
+    model_type, overrides = MODELS[kind]
+    model = tiny_model(model_type, "eager" if model_type == "gpt_oss" else attn, **overrides)
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
+    rm.wire(model, cfg, device_mesh=ctx.mesh(P))
+    vocab = model.config.vocab_size
+    rows = []
+    try:
+        with _eager_flex(attn):
+            _step(model, batch_of(kind, vocab, sizes[0]), backward)
+        for S in sizes:
+            batch = batch_of(kind, vocab, S)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            with _eager_flex(attn), track_tensor_memory() as mem:
+                _step(model, batch, backward)
+            rows.append({"S": S, "peak": mem.peak_bytes, "peak_op": mem.peak_op,
+                         "largest": mem.largest_bytes, "largest_op": mem.largest_op})
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return rows
