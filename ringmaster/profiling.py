@@ -393,6 +393,8 @@ class TensorMemory:
     peak_op: str = ""          # the op whose outputs set the peak
     largest_bytes: int = 0     # the single largest storage created
     largest_op: str = ""       # the op that created it, and its shape
+    largest_wide_bytes: int = 0  # the largest storage of a dtype wider than one byte (not bool/int8)
+    largest_wide_op: str = ""
     rank: int | None = None
 
 
@@ -451,6 +453,8 @@ def track_tensor_memory():
                 grew = True
                 if nbytes > stats.largest_bytes:
                     stats.largest_bytes, stats.largest_op = nbytes, f"{func} {tuple(t.shape)} {t.dtype}"
+                if t.element_size() > 1 and nbytes > stats.largest_wide_bytes:
+                    stats.largest_wide_bytes, stats.largest_wide_op = nbytes, f"{func} {tuple(t.shape)} {t.dtype}"
             if grew and stats.live_bytes > stats.peak_bytes:
                 stats.peak_bytes, stats.peak_op = stats.live_bytes, str(func)
             return out

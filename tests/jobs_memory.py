@@ -93,7 +93,8 @@ def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa",
             with _eager_flex(attn), track_tensor_memory() as mem:
                 _step(model, batch, backward)
             rows.append({"S": S, "peak": mem.peak_bytes, "peak_op": mem.peak_op,
-                         "largest": mem.largest_bytes, "largest_op": mem.largest_op})
+                         "largest": mem.largest_bytes, "largest_op": mem.largest_op,
+                         "largest_wide": mem.largest_wide_bytes, "largest_wide_op": mem.largest_wide_op})
     finally:
         rm.unwire(model)
         rm.teardown()

@@ -125,12 +125,12 @@ def plan(cpb, causal: bool, window, batch: int, tile: int | None = None) -> list
 def call_mask(call: Call, causal: bool, window, docs: torch.Tensor | None, device) -> torch.Tensor:
     """Bool ``[rows|1, 1, q, k]`` (True = attend) of one call, from global positions and document ids:
     the same rule as ``CPBatch.dense_mask`` restricted to the call's ranges."""
-    qp = torch.arange(call.q0, call.q1, device=device)
-    kp = torch.arange(call.k0, call.k1, device=device)
-    d = qp[:, None] - kp[None, :]
-    ok = (d >= 0) if causal else torch.ones_like(d, dtype=torch.bool)
+    qp = torch.arange(call.q0, call.q1, device=device)[:, None]
+    kp = torch.arange(call.k0, call.k1, device=device)[None, :]
+    # compared by broadcast (bool results only, no [q, k] int64 difference)
+    ok = (kp <= qp) if causal else torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool, device=device)
     if window is not None:
-        ok = ok & (d < window) if causal else ok & (d.abs() < window)
+        ok = ok & (kp > qp - window) if causal else ok & (kp > qp - window) & (kp < qp + window)
     ok = ok[None]
     if docs is not None:
         rows = docs[call.r0:call.r1] if docs.shape[0] > 1 else docs
