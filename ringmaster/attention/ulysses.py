@@ -116,7 +116,9 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
     mask = cpb.dense_mask(causal, window, query.device, materialize=not sdpa_like)
     if mask is None or sdpa_like:
         return mask
-    # eager-style kernels add the mask to the scores
+    # eager-style kernels add the mask to the scores. Eager is the model's own S x S kernel by design
+    # (its scores and probabilities are [B, H/P, S, S]), so a dense [B, 1, S, S] mask in the query
+    # dtype adds nothing to its order. sdpa never gets a dense mask (tiled.py), flex gets a BlockMask
     return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~mask, torch.finfo(query.dtype).min)
 

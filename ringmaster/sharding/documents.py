@@ -100,7 +100,8 @@ class CPBatch:
     def dense_mask(self, causal: bool, window: int | None, device, materialize: bool = False) -> torch.Tensor | None:
         """Bool ``[B|1, 1, S, S]`` (True = attend) over the whole sequence, in sequence order,
         or None when plain causal attention is exact and the kernel can do causal by itself
-        (``materialize=False``). Built once per forward and kind."""
+        (``materialize=False``). Built once per forward and kind. O(S^2): only eager attention (an
+        S x S kernel anyway) and tests use it; sdpa runs tiles (attention/tiled.py), flex a BlockMask."""
         if self.doc_ids is None and window is None and not materialize:
             return None
         key = ("dense", causal, window, str(device))
