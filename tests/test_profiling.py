@@ -158,6 +158,30 @@ def test_profile_memory_counts_saved_tensors_and_rss():
     assert "saved for bwd" in profiling.memory_table([mem])
 
 
+def test_track_tensor_memory_counts_live_storages_once():
+    """Known sizes: views and in-place ops add nothing, freed storages leave the count, tensors from
+    before the block are not counted, backward's temporaries are."""
+    before = torch.zeros(1000)  # not counted: made before the block
+    with profiling.track_tensor_memory() as t:
+        a = torch.ones(1000)                     # 4000 B
+        view = a[:10]                            # a view: no new storage
+        a.add_(1)                                # in place: no new storage
+        b = torch.zeros(500, dtype=torch.bool)   # 500 B
+        assert t.live_bytes == 4500 and t.peak_bytes == 4500
+        del b
+        assert t.live_bytes == 4000
+        c = before * 2                           # 4000 B
+        assert t.peak_bytes == 8000 and t.live_bytes == 8000
+        del a, view, c
+        assert t.live_bytes == 0
+        x = torch.randn(100, 100).requires_grad_()  # 40000 B
+        (x @ x).sum().backward()                    # backward runs under the mode too: mm, its grads
+        assert t.live_bytes == 80000                # x and x.grad
+    assert t.peak_bytes > 3 * 40000                 # x, x @ x and the two backward products at once
+    assert t.largest_bytes == 40000 and "randn" in t.largest_op
+    assert t.largest_wide_bytes == t.largest_bytes
+
+
 def test_count_collectives_outside_distributed_is_harmless():
     with count_collectives() as seen:
         torch.ones(3).sum()

@@ -25,7 +25,8 @@ dense-mask result up to summation order. Query and key ranges are cut by :class:
 backward adds every range's gradient into one buffer (slicing through autograd would allocate a
 full-size zero gradient per call).
 
-Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
+The plan is made on the host from the document ids (one device sync per forward on GPU) and,
+with the masks, cached in the forward's ``CPBatch`` for every layer. Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
 ``window_size`` path (no mask at all) is the production one.
 """
 
