@@ -165,7 +165,7 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
             rt.ring_group, backend = group, "ring"
         rt.ring_impl = resolve_ring_impl(cfg.ring_impl, inner)
         binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
-                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl),
+                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
                                    rotate=resolve_rotate(cfg.rotate_method),
                                    name=register.attention_name(backend, inner, serial))
     rt.binding = binding
