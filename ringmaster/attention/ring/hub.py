@@ -66,6 +66,13 @@ def hub_dtype_ok(device, dtype, inner: str | None = None) -> bool:
     return dtype in FLASH_DTYPES or torch.device(device).type == "cpu"
 
 
+def flash_flags(left, right):
+    """``(causal, (left, right))`` for a flash call: a band open to the left and closed at the diagonal
+    is the kernel's own causal mode; anything else goes as a window."""
+    causal = left is None and right == 0
+    return causal, ((None, 0) if causal else (left, right))
+
+
 class _Fn:
     """One hub function and how to call it with ringmaster's canonical argument names."""
 
@@ -132,13 +139,8 @@ class _HubOps:
                 f"ring_impl='hf_kernels': the kernel {label!r} has neither _flash_attn_forward (FA2/FA3) nor "
                 "_flash_attn_fwd (FA4); use ring_impl='aten'")
 
-    @staticmethod
-    def _causal(left, right):
-        causal = left is None and right == 0
-        return causal, ((None, 0) if causal else (left, right))
-
     def dense_fwd(self, q, k, v, scale, left, right):
-        causal, window = self._causal(left, right)
+        causal, window = flash_flags(left, right)
         res = self._fwd(window, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), softmax_scale=scale,
                         causal=causal, return_lse=True)
         return res[0], res[1]
@@ -147,13 +149,13 @@ class _HubOps:
         if self._vfwd is None:
             raise NotImplementedError(f"the hub flash kernel {self.label!r} has no varlen forward for packed documents; "
                                       "use ring_impl='aten'")
-        causal, window = self._causal(left, right)
+        causal, window = flash_flags(left, right)
         res = self._vfwd(window, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                          max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True)
         return res[0], res[1]
 
     def _backward(self, fn, dout, q, k, v, out, lse, scale, left, right, **varlen):
-        causal, window = self._causal(left, right)
+        causal, window = flash_flags(left, right)
         q, k, v, dout, out = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous(), out.contiguous()
         grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
         res = fn(window, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), softmax_scale=scale,
