@@ -31,7 +31,7 @@ def _sdpa_reference(inner_forward):
     return forward
 
 
-def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attention_2"):
+def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attention_2", backend="ring", **split):
     """The model-level comparison for one (provider, mask case, rotation, layout).
 
     ``kernel="aten"``: an sdpa model with ``ring_impl='aten'``; ``kernel="hf_kernels"``: a model whose
@@ -39,8 +39,8 @@ def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attent
     from ringmaster.testing.parity import _plain_forward, compare, packed_batch, per_document_forward
 
     model_type, overrides = CASES[case]
-    cfg = rm.RingmasterConfig(size=P, backend="ring", rotate_method=rotate, load_balance=layout,
-                              ring_impl="aten" if kernel == "aten" else "auto")
+    cfg = rm.RingmasterConfig(size=P, backend=backend, rotate_method=rotate, load_balance=layout,
+                              ring_impl="aten" if kernel == "aten" else "auto", **split)
     kwargs = dict(device_mesh=ctx.mesh(P), **overrides)
     reference = per_document_forward if case == "packed" else _plain_forward
     if case == "packed":

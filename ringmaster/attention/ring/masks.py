@@ -81,12 +81,11 @@ class BlockMask:
     def segments(self) -> list[tuple[int, int, int, int, int]]:
         """``(b, q0, q1, k0, k1)`` per document present in both the query and the key block, each
         trimmed to the rows and keys its band reaches, so every listed row sees at least one key.
-        One host sync per block (the segment bounds become ``cu_seqlens``)."""
+        A host sync per row (the run bounds become ``cu_seqlens``); never a per-token loop."""
         assert self.q_docs is not None and self.dense is None
         out = []
-        qd, kd = self.q_docs.tolist(), self.k_docs.tolist()
-        for b, (qrow, krow) in enumerate(zip(qd, kd)):
-            qspans, kspans = _runs(qrow), _runs(krow)
+        for b in range(self.q_docs.shape[0]):
+            qspans, kspans = _runs(self.q_docs[b]), _runs(self.k_docs[b])
             for doc, (q0, q1) in qspans.items():
                 if doc not in kspans:
                     continue
@@ -97,13 +96,12 @@ class BlockMask:
         return out
 
 
-def _runs(ids: list) -> dict:
-    """{id: (start, end)} of the runs in a non-decreasing id list."""
-    spans: dict = {}
-    for i, d in enumerate(ids):
-        s = spans.get(d)
-        spans[d] = (i, i + 1) if s is None else (s[0], i + 1)
-    return spans
+def _runs(ids: torch.Tensor) -> dict:
+    """{id: (start, end)} of the runs in a non-decreasing id row (only the run bounds reach the host)."""
+    n = ids.shape[0]
+    starts = torch.cat([ids.new_zeros(1), torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1])
+    ends = torch.cat([starts[1:], ids.new_full((1,), n)])
+    return {d: (s, e) for d, s, e in zip(ids[starts].tolist(), starts.tolist(), ends.tolist())}
 
 
 def _trim(q0, q1, k0, k1, lo, hi):
