@@ -260,3 +260,51 @@ def test_check_dtype_math_only_when_asked():
 def test_hub_provider_needs_a_flash_model():
     with pytest.raises(ValueError, match="needs a flash model"):
         HfKernelsKernel("sdpa")
+
+
+# -- memory: no block-sized temporary outside a kernel's own tiles -------------------------------
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any op returns inside the block (a fused op's own workspace is invisible)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), func
+        return out
+
+
+def test_aten_cpu_masked_blocks_build_no_block_sized_temporary():
+    """Window, document and arbitrary-mask blocks run per query-row tile: no [c, c] mask or score
+    tensor (the old path built an fp32 [c, c] additive mask per block). c=512, tiles of 128 rows."""
+    c, D = 512, 8
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, c, D, generator=gen) for _ in range(3))
+    docs = _docs(1, 2 * c, gen, lengths=[300, 200, 400])
+    kernel = AtenKernel()
+    for name, mask in (("window-off-diag", BlockMask(c, c, lo=-c, hi=200 - c)),
+                       ("window-diag", BlockMask(c, c, lo=0, hi=63)),
+                       ("docs-causal", BlockMask(c, c, lo=0, q_docs=docs[:, :c], k_docs=docs[:, :c])),
+                       ("docs", BlockMask(c, c, q_docs=docs[:, c:], k_docs=docs[:, :c]))):
+        with _Largest() as seen:
+            out, lse = kernel.forward(q, k, v, 0.3, mask)
+            kernel.backward(torch.ones_like(q), q, k, v, out, lse, 0.3, mask)
+        assert seen.largest <= 128 * c, (name, seen.largest, seen.op)  # one tile's mask, never c * c
+
+
+def test_ring_loop_plans_blocks_without_dense_masks():
+    """block_pairs hands kernels structured masks (views of the doc ids), not [c, c] tensors."""
+    from ringmaster.attention.ring.loop import RingPlan, block_pairs
+
+    S, P = 2048, 4
+    docs = _docs(1, S, torch.Generator().manual_seed(5), lengths=[700, 500, 848])
+    plan = RingPlan("head_tail", P, 1, S // (2 * P), window=300, docs=docs)
+    with _Largest() as seen:
+        pairs = [p for src in range(P) for p in block_pairs(plan, src, "cpu")]
+    assert pairs and all(isinstance(m, BlockMask) and m.dense is None for _, _, m in pairs)
+    assert seen.largest < (S // (2 * P)) ** 2, seen.largest

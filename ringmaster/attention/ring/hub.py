@@ -186,6 +186,10 @@ class HfKernelsKernel:
         self.ops = _HubOps(module if module is not None else load_flash_kernel(inner), inner)
 
     def forward(self, q, k, v, scale, mask):
+        if not hub_dtype_ok(q.device, q.dtype):  # rm.setup callers (axolotl) skip wire's check_dtype
+            raise ValueError(f"ring_impl='hf_kernels' (flash attention) runs fp16/bf16 on GPU, the activations are "
+                             f"{q.dtype} on {q.device}; use ring_impl='aten' (fp32 through memory-efficient "
+                             "attention) or ring_impl='math' for fp64")
         m = as_block_mask(mask, q.shape[-2], k.shape[-2])
         if m.dense is not None:
             raise NotImplementedError("ring_impl='hf_kernels' runs band and document blocks (what the ring plans); "
