@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_single, current_device, group_device_types, reduce_scatter_single
+from .compat import all_gather_single, backend_for, current_device, group_device_types, reduce_scatter_single
 
 # (sink, sync_cuda) pairs that rm.profile_comms() registers while its block runs; empty otherwise,
 # so timing costs nothing unless someone is measuring. sink(kind, phase, bytes_sent, seconds, tag).
@@ -180,7 +180,9 @@ def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tenso
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
     with diagnosed("reduce_scatter", tag, group), \
             timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
-        if x.device.type == "cpu":  # gloo has no reduce_scatter: sum with all_reduce, keep our slice
+        if backend_for(group, x.device.type) in ("gloo", None):
+            # gloo's reduce_scatter is not available for every device/torch version (CUDA tensors on gloo:
+            # the single-GPU check's ranks): sum with all_reduce, which gloo has everywhere, keep our slice
             buf = x.clone()
             dist.all_reduce(buf, group=group)
             out.copy_(buf[dist.get_rank(group)])

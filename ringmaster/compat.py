@@ -66,6 +66,22 @@ def config_device_types(config: str) -> tuple[str, ...]:
     return tuple(types)
 
 
+def backend_for(group, device_type: str) -> str | None:
+    """The backend name ``group`` uses for tensors of ``device_type`` (``"gloo"``, ``"nccl"``, ...), from the
+    public ``dist.get_backend_config``; None when torch recorded no config for the group."""
+    import torch.distributed as dist
+
+    try:
+        config = dist.get_backend_config(group)
+    except TypeError:
+        return None
+    for part in (config or "").split(","):
+        device, sep, backend = part.strip().partition(":")
+        if sep and device == device_type:
+            return backend
+    return None
+
+
 def group_device_types(group=None) -> tuple[str, ...]:
     """The device types ``group`` has a backend for: ``("cpu", "cuda")`` for a plain gloo group or
     ``"cpu:gloo,cuda:nccl"``, ``("cuda",)`` for ``init_process_group("nccl")`` or ``"cuda:gloo"``.
