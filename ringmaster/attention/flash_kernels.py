@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -116,8 +117,10 @@ class FlashKernel:
             kw["softcap"] = softcap
         if dropout:
             kw["dropout_p"] = dropout
-        if sinks is not None:
-            kw[self.sink_kwarg] = sinks.detach()
+        if "deterministic" in self.params:  # transformers' switch for the deterministic backward
+            kw["deterministic"] = os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+        if sinks is not None:  # half precision in, as transformers passes them
+            kw[self.sink_kwarg] = sinks.detach().to(q.dtype)
             if "return_attn_probs" in self.params:  # FA3 returns the LSE only when asked
                 kw["return_attn_probs"] = True
         res = self.module.flash_attn_varlen_func(q, k, v, **kw)
@@ -209,3 +212,18 @@ def window_size(sliding_window: int | None, causal: bool) -> tuple[int, int] | N
         return None
     w = int(sliding_window) - 1
     return (w, 0) if causal else (w, w)
+
+
+def target_dtype(query: torch.Tensor, module) -> torch.dtype | None:
+    """transformers' rule for fp32 activations reaching a flash kernel (e.g. PEFT's fp32 norms):
+    the autocast dtype, else the quantized model's dtype, else the module's Linear weight dtype."""
+    if query.dtype != torch.float32:
+        return None
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "_is_quantized"):
+        return config.dtype
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return None if linear is None else linear.weight.dtype

@@ -187,13 +187,18 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
     q, k, v = seq_to_head([query, key, value], group)  # [B, h, S, D]
-    B, hq, S, _ = q.shape
+    B, hq, S, D = q.shape
+    dv = v.shape[-1]
     cu, longest = cpb.varlen_bounds(B, q.device)
+    cast = flash_kernels.target_dtype(q, module)  # as transformers' flash path: fp32 in -> the model's dtype
 
-    def packed(t):
-        return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+    def packed(t, width=None):
+        t = t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+        if width is not None and t.shape[-1] != width:  # value heads narrower than query heads (MLA)
+            t = torch.nn.functional.pad(t, [0, width - t.shape[-1]])
+        return t if cast is None else t.to(cast)
 
     local_sinks = None if sinks is None else sinks[rank * hq:(rank + 1) * hq]
-    out = kernel.varlen(packed(q), packed(k), packed(v), cu, longest, scale=float(scale), causal=causal,
+    out = kernel.varlen(packed(q), packed(k), packed(v, D), cu, longest, scale=float(scale), causal=causal,
                         window=window, softcap=softcap, dropout=dropout, sinks=local_sinks)
-    return head_to_seq(out.reshape(B, S, hq, out.shape[-1]), group), None
+    return head_to_seq(out[..., :dv].reshape(B, S, hq, dv), group), None
