@@ -2,8 +2,8 @@
 and calls itself: transformers' flash path would look the library up from the renamed
 ``config._attn_implementation``. In CI the hub kernels are ringmaster's CPU stand-in, loaded by
 ``kernels.get_kernel`` through LOCAL_KERNELS (tests/conftest.py); ``flash_attn`` is not installed,
-so ``flash_attention_2`` resolves to the hub's flash-attn2 and ``flash_attention_3`` to
-vllm-flash-attn3, as transformers' own fallback does.
+so ``flash_attention_2`` resolves to the hub's flash-attn2, ``flash_attention_3`` to
+vllm-flash-attn3 and ``flash_attention_4`` to flash-attn4, as transformers' own fallback does.
 
 Each case runs against the same weights without CP (sdpa, or eager where the model needs it):
 loss, gathered logits and every parameter gradient against its own norm, at P=2 and P=4.
@@ -20,6 +20,7 @@ from ringmaster.attention import flash_kernels  # noqa: E402
 TOL = 1e-4
 DETECT = 1e-2
 FA2, FA3, VLLM = "kernels-community/flash-attn2", "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3"
+FA4 = "kernels-community/flash-attn4"
 LLAMA_GQA = dict(num_attention_heads=8, num_key_value_heads=2)
 MISTRAL_W = dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=16)
 # a cap far below the tiny model's raw logits (|s| ~ 1e-2), so capping changes every score
@@ -39,6 +40,8 @@ CASES = [
     ("vllm-fa3-gpt-oss-sinks", VLLM, "gpt_oss", {}, "plain", "eager", (2, 4)),
     ("vllm-fa3-gpt-oss-sinks-packed", VLLM, "gpt_oss", {}, "packed", "eager", (2,)),
     ("flash_attention_3-gpt-oss-sinks", "flash_attention_3", "gpt_oss", {}, "plain", "eager", (2,)),
+    ("fa4-gpt-oss-sinks-packed", FA4, "gpt_oss", {}, "packed", "eager", (2, 4)),
+    ("flash_attention_4-mistral-window", "flash_attention_4", "mistral", MISTRAL_W, "plain", "sdpa", (2,)),
 ]
 PARAMS = [pytest.param(c, P, id=f"{c[0]}-P{P}") for c in CASES for P in c[-1]]
 
@@ -77,7 +80,8 @@ def test_sinks_without_kernel_support_refused_before_any_collective(pool):
 
 
 def test_setup_resolves_flash_names_without_transformers(pool):
-    for inner, source in (("flash_attention_2", FA2), (FA3, FA3), ("flash_attention_3", VLLM)):
+    for inner, source in (("flash_attention_2", FA2), (FA3, FA3), ("flash_attention_3", VLLM),
+                          ("flash_attention_4", FA4)):
         r = pool.run(jobs_flash.setup_without_transformers_registration, inner)[0]
         assert r["source"] == source and r["standin"] and "/" not in r["name"], r
 

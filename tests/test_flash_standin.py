@@ -179,3 +179,41 @@ def test_local_kernels_value_names_every_standin(tmp_path):
     entries = dict(e.split("=", 1) for e in value.split(":"))
     assert entries["kernels-community/flash-attn2"] == str(tmp_path)
     assert set(entries) == set(flash_standin.REPOS)
+
+
+def test_fa4_interface_sinks_and_lse_gradient():
+    fa4 = hub("flash-attn4")
+    q, k, v = _qkv(2, 9, 9, 4, 2, grad=True)
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), learnable_sink=sink, return_lse=True)
+    refs = [dense_ref(q[b], k[b], v[b], 8 ** -0.5, True, 3, 0, sink=sink) for b in range(2)]
+    ref_out, ref_lse = torch.stack([r[0] for r in refs]), torch.stack([r[1] for r in refs])
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    # a loss on out and on the LSE: FA4 sends dlse into the backward, and the sink gets its gradient
+    dout, dl = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dl).sum(), (q, k, v, sink))
+    want = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dl).sum(), (q, k, v, sink))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-11, rtol=1e-9)
+    # low level: (out, lse, None, None) and (dq, dk, dv, dsink)
+    o, l, *_ = fa4._flash_attn_fwd(q.detach(), k.detach(), v.detach(), causal=True, learnable_sink=sink.detach())
+    dq, dk, dv, ds = fa4._flash_attn_bwd(q.detach(), k.detach(), v.detach(), o, dout, l, causal=True,
+                                         learnable_sink=sink.detach())
+    refs = [dense_ref(q[b], k[b], v[b], 8 ** -0.5, True, sink=sink) for b in range(2)]
+    want = torch.autograd.grad(torch.stack([r[0] for r in refs]), (q, k, v, sink), dout)
+    for g, w in zip((dq, dk, dv, ds), want):
+        torch.testing.assert_close(g, w, atol=1e-11, rtol=1e-9)
+
+
+def test_fa4_empty_rows_have_minus_inf_lse():
+    """FA4 writes -inf for a row that sees nothing (FA2/FA3: +inf); the backward treats both as empty."""
+    fa4, fa2 = hub("flash-attn4"), hub("flash-attn2")
+    q, k, v = _qkv(1, 6, 3, 2, 2, grad=True)  # 6 queries, 3 keys, causal bottom-right: rows 0-2 see nothing
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.isneginf(lse[0, :, :3]).all() and (out[0, :3] == 0).all()
+    _, lse2, _, _ = fa2._flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, None, True, -1, -1, 0.0,
+                                            None, False)
+    assert torch.isposinf(lse2[0, :, :3]).all()
+    g = torch.autograd.grad(out.sum(), q)[0]
+    assert torch.isfinite(g).all() and (g[0, :3] == 0).all()

@@ -121,8 +121,9 @@ class FlashKernel:
             kw["deterministic"] = os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
         if sinks is not None:  # half precision in, as transformers passes them
             kw[self.sink_kwarg] = sinks.detach().to(q.dtype)
-            if "return_attn_probs" in self.params:  # FA3 returns the LSE only when asked
-                kw["return_attn_probs"] = True
+            for flag in ("return_attn_probs", "return_lse"):  # FA3 / FA4 return the LSE only when asked
+                if flag in self.params:
+                    kw[flag] = True
         res = self.module.flash_attn_varlen_func(q, k, v, **kw)
         out = res[0] if isinstance(res, (tuple, list)) else res
         if sinks is None or not sinks.requires_grad:

@@ -9,7 +9,7 @@ runs the flash paths (Ulysses with a hub kernel, Ring's hub block kernels) end t
     LOCAL_KERNELS="$(python -c 'import ringmaster.testing.flash_standin as s; print(s.local_kernels())')"
 
 The functions keep each real interface's names, argument order and return values (FA2:
-:mod:`.fa2`; FA3 and vllm's FA3 with sinks: :mod:`.fa3`); the math is :mod:`.core` (tiled,
+:mod:`.fa2`; FA3 and vllm's FA3 with sinks: :mod:`.fa3`; FA4: :mod:`.fa4`); the math is :mod:`.core` (tiled,
 exact in fp32/fp64, flash backward from ``(out, lse)``). It is a test double: dropout, paged KV
 and fp8 scales are refused, not emulated.
 """
@@ -25,6 +25,7 @@ REPOS = {
     "kernels-community/flash-attn2": "flash-attn2",
     "kernels-community/flash-attn3": "flash-attn3",
     "kernels-community/vllm-flash-attn3": "vllm-flash-attn3",
+    "kernels-community/flash-attn4": "flash-attn4",
 }
 
 

@@ -125,10 +125,13 @@ def forward(q, k, v, scale: float, mask: Mask, alibi=None, sink=None, tile: int 
     return out.reshape(sq, h, dv), lse.reshape(h, sq)
 
 
-def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, alibi=None, sink=None, tile: int = TILE):
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, alibi=None, sink=None, tile: int = TILE,
+             dlse=None):
     """The flash backward of one sequence from the forward's ``out`` and ``lse`` (which may be
-    those of a larger merged attention: each block's share is then exact). Returns
-    (dq, dk, dv, dsink) in the compute dtype; dsink is None without a sink."""
+    those of a larger merged attention: each block's share is then exact). ``dlse`` ``[H,Sq]``:
+    a gradient reaching the LSE too (FA4's ``return_lse``), ``dS += P * dlse``. Returns
+    (dq, dk, dv, dsink) in the compute dtype; dsink is None without a sink. A row whose LSE is
+    ``+inf`` or ``-inf`` saw nothing and gets no gradient."""
     sq, h, d = q.shape
     sk, hk, dvd = v.shape
     g = h // hk
@@ -138,7 +141,10 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, alibi=None, sink
     kc, vc = k.to(ct), v.to(ct)
     do = dout.to(ct).reshape(sq, hk, g, dvd)
     delta = (do * out.to(ct).reshape(sq, hk, g, dvd)).sum(-1).permute(1, 2, 0)  # [Hk,G,Sq]
+    if dlse is not None:
+        delta = delta - dlse.to(ct).reshape(hk, g, sq)
     lsec = lse.to(ct).reshape(hk, g, sq)
+    lsec = torch.where(lsec == -math.inf, torch.full_like(lsec, math.inf), lsec)
     al = None if alibi is None else alibi.to(ct).reshape(hk, g)
     dq = torch.zeros(sq, hk, g, d, dtype=ct, device=q.device)
     dk = torch.zeros(sk, hk, d, dtype=ct, device=q.device)
@@ -191,11 +197,11 @@ def forward_batched(q, k, v, scale, mask, alibi=None, sink=None):
     return torch.stack(outs), _lse_dtype(torch.stack(lses), q)
 
 
-def backward_batched(dout, q, k, v, out, lse, scale, mask, alibi=None, sink=None):
+def backward_batched(dout, q, k, v, out, lse, scale, mask, alibi=None, sink=None, dlse=None):
     dqs, dks, dvs, dsink = [], [], [], None
     for b in range(q.shape[0]):
         dq, dk, dv, ds = backward(dout[b], q[b], k[b], v[b], out[b], lse[b], scale, mask,
-                                  _alibi_row(alibi, b), sink)
+                                  _alibi_row(alibi, b), sink, dlse=None if dlse is None else dlse[b])
         dqs.append(dq), dks.append(dk), dvs.append(dv)
         if ds is not None:
             dsink = ds if dsink is None else dsink + ds
@@ -229,7 +235,7 @@ def forward_varlen(q, k, v, cu_q, cu_k, scale, mask, alibi=None, sink=None):
     return out, _lse_dtype(lse, q)
 
 
-def backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, scale, mask, alibi=None, sink=None):
+def backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, scale, mask, alibi=None, sink=None, dlse=None):
     bq, bk = _bounds(cu_q), _bounds(cu_k)
     ct = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
@@ -243,10 +249,12 @@ def backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, scale, mask, alibi=None
         if e <= c:
             if sink is not None:  # a sink-only row: its output is 0, d sink = -p_sink * delta
                 delta = (dout[a:b].to(ct) * out[a:b].to(ct)).sum(-1).T
+                if dlse is not None:
+                    delta = delta - dlse[:, a:b].to(ct)
                 dsink -= (torch.exp(sink.to(ct)[:, None] - lse[:, a:b].to(ct)) * delta).sum(-1)
             continue
         g = backward(dout[a:b], q[a:b], k[c:e], v[c:e], out[a:b], lse[:, a:b], scale, mask,
-                     _alibi_row(alibi, i), sink)
+                     _alibi_row(alibi, i), sink, dlse=None if dlse is None else dlse[:, a:b])
         dq[a:b], dk[c:e], dv[c:e] = g[0], g[1], g[2]
         if g[3] is not None:
             dsink += g[3]
@@ -261,32 +269,39 @@ def _lse_dtype(lse, q):
 class Attention(torch.autograd.Function):
     """Differentiable wrapper used by the ``flash_attn_*func`` entry points.
 
-    ``sink_grad`` False mirrors kernels whose backward returns no sink gradient (vllm's FA3)."""
+    ``sink_grad`` False mirrors kernels whose backward returns no sink gradient (vllm's FA3);
+    ``lse_grad`` True lets a gradient reach the LSE (FA4 with ``return_lse``), otherwise the LSE is
+    non-differentiable as in FA2/FA3."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, cu_q, cu_k, scale, mask, alibi, sink_grad):
+    def forward(ctx, q, k, v, sink, cu_q, cu_k, scale, mask, alibi, sink_grad, lse_grad=False, empty_lse=math.inf):
         if cu_q is None:
             out, lse = forward_batched(q, k, v, scale, mask, alibi, sink)
         else:
             out, lse = forward_varlen(q, k, v, cu_q, cu_k, scale, mask, alibi, sink)
+        if empty_lse != math.inf:
+            lse = torch.where(lse == math.inf, torch.full_like(lse, empty_lse), lse)
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k, alibi)
         ctx.scale, ctx.mask, ctx.sink_grad = scale, mask, sink_grad
-        ctx.mark_non_differentiable(lse)
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink, cu_q, cu_k, alibi = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         if cu_q is None:
-            dq, dk, dv, ds = backward_batched(dout, q, k, v, out, lse, ctx.scale, ctx.mask, alibi, sink)
+            dq, dk, dv, ds = backward_batched(dout, q, k, v, out, lse, ctx.scale, ctx.mask, alibi, sink, dlse)
         else:
             dq, dk, dv, ds = backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.mask,
-                                             alibi, sink)
+                                             alibi, sink, dlse)
         dsink = None
         if sink is not None and ctx.sink_grad and ctx.needs_input_grad[3]:
             dsink = ds.to(sink.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def default_scale(q, scale):
