@@ -190,10 +190,16 @@ def _no_softcap():
     return varlen
 
 
+def _first_heads(per_head, rank, count):
+    """every rank takes the first heads' sinks."""
+    return per_head[:count]
+
+
 MUTATIONS = {
     "cu_seqlens_one_document": ("ringmaster.sharding.documents", "CPBatch", "varlen_bounds", _one_document),
     "window_dropped": ("ringmaster.attention.flash_kernels", None, "window_size", _no_window),
     "sink_grad_dropped": ("ringmaster.attention.flash_kernels", None, "SinkGrad", _NoSinkGrad),
+    "sinks_not_sliced": ("ringmaster.attention.ulysses", None, "local_heads", _first_heads),
     "softcap_dropped": ("ringmaster.attention.flash_kernels", "FlashKernel", "varlen", _no_softcap),
 }
 

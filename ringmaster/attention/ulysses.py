@@ -151,6 +151,11 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     return head_to_seq(out, group), None
 
 
+def local_heads(per_head: torch.Tensor, rank: int, count: int) -> torch.Tensor:
+    """The ``count`` entries of a per-head tensor (sinks) for the heads rank ``rank`` computes."""
+    return per_head[rank * count:(rank + 1) * count]
+
+
 def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
     """Ulysses around a flash kernel (``flash_attention_2/3/4`` or a hub repo), called directly.
 
@@ -168,7 +173,8 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     num_heads = query.shape[1]
     rep = kv_replication(num_heads, key.shape[1], P)
-    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     sinks = kwargs.get("s_aux")
     if not isinstance(sinks, torch.Tensor):
         sinks = getattr(module, "sinks", None)
@@ -182,6 +188,9 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
     scale = kwargs.get("scaling")
     if scale is None:
         scale = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    if query.shape[2] * P != cpb.seq_len:  # the varlen boundaries describe cpb.seq_len tokens per row
+        raise RuntimeError(f"{type(module).__name__}: {P} shards of {query.shape[2]} tokens, but the batch was cut "
+                           f"from {cpb.seq_len}; shard it with this model's runtime (context_parallel_region)")
 
     if rep > 1:
         key = key.repeat_interleave(rep, dim=1)
@@ -198,7 +207,7 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
             t = torch.nn.functional.pad(t, [0, width - t.shape[-1]])
         return t if cast is None else t.to(cast)
 
-    local_sinks = None if sinks is None else sinks[rank * hq:(rank + 1) * hq]
+    local_sinks = None if sinks is None else local_heads(sinks, rank, hq)
     out = kernel.varlen(packed(q), packed(k), packed(v, D), cu, longest, scale=float(scale), causal=causal,
                         window=window, softcap=softcap, dropout=dropout, sinks=local_sinks)
     return head_to_seq(out[..., :dv].reshape(B, S, hq, dv), group), None
