@@ -145,3 +145,17 @@ def test_sink_grad_matches_autograd():
     leaf = sinks.detach().requires_grad_(True)
     got = torch.autograd.grad(flash_kernels.SinkGrad.apply(out.detach(), lse.detach(), leaf), leaf, dout)[0]
     torch.testing.assert_close(got, want)
+
+
+def test_varlen_bounds_rows_documents_and_padding():
+    """Rows flattened row-major; documents never span two rows; each padding token is its own
+    document (doc ids may skip values where padding bumps them)."""
+    from ringmaster.sharding.documents import CPBatch, batch_documents
+
+    assert CPBatch(0, 2, "contiguous", 8).varlen_bounds(3, "cpu")[0].tolist() == [0, 8, 16, 24]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
+    cu, longest = CPBatch(0, 2, "contiguous", 6, batch_documents({"attention_mask": mask}, 6)).varlen_bounds(2, "cpu")
+    assert cu.tolist() == [0, 6, 7, 10, 11, 12] and longest == 6 and cu.dtype == torch.int32
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    cu, longest = CPBatch(0, 2, "contiguous", 6, batch_documents({"position_ids": pos}, 6)).varlen_bounds(1, "cpu")
+    assert cu.tolist() == [0, 3, 5, 6] and longest == 3

@@ -217,3 +217,18 @@ def test_fa4_empty_rows_have_minus_inf_lse():
     assert torch.isposinf(lse2[0, :, :3]).all()
     g = torch.autograd.grad(out.sum(), q)[0]
     assert torch.isfinite(g).all() and (g[0, :3] == 0).all()
+
+
+def test_no_op_allocates_a_full_score_matrix():
+    """Forward + backward at S=1024: the largest single allocation is a [H, TILE, S] tile, far below
+    one head's [S, S] fp32 scores (what the torch profiler reports per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    S, H, D = 1024, 2, 16
+    q, k, v = (torch.randn(1, S, H, D, requires_grad=True) for _ in range(3))
+    fa = hub("flash-attn2")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fa.flash_attn_func(q, k, v, causal=True).sum().backward()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest <= H * core.TILE * S * 4, largest
+    assert largest < S * S * 4 / 2
