@@ -130,6 +130,20 @@ def test_loader_names_and_errors(monkeypatch):
         flash_kernels.load("kernels-community/no-such-kernel-here")
 
 
+def test_installed_package_wins_over_the_hub(monkeypatch):
+    """With ``flash_attn`` importable, flash_attention_2 is its interface module (what transformers
+    imports), not the hub kernel."""
+    import sys
+
+    from ringmaster.testing.flash_standin import fa2
+
+    monkeypatch.setattr(flash_kernels, "_LOADED", {})
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fa2)
+    k = flash_kernels.load("flash_attention_2")
+    assert k.module is fa2 and k.source == "flash_attn.flash_attn_interface"
+
+
 def test_sink_grad_matches_autograd():
     """SinkGrad's d s_aux from (out, lse) equals autograd through an explicit sink softmax."""
     g = torch.Generator().manual_seed(0)

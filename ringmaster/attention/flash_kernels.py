@@ -5,11 +5,12 @@ Why: transformers picks the flash library from ``module.config._attn_implementat
 cannot find the kernel any more. ringmaster resolves the model's original name here, once per
 runtime, and calls the kernel directly:
 
-- ``flash_attention_2`` -> the ``flash_attn`` package if importable, else the hub kernel
-  ``kernels-community/flash-attn2``;
+- ``flash_attention_2`` -> the ``flash_attn`` package (``flash_attn.flash_attn_interface``) if
+  importable, else the hub kernel ``kernels-community/flash-attn2``;
 - ``flash_attention_3`` -> ``flash_attn_interface`` if importable, else
   ``kernels-community/vllm-flash-attn3`` (transformers' own fallback for that name);
-- ``flash_attention_4`` -> ``flash_attn.cute`` if importable, else ``kernels-community/flash-attn4``;
+- ``flash_attention_4`` -> ``flash_attn.cute`` (``.interface``) if importable, else
+  ``kernels-community/flash-attn4``;
 - a hub name ``org/repo`` (or ``org/repo@revision``) -> ``kernels.get_kernel``.
 
 Hub kernels load through the ``kernels`` package directly (never transformers' hub-kernel gate,
@@ -35,11 +36,12 @@ from types import ModuleType
 
 import torch
 
-# the packages transformers itself imports for each name, and its hub fallbacks
+# the interface modules of the packages transformers imports for each name (they hold the varlen function
+# transformers calls and the low-level forward/backward a ring block kernel needs), and its hub fallbacks
 PACKAGES = {
-    "flash_attention_2": "flash_attn",
+    "flash_attention_2": "flash_attn.flash_attn_interface",
     "flash_attention_3": "flash_attn_interface",
-    "flash_attention_4": "flash_attn.cute",
+    "flash_attention_4": "flash_attn.cute.interface",
 }
 HUB_FALLBACK = {
     "flash_attention_2": "kernels-community/flash-attn2",
