@@ -26,32 +26,24 @@ import inspect
 
 import torch
 
-from ...compat import has_module
 from ...config import RingImpl
+from .. import flash_kernels
 from . import flash_blocks
 from .masks import as_block_mask
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-# the model's attention name -> the hub repo of its kernel (a repo id names itself)
-HUB_REPOS = {"flash_attention_2": "kernels-community/flash-attn2", "flash_attention_3": "kernels-community/flash-attn3"}
-HUB_VERSION = 1
 
 
 def load_flash_kernel(inner: str):
-    """The hub module for ``inner`` through ``kernels.get_kernel`` (``LOCAL_KERNELS`` honoured).
-
-    Stop-gap until ``ringmaster.attention.flash_kernels`` (the shared resolver Ulysses uses) lands;
-    then this provider should load through it."""
-    repo = HUB_REPOS.get(inner, inner)
-    if "/" not in repo:
-        raise ValueError(f"ring_impl='hf_kernels' needs a flash model (flash_attention_2/3 or a hub kernel repo), "
+    """The kernel module for the model's flash attention ``inner`` (``flash_attention_2/3/4`` or a hub repo
+    id), through the resolver Ulysses uses (:func:`ringmaster.attention.flash_kernels.load`: the installed
+    package's interface module, else ``kernels.get_kernel`` with ``LOCAL_KERNELS`` honoured), so both
+    backends run the same kernel for the same model."""
+    if not flash_kernels.is_flash(inner):
+        raise ValueError(f"ring_impl='hf_kernels' needs a flash model (flash_attention_2/3/4 or a hub kernel repo), "
                          f"the model uses {inner!r}; use ring_impl='aten'")
-    if not has_module("kernels"):
-        raise RuntimeError(f"ring_impl='hf_kernels' loads {repo} through the `kernels` package: "
-                           "`pip install kernels`, or use ring_impl='aten'")
-    import kernels
+    return flash_kernels.load(inner).module
 
-    return kernels.get_kernel(repo, version=HUB_VERSION)
 
 _ALIASES = {"causal": ("causal", "is_causal"), "softmax_lse": ("softmax_lse", "lse")}
 # passed only where the function has no default for them (defaults differ: FA4's softcap is None)
