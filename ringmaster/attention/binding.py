@@ -20,6 +20,7 @@ class AttentionBinding:
     ring_kernel: Any = None
     rotate: str = "alltoall"
     name: str = ""
+    inner_kernel: Any = None           # a flash inner's resolved kernel (attention.flash_kernels.FlashKernel)
 
     def layouts(self) -> tuple[str, ...]:
         """Shard layouts this attention is exact for: Ring plans with any layout the batch was cut
