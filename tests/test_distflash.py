@@ -1,0 +1,176 @@
+"""load_balance='distflash': contiguous shards, causal work balanced by DistFlashAttn's schedule.
+
+The schedule itself (no ranks): every causal block pair and every query row computed exactly
+once, one task per rank per step, and the work figure (max/mean <= 1.05 at P=4 and P=8, where
+contiguous is 1.75 / 1.875). Pool: the attention function against dense attention (GQA, packed
+documents, sinks, forward and backward), then whole models against the same model without CP
+(loss, gathered logits, every parameter's gradient against its own norm): llama on plain,
+packed and padded rows, hybrids (Qwen3.5, Nemotron-H) whose recurrent layers need the
+contiguous layout, mutations that the model-level check must catch, and the refusals.
+"""
+
+import jobs_distflash as jd
+import pytest
+from test_hybrid_ring import _check as check_hybrid
+from test_ulysses_parity import TOL
+
+from ringmaster.sharding import balancers
+
+DETECT = 1e-2
+GQA = dict(num_attention_heads=8, num_key_value_heads=2)
+PACKED = {"spans-three-shards": [5, 67, 10, 14], "edge-aligned": [10, 38, 30, 18]}  # S=96 (as test_packing)
+
+
+# -- the schedule -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 6, 8, 16])
+def test_schedule_covers_every_causal_row_exactly_once(P):
+    c = 6
+    seen = {}
+    steps = balancers.distflash_schedule(P)
+    assert len(steps) == 1 + P // 2
+    for step in steps:
+        assert len(step) == P, "every rank has exactly one task per step"
+        for task in step:
+            assert task.kv <= task.q, task
+            a, b = task.rows(c)
+            for row in range(a, b):
+                key = (task.q, row, task.kv)
+                assert key not in seen, f"{key} computed twice"
+                seen[key] = True
+    expected = {(i, row, j) for i in range(P) for j in range(i + 1) for row in range(c)}
+    assert set(seen) == expected
+
+
+@pytest.mark.parametrize("P", [4, 8])
+@pytest.mark.parametrize("diagonal", ["half", "full"])
+def test_work_figure_distflash_is_balanced(P, diagonal):
+    work = balancers.schedule_work(P, "distflash", diagonal)
+    assert work.max_over_mean <= 1.05, work
+    assert work.max_over_mean == pytest.approx(1.0), work
+    assert sum(work.per_rank) == pytest.approx(P * (P - 1) / 2 + P * (0.5 if diagonal == "half" else 1.0))
+    assert balancers.work_figure(4096, P, "distflash") <= 1.05  # token level, diagonal triangles counted
+
+
+def test_work_figure_other_layouts():
+    assert balancers.schedule_work(4, "contiguous").max_over_mean == pytest.approx(1.75)
+    assert balancers.schedule_work(8, "contiguous").max_over_mean == pytest.approx(1.875)
+    assert balancers.schedule_work(4, "none", "full").max_over_mean == pytest.approx(1.6)
+    for P in (4, 8):
+        assert balancers.schedule_work(P, "head_tail").max_over_mean == pytest.approx(1.0)
+        # every layout computes the same total: the causal triangle
+        totals = {lb: sum(balancers.schedule_work(P, lb).per_rank) for lb in balancers.SCHEDULES}
+        assert max(totals.values()) == pytest.approx(min(totals.values())), totals
+    assert balancers.work_figure(4096, 4, "contiguous") > 1.7
+
+
+def test_distflash_cuts_batches_contiguously():
+    assert balancers.check_layout("distflash") == "contiguous"
+    assert balancers.chunks_per_rank("distflash") == 1
+
+
+# -- the attention function -------------------------------------------------------------------
+
+FUNCTION_CASES = [
+    ("causal", {}),
+    ("packed", dict(doc_lens=[5, 20, 23])),      # 24-token shards at P=2: doc 2 never meets chunk 0
+    ("packed-edges", dict(doc_lens=[12, 12, 24], impl="math")),
+    ("sinks", dict(sinks=True, impl="math")),
+    ("odd-rows", dict(S=36)),                    # 9 tokens a rank at P=4: the P/2 halves are 4 and 5 rows
+]
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("case", FUNCTION_CASES, ids=[c[0] for c in FUNCTION_CASES])
+def test_attention_matches_dense(pool, case, P):
+    kwargs = dict(case[1])
+    if kwargs.get("S") and kwargs["S"] % P:
+        pytest.skip("S not divisible")
+    for rank, r in enumerate(pool.run(jd.attention_parity, P, **kwargs)):
+        assert max(r["errs"].values()) <= 1e-5, (rank, r["errs"])
+        assert all(t.startswith("ring_distflash") for t in r["tags"]), r["tags"]
+
+
+# -- whole models -----------------------------------------------------------------------------
+
+
+def _check(results, P, layout="contiguous"):
+    for rank, r in enumerate(results):
+        assert r.get("layout", layout) == layout, r
+        assert r["distflash_msgs"] > 0 and r["ring_loop_msgs"] == 0, (rank, r["tags"])
+        assert not r["missing_grads"], r["missing_grads"]
+        assert r["loss_err"] <= TOL, (rank, r)
+        assert r["logits_err"] <= TOL, (rank, r)
+        assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
+
+
+@pytest.mark.parametrize("P, ring_impl", [(2, "auto"), (2, "math"), (4, "auto")])
+def test_llama_matches_single_device(pool, P, ring_impl):
+    results = pool.run(jd.llama_parity, P, ring_impl)
+    for r in results:
+        assert r["cp_size"] == P and r["backend"] == "ring" and r["n_grads"] == r["n_params"]
+    _check(results, P)
+
+
+@pytest.mark.parametrize("P, layout", [(2, "spans-three-shards"), (4, "spans-three-shards"), (4, "edge-aligned")])
+def test_llama_packed_row_matches_documents_alone(pool, P, layout):
+    _check(pool.run(jd.llama_packed, P, PACKED[layout]), P)
+
+
+def test_llama_padded_rows(pool):
+    for rank, r in enumerate(pool.run(jd.llama_padded, 4)):
+        assert not r["nan"], rank
+        assert r["distflash_msgs"] > 0 and r["ring_loop_msgs"] == 0, (rank, r["tags"])
+        for key in ("loss_err", "logits_err", "grad_err"):
+            assert r[key] <= TOL, (rank, key, r)
+
+
+@pytest.mark.parametrize("model_type, P", [("qwen3_5_text", 2), ("nemotron_h", 2), ("qwen3_5_text", 4)])
+def test_hybrid_matches_single_device(pool, model_type, P):
+    results = pool.run(jd.hybrid, model_type, P)
+    for r in results:
+        assert r["distflash_msgs"] > 0 and r["ring_loop_msgs"] == 0, r["tags"]
+    check_hybrid(results, P)
+    assert {r["layout"] for r in results} == {"contiguous"}
+
+
+def test_hybrid_packed_row(pool):
+    results = pool.run(jd.hybrid_packed, "qwen3_5_text", 2)
+    for r in results:
+        assert r["distflash_msgs"] > 0 and r["ring_loop_msgs"] == 0, r["tags"]
+    check_hybrid(results, 2)
+
+
+# -- mutations --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mutation, P", [("drop_lent_blocks", 4), ("half_rows_overlap", 2)])
+def test_mutation_is_caught(pool, mutation, P):
+    for rank, r in enumerate(pool.run(jd.mutated, mutation, P)):
+        clean, bad = r["clean"], r["mutated"]
+        assert clean["layout"] == "contiguous" and clean["n_grads"] == clean["n_params"], (rank, clean)
+        for key in ("loss_err", "logits_err", "grad_err"):
+            assert clean[key] <= TOL, (rank, key, clean)
+        assert bad["logits_err"] > DETECT and bad["grad_err"] > DETECT, (rank, bad)
+        assert bad["loss_err"] > TOL, (rank, bad)
+
+
+# -- binding and refusals ---------------------------------------------------------------------
+
+
+def test_setup_binds_the_schedule_and_cuts_contiguously(pool):
+    for r in pool.run(jd.setup_binds_distflash):
+        assert r == {"schedule": "distflash", "layouts": ("contiguous",), "shard": "contiguous",
+                     "load_balance": "distflash"}, r
+
+
+def test_refusals_name_the_fix(pool):
+    for r in pool.run(jd.refusals):
+        assert r["ulysses"] == ("ValueError", r["ulysses"][1]) and "only helps Ring" in r["ulysses"][1], r
+        assert "load_balance='none'" in r["ulysses"][1]
+        assert r["usp"][0] == "ValueError" and "pure Ring" in r["usp"][1] and "load_balance='none'" in r["usp"][1], r
+        for case in ("sliding_window", "mixed_layers"):
+            name, message = r[case]
+            assert name == "ValueError" and "load_balance='distflash'" in message, (case, r[case])
+            assert "sliding" in message and "load_balance='none'" in message, (case, message)
