@@ -13,7 +13,7 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="torch_native", B=
     dsinks), on this rank's contiguous span. ``doc_lens``: every row packed with these documents."""
     import torch.distributed as dist
 
-    from ringmaster.attention.ring.distflash import DistFlashPlan, distflash_attention
+    from ringmaster.attention.ring.distflash import DistFlashPlan, active_tasks, distflash_attention
     from ringmaster.attention.ring.kernels import get_kernel
     from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.config import RingImpl
@@ -32,7 +32,7 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="torch_native", B=
         cu = torch.tensor([0] + list(doc_lens)).cumsum(0)
         docs = doc_ids_from_cu_seqlens(cu, S).expand(B, S).contiguous()
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([sink.clone().requires_grad_(True)] if sinks else [])
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v) + ((sink,) if sinks else ())]
     ref, _ = reference_attention(*leaves[:3], D ** -0.5, mask, sink=leaves[3] if sinks else None)
     (ref * dout).sum().backward()
     c = S // P
@@ -51,7 +51,9 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="torch_native", B=
         d = sink_cp.grad.clone()
         dist.all_reduce(d, group=group)
         errs["dsinks"] = rel_err(d, leaves[3].grad)
-    return {"errs": errs, "bytes": comms.total_bytes(), "tags": sorted({rec.tag for rec in comms.records})}
+    active = active_tasks(plan)
+    return {"errs": errs, "bytes": comms.total_bytes(), "tags": sorted({rec.tag for rec in comms.records}),
+            "tasks": sum(len(row) for row in active), "active": sum(sum(row) for row in active)}
 
 
 # -- model level ----------------------------------------------------------------------------------
@@ -193,5 +195,28 @@ def setup_binds_distflash(ctx):
     try:
         return {"schedule": rt.binding.schedule, "layouts": rt.binding.layouts(), "shard": rt.shard_load_balance,
                 "load_balance": rt.config.load_balance.value}
+    finally:
+        rm.teardown()
+
+
+def axolotl_settings(ctx, contiguous_reason):
+    """axolotl 0.21's own settings resolution for ``load_balance: distflash`` (packed rows or recurrent
+    layers: where it refuses head_tail), then rm.setup as its plugin calls it: the runtime binds the
+    distflash schedule and cuts contiguously (what the plugin's collator and manager shard with)."""
+    from axolotl.integrations.context_parallel.args import ContextParallelConfig
+    from axolotl.integrations.context_parallel.settings import resolve_settings
+
+    cp = ContextParallelConfig(size=2, backend="ring", load_balance="distflash", ring_impl="torch_native")
+    rm_cfg = rm.RingmasterConfig(size=cp.size, backend=rm.Backend(cp.backend), ulysses_size=rm.AUTO,
+                                 ring_size=rm.AUTO, rotate_method=rm.RotateMethod(cp.rotate_method),
+                                 load_balance=rm.LoadBalance.NONE, ring_impl=rm.RingImpl(cp.ring_impl))
+    rm_cfg.normalize(num_kv_heads=2, intra_node_size=2)
+    communication = resolve_settings(cp, rm_cfg, num_kv_heads=2, contiguous_reason=contiguous_reason,
+                                     inner_attn="flash_attention_2")
+    rt = rm.setup(rm_cfg, num_kv_heads=2, device_mesh=ctx.mesh(2), cp_dim="cp", inner_attn="sdpa")
+    try:
+        return {"communication": communication, "load_balance": rm_cfg.load_balance.value,
+                "rotate_method": rm_cfg.rotate_method.value, "schedule": rt.binding.schedule,
+                "shard": rt.shard_load_balance}
     finally:
         rm.teardown()

@@ -9,6 +9,8 @@ packed and padded rows, hybrids (Qwen3.5, Nemotron-H) whose recurrent layers nee
 contiguous layout, mutations that the model-level check must catch, and the refusals.
 """
 
+import importlib.util
+
 import jobs_distflash as jd
 import pytest
 from test_hybrid_parity import FP64_SEQ, check_fp64
@@ -91,6 +93,8 @@ def test_attention_matches_dense(pool, case, P):
     for rank, r in enumerate(pool.run(jd.attention_parity, P, **kwargs)):
         assert max(r["errs"].values()) <= 1e-5, (rank, r["errs"])
         assert all(t.startswith("ring_distflash") for t in r["tags"]), r["tags"]
+        # blocks whose rows share no document are skipped (by their computer and their owners alike)
+        assert (r["active"] < r["tasks"]) == ("doc_lens" in kwargs), r
 
 
 # -- whole models -----------------------------------------------------------------------------
@@ -189,3 +193,15 @@ def test_refusals_name_the_fix(pool):
             name, message = r[case]
             assert name == "ValueError" and "load_balance='distflash'" in message, (case, r[case])
             assert "sliding" in message and "load_balance='none'" in message, (case, message)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("axolotl") is None, reason="axolotl 0.21 is not installed")
+@pytest.mark.parametrize("reason", ["packed sequences", "recurrent state passing"])
+def test_axolotl_settings_resolve_to_the_distflash_schedule(pool, reason):
+    """axolotl 0.21's unchanged settings accept distflash where they refuse head_tail, and pass
+    rotate_method='allgather' (its default): the runtime still binds the p2p distflash schedule and
+    its batches are cut contiguously. (A whole plugin training step with Ring is not run here: the
+    plugin also demands flash_attention_2 for p2p schedules and a Ring kernel other than torch_native.)"""
+    for r in pool.run(jd.axolotl_settings, reason):
+        assert r == {"communication": "p2p", "load_balance": "distflash", "rotate_method": "allgather",
+                     "schedule": "distflash", "shard": "contiguous"}, r

@@ -64,9 +64,8 @@ def check_model(model, text_config, attention_paths) -> None:
 def check_call(causal: bool, window: int | None, seq_len: int) -> None:
     """The per-call guard (before any collective), for runtimes set up without ``rm.wire``."""
     if not causal:
-        raise NotImplementedError(
-            "load_balance='distflash' schedules causal attention only, this layer is not causal; use load_balance='none'"
-        )
+        raise NotImplementedError("load_balance='distflash' schedules causal attention only, this layer is not "
+                                  "causal; use load_balance='none'")
     if window is not None and window < seq_len:
         raise NotImplementedError(
             f"load_balance='distflash' does not support sliding windows (sliding_window={window} < sequence "
@@ -207,11 +206,14 @@ class DistFlashAttention(torch.autograd.Function):
                 a, b = task.rows(c)
                 out[..., a:b, :], lse[..., a:b] = merge(out[..., a:b, :], lse[..., a:b], part[..., :D], part[..., D])
 
-        pending_in = ex.post(*_inputs(plan, steps[0], active[0], me, local, like), "forward", "ring_distflash_in")
-        pending_out = None
+        def post_inputs(s):
+            if s >= len(steps):
+                return None
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "forward", "ring_distflash_in")
+
+        pending_in, pending_out = post_inputs(0), None
         for s, step in enumerate(steps):
-            nxt = (ex.post(*_inputs(plan, steps[s + 1], active[s + 1], me, local, like), "forward", "ring_distflash_in")
-                   if s + 1 < len(steps) else None)
+            nxt = post_inputs(s + 1)
             got = ex.wait(pending_in)
             task, sends = step[me], []
             if active[s][me]:
@@ -253,9 +255,11 @@ class DistFlashAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         # a lent block needs the owner's queries, dO, merged output and LSE: one [.., 3D + 1] message
-        local = {"kv": lambda task: kv,
-                 "q": lambda task: torch.cat([_rows(q, task, c).to(acc), _rows(dout, task, c).to(acc),
-                                              _rows(out, task, c), _rows(lse, task, c).unsqueeze(-1)], -1).contiguous()}
+        def owner_rows(task):
+            return torch.cat([_rows(q, task, c).to(acc), _rows(dout, task, c).to(acc), _rows(out, task, c),
+                              _rows(lse, task, c).unsqueeze(-1)], -1).contiguous()
+
+        local = {"kv": lambda task: kv, "q": owner_rows}
         like = {"kv": lambda task: torch.empty_like(kv),
                 "q": lambda task: q.new_empty((B, H, _n(task, c), 3 * D + 1), dtype=acc)}
 
@@ -263,18 +267,21 @@ class DistFlashAttention(torch.autograd.Function):
             a, b = task.rows(c)
             dq[..., a:b, :] += g
 
-        pending_in = ex.post(*_inputs(plan, steps[0], active[0], me, local, like), "backward", "ring_distflash_in")
-        pending_grads = None
+        def post_inputs(s):
+            if s >= len(steps):
+                return None
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "backward", "ring_distflash_in")
+
+        pending_in, pending_grads = post_inputs(0), None
         for s, step in enumerate(steps):
-            nxt = (ex.post(*_inputs(plan, steps[s + 1], active[s + 1], me, local, like), "backward", "ring_distflash_in")
-                   if s + 1 < len(steps) else None)
+            nxt = post_inputs(s + 1)
             got = ex.wait(pending_in)
             task, sends = step[me], []
             if active[s][me]:
                 kv_in, q_in = _received(task, me, got)
                 kv_t = kv if kv_in is None else kv_in
                 if q_in is None:
-                    q_t, do_t, o_t, l_t = _rows(q, task, c), _rows(dout, task, c), _rows(out, task, c), _rows(lse, task, c)
+                    q_t, do_t, o_t, l_t = (_rows(x, task, c) for x in (q, dout, out, lse))
                 else:
                     q_t, do_t, o_t, l_t = (q_in[..., :D].to(q.dtype), q_in[..., D:2 * D].to(dout.dtype),
                                            q_in[..., 2 * D:3 * D], q_in[..., 3 * D])
