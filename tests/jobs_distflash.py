@@ -75,11 +75,32 @@ def cfg_kwargs(**extra):
     return dict(load_balance="distflash", **extra)
 
 
-def llama_parity(ctx, P, ring_impl="auto", seq_len=64):
+def llama_parity(ctx, P, ring_impl="auto", seq_len=64, via="region"):
     from jobs import parity
 
     return _with_tags(lambda: parity(ctx, "llama", P, "sdpa", dict(num_attention_heads=8, num_key_value_heads=2),
-                                     backend="ring", seq_len=seq_len, cfg_kwargs=cfg_kwargs(ring_impl=ring_impl)))
+                                     backend="ring", seq_len=seq_len, via=via,
+                                     cfg_kwargs=cfg_kwargs(ring_impl=ring_impl)))
+
+
+def saved_bytes(ctx, P, S=256, H=4, Hkv=2, D=16):
+    """Bytes autograd keeps for backward in one distflash call (O(S/P): nothing gathered)."""
+    import torch.distributed as dist
+
+    from ringmaster.attention.ring.distflash import DistFlashPlan, distflash_attention
+    from ringmaster.attention.ring.kernels import get_kernel
+    from ringmaster.config import RingImpl
+
+    group = ctx.mesh(P)["cp"].get_group()
+    r = dist.get_rank(group)
+    g = torch.Generator().manual_seed(3)
+    c = S // P
+    local = [torch.randn(1, h, c, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv)]
+    with rm.profile_memory() as mem:
+        distflash_attention(*local, group, DistFlashPlan(P, r, c), get_kernel(RingImpl.TORCH_NATIVE))
+    q, k, v = local
+    own = 4 * (q.numel() + k.numel() + v.numel() + q.numel() + q[..., 0].numel())  # q, k, v, out, lse (fp32)
+    return {"saved": mem.peak_saved_bytes, "own": own}
 
 
 def llama_packed(ctx, P, doc_lens):

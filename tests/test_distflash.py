@@ -97,6 +97,14 @@ def test_attention_matches_dense(pool, case, P):
         assert (r["active"] < r["tasks"]) == ("doc_lens" in kwargs), r
 
 
+def test_saved_activations_shrink_with_P(pool):
+    """Exactly this rank's q, k, v, output and LSE are kept for backward (no foreign block): O(S/P)."""
+    saved = {P: pool.run(jd.saved_bytes, P)[0] for P in (2, 4)}
+    for r in saved.values():
+        assert r["saved"] == r["own"], saved
+    assert saved[4]["saved"] * 2 == saved[2]["saved"], saved
+
+
 # -- whole models -----------------------------------------------------------------------------
 
 
@@ -117,9 +125,11 @@ def _check(results, P, layout="contiguous"):
         assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
 
 
-@pytest.mark.parametrize("P, ring_impl", [(2, "auto"), (2, "math"), (4, "auto")])
-def test_llama_matches_single_device(pool, P, ring_impl):
-    results = pool.run(jd.llama_parity, P, ring_impl)
+@pytest.mark.parametrize("P, ring_impl, via", [(2, "auto", "region"), (2, "math", "region"), (4, "auto", "region"),
+                                               (4, "auto", "hooks")])
+def test_llama_matches_single_device(pool, P, ring_impl, via):
+    """``via="hooks"``: the trainers' path (ContextParallelContextManager cuts with the runtime's layout)."""
+    results = pool.run(jd.llama_parity, P, ring_impl, via=via)
     for r in results:
         assert r["cp_size"] == P and r["backend"] == "ring" and r["n_grads"] == r["n_params"]
     _check(results, P)
