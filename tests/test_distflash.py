@@ -68,6 +68,19 @@ def test_work_figure_other_layouts():
     assert balancers.work_figure(4096, 4, "contiguous") > 1.7
 
 
+def test_per_call_guard():
+    """For runtimes set up without rm.wire: the attention call refuses what the schedule cannot run,
+    before any collective; a window no shorter than the sequence masks nothing and runs."""
+    from ringmaster.attention.ring.distflash import check_call
+
+    with pytest.raises(NotImplementedError, match="causal attention only.*load_balance='none'"):
+        check_call(False, None, 64)
+    with pytest.raises(NotImplementedError, match="sliding_window=16 < sequence length 64.*load_balance='none'"):
+        check_call(True, 16, 64)
+    check_call(True, 64, 64)
+    check_call(True, None, 64)
+
+
 def test_distflash_cuts_batches_contiguously():
     assert balancers.check_layout("distflash") == "contiguous"
     assert balancers.chunks_per_rank("distflash") == 1
