@@ -1,7 +1,12 @@
-"""Autograd-aware collectives over a CP process group.
+"""Autograd-aware collectives over a CP process group, and where ringmaster's own small tensors go.
 
 Each function is exact in backward: all-to-all's adjoint is the reverse all-to-all,
 all-gather's is reduce-scatter (sum). Bytes are reported to ``rm.profile_comms()``.
+
+Collectives on activations (q/k/v, ring blocks, recurrent maps and states) run on the activations'
+own device. The small tensors ringmaster makes itself (the input fingerprint, token counts, logged
+losses) go to :func:`collective_device`: an NCCL group has no CPU backend, so a CPU tensor there
+raises ``No backend type associated with device type cpu``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_single, reduce_scatter_single
+from .compat import all_gather_single, backend_for, current_device, group_device_types, reduce_scatter_single
 
 # (sink, sync_cuda) pairs that rm.profile_comms() registers while its block runs; empty otherwise,
 # so timing costs nothing unless someone is measuring. sink(kind, phase, bytes_sent, seconds, tag).
@@ -75,6 +80,47 @@ def diagnosed(kind: str, tag: str, group):
         ) from exc
 
 
+def collective_device(group, like: torch.Tensor | torch.device | None = None) -> torch.device:
+    """The device ringmaster's own small tensors use for a collective over ``group``.
+
+    ``like``'s device when the group has a backend for its type (no copy: the batch or loss already
+    lives there); else CPU when the group has a CPU backend (gloo, ``cpu:gloo,cuda:nccl``; no device
+    sync for a handful of integers); else the group's accelerator, at this process's current index
+    (``nccl`` or ``cuda:gloo`` -> ``cuda:<torch.cuda.current_device()>``: a batch still on CPU while
+    the model is on CUDA). Raises, before any collective, when none of those exists here.
+    """
+    types = group_device_types(group)
+    want = like.device if isinstance(like, torch.Tensor) else (torch.device(like) if like is not None else None)
+    if want is not None and want.type in types:
+        if want.index is None and want.type != "cpu":
+            want = current_device(want.type) or want
+        return want
+    if "cpu" in types:
+        return torch.device("cpu")
+    for device_type in types:
+        found = current_device(device_type)
+        if found is not None:
+            return found
+    config = ",".join(types) or "none"
+    where = f" for a tensor on {want}" if want is not None else ""
+    raise RuntimeError(
+        f"the CP group has backends for device types [{config}] only, and this process has no such device"
+        f"{where}: ringmaster cannot place its collectives (input check, token counts) on it. Put the "
+        f"model and batch on a {types[0] if types else 'supported'} device (torch.cuda.set_device(local_rank)), "
+        "or build the group with a CPU backend as well, e.g. init_process_group('cpu:gloo,cuda:nccl')"
+    )
+
+
+def all_reduce_sum(value: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """``value`` summed over ``group`` (not differentiable), computed on :func:`collective_device`
+    and returned on ``value``'s own device; ``value`` itself is left unchanged."""
+    device = collective_device(group, like=value)
+    buf = value.detach().to(device, copy=True)
+    with diagnosed("all_reduce", tag, group):
+        dist.all_reduce(buf, group=group)
+    return buf.to(value.device)
+
+
 def with_layer_context(fn):
     """Wrap an attention-interface function so a failed collective names the layer it ran in."""
     def attention(module, *args, **kwargs):
@@ -134,7 +180,9 @@ def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tenso
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
     with diagnosed("reduce_scatter", tag, group), \
             timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
-        if x.device.type == "cpu":  # gloo has no reduce_scatter: sum with all_reduce, keep our slice
+        if backend_for(group, x.device.type) in ("gloo", None):
+            # gloo's reduce_scatter is not available for every device/torch version (CUDA tensors on gloo:
+            # the single-GPU check's ranks): sum with all_reduce, which gloo has everywhere, keep our slice
             buf = x.clone()
             dist.all_reduce(buf, group=group)
             out.copy_(buf[dist.get_rank(group)])

@@ -54,3 +54,62 @@ def reduce_scatter_single(output, input, group=None):
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group)
+
+
+def config_device_types(config: str) -> tuple[str, ...]:
+    """Device types named by a backend config string: ``"cpu:gloo,cuda:nccl"`` -> ``("cpu", "cuda")``."""
+    types: list[str] = []
+    for part in (config or "").split(","):
+        device, sep, _backend = part.strip().partition(":")
+        if sep and device and device not in types:
+            types.append(device)
+    return tuple(types)
+
+
+def backend_for(group, device_type: str) -> str | None:
+    """The backend name ``group`` uses for tensors of ``device_type`` (``"gloo"``, ``"nccl"``, ...), from the
+    public ``dist.get_backend_config``; None when torch recorded no config for the group."""
+    import torch.distributed as dist
+
+    try:
+        config = dist.get_backend_config(group)
+    except TypeError:
+        return None
+    for part in (config or "").split(","):
+        device, sep, backend = part.strip().partition(":")
+        if sep and device == device_type:
+            return backend
+    return None
+
+
+def group_device_types(group=None) -> tuple[str, ...]:
+    """The device types ``group`` has a backend for: ``("cpu", "cuda")`` for a plain gloo group or
+    ``"cpu:gloo,cuda:nccl"``, ``("cuda",)`` for ``init_process_group("nccl")`` or ``"cuda:gloo"``.
+
+    Read from the public ``dist.get_backend_config(group)`` string. A group whose config names no
+    device types (a custom backend registered without any) falls back to the private
+    ``ProcessGroup._device_types``, the only other place torch keeps them (torch 2.13); that
+    attribute is read here and nowhere else."""
+    import torch.distributed as dist
+
+    try:
+        types = config_device_types(dist.get_backend_config(group))
+    except TypeError:   # torch recorded no config for this group (not built by init_process_group/new_group)
+        types = ()
+    if not types:
+        pg = group if group is not None else dist.group.WORLD
+        types = tuple(d.type for d in getattr(pg, "_device_types", ()))  # private: no public copy in torch
+    return types
+
+
+def current_device(device_type: str):
+    """This process's current device of ``device_type`` (``cuda`` -> ``cuda:<current index>``), or
+    None when there is none (a CPU-only build, no visible GPU)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    backend = getattr(torch, device_type, None)   # torch.cuda, torch.xpu, torch.mps, ...
+    available = getattr(backend, "is_available", None)
+    current = getattr(backend, "current_device", None)
+    if available is None or current is None or not available():
+        return None
+    return torch.device(device_type, current())

@@ -63,8 +63,14 @@ class LoadBalance(_StrEnum):
 
 
 class RingImpl(_StrEnum):
+    """The ring block kernel. ``ATEN``: torch's fused ops (flash / memory-efficient on CUDA, the CPU
+    flash op); ``TORCH_NATIVE`` is its former name, accepted and run by the same kernel
+    (``resolve_ring_impl`` maps it to ``ATEN``). ``HF_KERNELS``: the hub flash kernels.
+    ``MATH``: the dense reference, only when asked for."""
+
     AUTO = "auto"
     MATH = "math"
+    ATEN = "aten"
     TORCH_NATIVE = "torch_native"
     HF_KERNELS = "hf_kernels"
 

@@ -22,7 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .attention import register
+from .attention import flash_kernels, register
 from .attention.binding import AttentionBinding
 from .attention.ring.kernels import get_kernel
 from .attention.ring.select import resolve_ring_impl, resolve_rotate
@@ -159,7 +159,8 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
     if ulysses_only:
         rt.ulysses_group = group
         binding = AttentionBinding("ulysses", inner, group, rank, size, ulysses_group=group,
-                                   name=register.attention_name("ulysses", inner, serial))
+                                   name=register.attention_name("ulysses", inner, serial),
+                                   inner_kernel=flash_kernels.load(inner) if flash_kernels.is_flash(inner) else None)
     else:
         if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
             rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
@@ -171,7 +172,7 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
         # distflash owns its p2p schedule: rotate_method is not consulted (axolotl passes its default)
         schedule = "distflash" if cfg.load_balance is LoadBalance.DISTFLASH else "ring"
         binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
-                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl),
+                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
                                    rotate=resolve_rotate(cfg.rotate_method), schedule=schedule,
                                    name=register.attention_name(backend, inner, serial))
     rt.binding = binding

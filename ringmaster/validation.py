@@ -5,6 +5,8 @@ Without it, a rank whose batch is longer, shorter, differently packed or simply 
 batch issues collectives of other sizes than its peers: at best a crash with a message about
 buffer sizes, at worst a hang or a silently wrong gradient. The fingerprint is a handful of
 integers; a mismatch raises the same error, naming the differing fields per rank, on every rank.
+The all-gather runs on the group's device (:func:`ringmaster.comm.collective_device`: the batch's
+device when the group has a backend for it, else one it has; an NCCL group has none for CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .comm import diagnosed
+from .comm import collective_device, diagnosed
 from .compat import all_gather_single
 
 FIELDS = ("seq_len", "batch", "layout", "cp_size", "backend", "ulysses", "ring", "dtype", "documents", "tokens")
@@ -66,17 +68,21 @@ def fingerprint(meta: Mapping[str, Any], config, full_batch: Mapping[str, Any] |
 
 def check_agreement(values: list[int], group, device=None) -> None:
     """All-gather the fingerprint over ``group`` and raise the same error on every rank if any differs.
-    ``device``: where the batch lives (an NCCL group has no CPU backend)."""
+
+    ``device``: where the fingerprint travels (:func:`validate_batch` passes the group's device for the
+    batch); None: :func:`~ringmaster.comm.collective_device` of the group. The gathered rows come back
+    to the host in one transfer, then every comparison is plain Python."""
+    device = collective_device(group) if device is None else device
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     P = dist.get_world_size(group)
     gathered = torch.empty(P * mine.numel(), dtype=torch.int64, device=device)
     with diagnosed("all_gather", "input fingerprint", group):
         all_gather_single(gathered, mine, group=group)
-    rows = gathered.view(P, -1)
-    if bool((rows == rows[0]).all()):
+    rows = gathered.view(P, -1).tolist()
+    if all(row == rows[0] for row in rows):
         return
-    differ = [FIELDS[i] for i in range(len(FIELDS)) if not bool((rows[:, i] == rows[0, i]).all())]
-    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{f}={int(rows[r, FIELDS.index(f)])}" for f in differ)
+    differ = [FIELDS[i] for i in range(len(FIELDS)) if any(row[i] != rows[0][i] for row in rows)]
+    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{f}={rows[r][FIELDS.index(f)]}" for f in differ)
                          for r in range(P))
     hint = ("every rank of a CP group must pass the same full batch (same data-loader seed/sampler for the "
             "ranks of one CP group; data parallelism happens across CP groups)") if "tokens" in differ else \
@@ -86,15 +92,11 @@ def check_agreement(values: list[int], group, device=None) -> None:
 
 
 def validate_batch(runtime, meta: Mapping[str, Any], full_batch=None, local=None) -> None:
-    """The per-forward check, unless the runtime's config switched it off."""
+    """The per-forward check, unless the runtime's config switched it off. The fingerprint goes to
+    the group's device for the batch (the batch's own device when the group has a backend for it)."""
     if runtime is None or not getattr(runtime.config, "validate_inputs", True) or runtime.cp_size == 1:
         return
-    device = None
-    for source in (full_batch, local):
-        for value in (source or {}).values():
-            if isinstance(value, torch.Tensor):
-                device = value.device
-                break
-        if device is not None:
-            break
+    like = next((value for source in (full_batch, local) for value in (source or {}).values()
+                 if isinstance(value, torch.Tensor)), None)
+    device = collective_device(runtime.cp_group, like=like)
     check_agreement(fingerprint(meta, runtime.config, full_batch, local), runtime.cp_group, device)

@@ -132,7 +132,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
     if cfg.ring_size > 1:
         param = next(model.parameters())
-        check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype)
+        check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype, inner)
         if cfg.load_balance is LoadBalance.DISTFLASH and cfg.ulysses_size == 1:
             distflash.check_model(model, tcfg, layers.attention)
 

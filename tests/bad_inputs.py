@@ -166,7 +166,7 @@ def dtype_kernel_cannot_run():
     from ringmaster.config import RingImpl
     from ringmaster.attention.ring.kernels import check_dtype
 
-    check_dtype(RingImpl.TORCH_NATIVE, "cuda", torch.float32)
+    check_dtype(RingImpl.ATEN, "cuda", torch.float64)
 
 
 def bad_config_value():
@@ -196,9 +196,9 @@ def dropout_under_ring(ctx):
     _forward(_wire(ctx, model=_model(attention_dropout=0.1), backend="ring"), _batch())
 
 
-def hf_kernels_without_gpu(ctx):
+def hf_kernels_for_sdpa_model(ctx):
     rm.setup(rm.RingmasterConfig(size=2, backend="ring", ring_impl="hf_kernels"), num_kv_heads=4,
-             device_mesh=ctx.mesh(2))
+             device_mesh=ctx.mesh(2), inner_attn="sdpa")
 
 
 def already_sharded_batch():
@@ -270,8 +270,8 @@ SCENARIOS = [
     Scenario("ulysses_batch_cut_head_tail", "batches cut head_tail for a Ulysses model",
              ulysses_batch_cut_head_tail, "ValueError", ("uses ulysses attention, which needs contiguous",
                                                          "load_balance=None")),
-    Scenario("dtype_kernel_cannot_run", "fp32 model with the CUDA flash ring kernel", dtype_kernel_cannot_run,
-             "ValueError", ("fp16/bf16 only", "ring_impl='math'"), rank=False),
+    Scenario("dtype_kernel_cannot_run", "fp64 model with aten's CUDA ring kernels", dtype_kernel_cannot_run,
+             "ValueError", ("no fused kernel for torch.float64", "ring_impl='math'"), rank=False),
     Scenario("bad_config_value", "misspelt enum value", bad_config_value, "ValueError",
              ("backend='ulysess' is not one of",), rank=False),
     Scenario("split_product_wrong", "ulysses_size x ring_size != size", split_product_wrong, "ValueError",
@@ -284,8 +284,8 @@ SCENARIOS = [
              ("schedule for pure Ring", "load_balance='none'")),
     Scenario("dropout_under_ring", "attention dropout under Ring", dropout_under_ring, "NotImplementedError",
              ("without attention dropout",)),
-    Scenario("hf_kernels_without_gpu", "ring_impl='hf_kernels' without a GPU", hf_kernels_without_gpu,
-             "RuntimeError", ("needs a CUDA GPU",)),
+    Scenario("hf_kernels_for_sdpa_model", "ring_impl='hf_kernels' for a model without a flash kernel",
+             hf_kernels_for_sdpa_model, "ValueError", ("needs a flash model", "ring_impl='aten'")),
     Scenario("already_sharded_batch", "sharding a shard again", already_sharded_batch, "ValueError",
              ("already a CP shard",), rank=False),
     Scenario("bad_cu_seqlens", "cu_seq_lens that do not cover the row", bad_cu_seqlens, "ValueError",

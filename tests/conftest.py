@@ -11,6 +11,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The hub flash kernels resolve to ringmaster's CPU stand-in (``kernels``' LOCAL_KERNELS mechanism).
+# Set before the pool starts, so every worker rank inherits it; entries the caller set win.
+from ringmaster.testing.flash_standin import local_kernels  # noqa: E402
+
+os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
+
 WORLD = 4
 
 

@@ -99,7 +99,7 @@ def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
     local = [shard_tensor(t, 2, r, P, "head_tail").clone().requires_grad_(True) for t in (q, k, v)]
     plan = RingPlan("head_tail", P, r, S // (2 * P))
     with rm.profile_memory() as mem:
-        out = ring_attention(*local, group, plan, get_kernel(RingImpl.TORCH_NATIVE), rotate=rotate)
+        out = ring_attention(*local, group, plan, get_kernel(RingImpl.ATEN), rotate=rotate)
     ref, _ = reference_attention(q, k, v, D ** -0.5, torch.ones(S, S, dtype=torch.bool).tril())
     err = rel_err(out, shard_tensor(ref, 2, r, P, "head_tail"))
     kv_local = 2 * local[1].numel() * 4

@@ -83,9 +83,14 @@ def _reset_accelerate():
 
 
 def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, overrides=None, ours=False,
-                        with_ref=False):
+                        with_ref=False, cp=None, attn="sdpa"):
     """axolotl's ContextParallelPlugin on a HF Trainer: pre_model_load, post_trainer_create, one
     training_step through the Trainer, post_train_unload.
+
+    ``cp``: the ``context_parallel:`` block (default Ulysses); ``attn``: the model's attention as
+    axolotl's ``attn_implementation`` names it. ``flash_attention_2`` names the CPU flash stand-in
+    (LOCAL_KERNELS): the CP model carries the name (Ring never calls it, it picks the hub kernel),
+    the non-CP reference runs sdpa, and after unload the model is checked under sdpa again.
 
     On CPU accelerate refuses a ParallelismConfig (it needs FSDP2 on accelerators), so each rank
     runs a non-distributed Accelerator and gets the ParallelismConfig and mesh accelerate builds
@@ -102,13 +107,17 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
     model = tiny_model(model_type, **(overrides or {}))
     reference = copy.deepcopy(model)
     ref_model = copy.deepcopy(model) if with_ref else None   # a separate reference model (DPO/GRPO style)
+    if attn != "sdpa":
+        from jobs_ring import as_flash_model
+
+        as_flash_model(model, attn)
     tok = tiny_tokenizer()
     mbs = 2 if model_type == "llama" else 1
     rows = features([64, 45][:mbs])
     cfg = DictDefault({
-        "context_parallel": {"size": P, "backend": "ulysses", "shard_in_collator": shard_in_collator},
+        "context_parallel": {"size": P, "backend": "ulysses", "shard_in_collator": shard_in_collator, **(cp or {})},
         "model_config_type": model.config.model_type, "micro_batch_size": mbs, "gradient_accumulation_steps": 1,
-        "attn_implementation": "sdpa", "sample_packing": False,
+        "attn_implementation": attn, "sample_packing": False,
     })
     if ours:  # ringmaster's own plugin: the `ringmaster:` block, rm.wire, sharding in the pre-hook
         from ringmaster.adapters.axolotl import RingmasterArgs, RingmasterPlugin
@@ -136,6 +145,8 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
             plugin.post_trainer_create(cfg, trainer)
             runtime = plugin.runtime if ours else plugin._runtime
             out["attn"] = model.config._attn_implementation
+            out["backend"], out["ring_impl"] = runtime.backend.value, getattr(runtime.ring_impl, "value", None)
+            out["layout"], out["rotate"] = runtime.shard_load_balance, runtime.binding.rotate
             out["collator_shards"] = collator.cp_shard is not None
             batch = trainer.data_collator([dict(r) for r in rows])
             out["presharded"] = "_cp_shard" in batch
@@ -159,6 +170,9 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
             state.parallelism_config, state.device_mesh = None, None
             _reset_accelerate()
         out["restored_attn"] = model.config._attn_implementation
+        if attn != "sdpa" and out["restored_attn"] == attn:
+            model.set_attn_implementation("sdpa")  # the flash name has no CPU kernel of transformers' own
+            out["restored_attn"] = "sdpa"
         out["hooks_left"] = len(model._forward_pre_hooks)
         out["collator_restored"] = collator.cp_shard is None
         out["trainer_restored"] = "_get_num_items_in_batch" not in vars(trainer)

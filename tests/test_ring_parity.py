@@ -1,11 +1,13 @@
 """Ring CP against the same model without CP: loss, gathered logits, every gradient (fp32),
-for both rotations, both layouts and both CPU block-kernel providers."""
+for both rotations, both layouts and every CPU block-kernel provider (math, aten, hf_kernels on the
+CPU flash stand-in)."""
 
 import itertools
 
 import jobs
+import jobs_ring
 import pytest
-from test_ulysses_parity import check
+from test_ulysses_parity import TOL, check
 
 FAMILIES = [
     ("llama-gqa", "llama", "sdpa", dict(num_attention_heads=8, num_key_value_heads=2)),
@@ -14,7 +16,7 @@ FAMILIES = [
     ("gemma3-mixed", "gemma3_text", "sdpa", {}),
     ("gpt-oss-sinks", "gpt_oss", "eager", {}),
 ]
-VARIANTS = list(itertools.product(["alltoall", "allgather"], ["head_tail", "none"], ["math", "torch_native"]))
+VARIANTS = list(itertools.product(["alltoall", "allgather"], ["head_tail", "none"], ["math", "aten"]))
 
 
 def _check_ring(results, P):
@@ -65,3 +67,45 @@ def test_auto_backend_picks_ring_for_mqa_and_trains_exactly(pool):
                        backend="auto")
     assert {(r["backend"], r["layout"]) for r in results} == {("ring", "head_tail")}
     _check_ring(results, 4)
+
+
+# -- every block-kernel provider at model level --------------------------------------------------
+
+KERNEL_CASES = list(itertools.product(["aten", "hf_kernels"], ["causal", "window", "packed"]))
+
+
+def _check_case(results, P, case):
+    if case == "packed":  # against each document run alone (test_packing's check)
+        for r in results:
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, r
+            assert r["grad_err"] <= TOL and not r["missing_grads"], (r["worst_param"], r["grad_err"])
+    else:
+        _check_ring(results, P)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("kernel, case", KERNEL_CASES, ids=[f"{k}-{c}" for k, c in KERNEL_CASES])
+def test_ring_kernel_provider_matches_single_device(pool, kernel, case, P):
+    """aten and the hub flash kernels (the CPU stand-in, picked by AUTO for a flash_attention_2 model)
+    x causal / sliding window / packed x both rotations x both layouts."""
+    for rotate, layout in itertools.product(["alltoall", "allgather"], ["none", "head_tail"]):
+        results = pool.run(jobs_ring.kernel_parity, P, kernel, case, rotate, layout)
+        try:
+            _check_case(results, P, case)
+        except AssertionError as exc:
+            raise AssertionError(f"rotate={rotate} load_balance={layout}: {exc}") from exc
+
+
+@pytest.mark.parametrize("flash_name", ["flash_attention_3", "kernels-community/vllm-flash-attn3"])
+def test_ring_fa3_hub_kernels_match_single_device(pool, flash_name):
+    results = pool.run(jobs_ring.kernel_parity, 2, "hf_kernels", "window", "alltoall", "none", flash_name)
+    _check_ring(results, 2)
+
+
+def test_hub_kernel_ignoring_the_window_is_caught(pool):
+    """Mutation: the hub provider drops the window's left bound -> the windowed model is wrong."""
+    for rank, r in enumerate(pool.run(jobs_ring.hub_window_mutation, 2)):
+        clean, mutated = r["clean"], r["mutated"]
+        assert max(clean["loss_err"], clean["logits_err"], clean["grad_err"]) <= TOL, (rank, clean)
+        assert "raised" not in mutated, (rank, mutated)
+        assert mutated["logits_err"] > 1e-2 and mutated["grad_err"] > 1e-2, (rank, mutated)

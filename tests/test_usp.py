@@ -1,6 +1,9 @@
 """USP (Ulysses inside a group of contiguous ranks x Ring across them) against the non-CP model."""
 
+import itertools
+
 import jobs
+import jobs_ring
 import pytest
 from test_ring_parity import _check_ring
 
@@ -18,8 +21,20 @@ FAMILIES = [
 def test_usp_matches_single_device(pool, family, split):
     _, model_type, attn, overrides = family
     u, r = split
-    for impl in ("math", "torch_native"):
+    for impl in ("math", "aten"):
         results = pool.run(jobs.parity, model_type, 4, attn, overrides, backend="usp",
                            cfg_kwargs=dict(ulysses_size=u, ring_size=r, ring_impl=impl))
         assert {x["backend"] for x in results} == {"usp"}
         _check_ring(results, 4)
+
+
+@pytest.mark.parametrize("kernel, case", list(itertools.product(["aten", "hf_kernels"], ["window", "packed"])))
+def test_usp_ring_kernel_providers(pool, kernel, case):
+    """USP 2x2 with each fused provider (hf_kernels: the CPU flash stand-in, picked by AUTO) on sliding-window
+    and packed rows, both rotations."""
+    for rotate in ("alltoall", "allgather"):
+        results = pool.run(jobs_ring.kernel_parity, 4, kernel, case, rotate, "none", backend="usp",
+                           ulysses_size=2, ring_size=2)
+        assert {x["backend"] for x in results} == {"usp"}
+        for r in results:
+            assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= 1e-4 and not r["missing_grads"], (rotate, r)

@@ -27,6 +27,7 @@ import contextlib
 from types import MethodType
 from typing import Any, Callable
 
+from ..comm import all_reduce_sum
 from ..config import RingmasterConfig
 from ..runtime import unwrap_wrappers
 
@@ -119,8 +120,6 @@ def cp_num_items_in_batch(trainer, batch_samples: list, device, cp_group, cp_siz
     same batch, hence the division by cp_size) and the Trainer multiplies the loss by the number
     of processes, as it does without CP.
     """
-    import torch.distributed as dist
-
     from ..sharding.batch import CP_SHARD_KEY, IGNORE_INDEX
 
     if not batch_samples or "labels" not in batch_samples[0]:
@@ -128,8 +127,8 @@ def cp_num_items_in_batch(trainer, batch_samples: list, device, cp_group, cp_siz
     labels = [b["shift_labels"] if b.get("shift_labels") is not None else b["labels"][..., 1:]
               for b in batch_samples]
     count = sum(label.ne(IGNORE_INDEX).sum() for label in labels).to(device)
-    if any(CP_SHARD_KEY in b for b in batch_samples):
-        dist.all_reduce(count, group=cp_group)
+    if any(CP_SHARD_KEY in b for b in batch_samples):   # on the group's device: NCCL has no CPU backend
+        count = all_reduce_sum(count, cp_group, tag="token count")
     count = count.float()
     if trainer.args.average_tokens_across_devices and trainer.accelerator.num_processes > 1:
         count = trainer.accelerator.gather(count).sum()

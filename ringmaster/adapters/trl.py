@@ -31,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - trl is an optional extra
     raise ImportError("ringmaster.adapters.trl needs trl: pip install 'axolotl-ringmaster[trl]'") from exc
 
 from ..sharding.batch import IGNORE_INDEX
+from ..sharding.loss import reduce_mean
 from .accelerate import cp_num_items_in_batch
 
 
@@ -212,9 +213,7 @@ class CPSFTTrainer(SFTTrainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if loss is not None:
-            loss = loss.detach().clone().float()
-            dist.all_reduce(loss, group=self.cp_runtime.cp_group)
-            loss = loss / self.cp_runtime.cp_size
+            loss = reduce_mean(loss.float(), self.cp_runtime.cp_group)   # on the group's device
         return loss, logits, labels
 
 

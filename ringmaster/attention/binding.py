@@ -21,6 +21,7 @@ class AttentionBinding:
     rotate: str = "alltoall"
     schedule: str = "ring"             # Ring's block schedule: "ring" (the rotation loop) | "distflash"
     name: str = ""
+    inner_kernel: Any = None           # a flash inner's resolved kernel (attention.flash_kernels.FlashKernel)
 
     def layouts(self) -> tuple[str, ...]:
         """Shard layouts this attention is exact for: the Ring loop plans with any layout the batch

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all
+from . import flash_kernels
 from .binding import AttentionBinding
 from .flex import block_mask as flex_block_mask
 
@@ -103,12 +104,8 @@ def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
 
 
 def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwargs: dict):
-    """The mask (or varlen kwargs) the inner kernel needs for the whole sequence."""
-    if "flash" in inner or "/" in inner:  # flash kernels: causal flag + sliding_window kwarg + varlen boundaries
-        if cpb.packed:
-            cu, longest = cpb.cu_seqlens(query.device)
-            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        return None
+    """The mask the inner kernel needs for the whole sequence (flash kernels take no mask: they run in
+    :func:`flash_ulysses` with varlen boundaries)."""
     if inner == "flex_attention":  # HF's flex path adds a tensor mask to the scores and is not causal without one
         return flex_block_mask(cpb, causal, window, query.device)
     sdpa_like = inner == "sdpa"  # applies is_causal itself when given no mask
@@ -122,6 +119,8 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
 
 def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
     """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
+    if binding.inner_kernel is not None:
+        return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
     inner = binding.inner
     group = binding.ulysses_group
     P = dist.get_world_size(group)
@@ -150,3 +149,65 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     fn = _inner_attention(inner, module)
     out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
+
+
+def local_heads(per_head: torch.Tensor, rank: int, count: int) -> torch.Tensor:
+    """The ``count`` entries of a per-head tensor (sinks) for the heads rank ``rank`` computes."""
+    return per_head[rank * count:(rank + 1) * count]
+
+
+def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
+    """Ulysses around a flash kernel (``flash_attention_2/3/4`` or a hub repo), called directly.
+
+    transformers' flash path cannot be used under CP: it looks the library up from
+    ``module.config._attn_implementation``, which now names ringmaster's function. The kernel was
+    resolved at setup (``binding.inner_kernel``, :mod:`.flash_kernels`) and gets the whole
+    head-sharded sequence as one varlen batch: every row's documents (packing, and each padding
+    token alone) as ``cu_seqlens`` from the batch's global doc ids, sliding windows as
+    ``window_size=(w-1, 0)``, sinks sliced to this rank's heads, softcap and scale as the module
+    has them. Unsupported features are refused before any collective. CPU stand-in only so far:
+    not yet run on a GPU.
+    """
+    kernel = binding.inner_kernel
+    group = binding.ulysses_group
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_heads = query.shape[1]
+    rep = kv_replication(num_heads, key.shape[1], P)
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    sinks = kwargs.get("s_aux")
+    if not isinstance(sinks, torch.Tensor):
+        sinks = getattr(module, "sinks", None)
+        sinks = sinks if isinstance(sinks, torch.Tensor) else None
+    if sinks is not None and sinks.shape[0] != num_heads:
+        raise ValueError(f"{type(module).__name__}: {sinks.shape[0]} sink logits for {num_heads} query heads")
+    dropout = float(kwargs.get("dropout") or 0.0)
+    softcap = kwargs.get("softcap")
+    window = flash_kernels.window_size(kwargs.get("sliding_window"), causal)
+    kernel.check(sinks=sinks is not None, dropout=dropout, softcap=softcap, window=window is not None)
+    scale = kwargs.get("scaling")
+    if scale is None:
+        scale = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    if query.shape[2] * P != cpb.seq_len:  # the varlen boundaries describe cpb.seq_len tokens per row
+        raise RuntimeError(f"{type(module).__name__}: {P} shards of {query.shape[2]} tokens, but the batch was cut "
+                           f"from {cpb.seq_len}; shard it with this model's runtime (context_parallel_region)")
+
+    if rep > 1:
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    q, k, v = seq_to_head([query, key, value], group)  # [B, h, S, D]
+    B, hq, S, D = q.shape
+    dv = v.shape[-1]
+    cu, longest = cpb.varlen_bounds(B, q.device)
+    cast = flash_kernels.target_dtype(q, module)  # as transformers' flash path: fp32 in -> the model's dtype
+
+    def packed(t, width=None):
+        t = t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+        if width is not None and t.shape[-1] != width:  # value heads narrower than query heads (MLA)
+            t = torch.nn.functional.pad(t, [0, width - t.shape[-1]])
+        return t if cast is None else t.to(cast)
+
+    local_sinks = None if sinks is None else local_heads(sinks, rank, hq)
+    out = kernel.varlen(packed(q), packed(k), packed(v, D), cu, longest, scale=float(scale), causal=causal,
+                        window=window, softcap=softcap, dropout=dropout, sinks=local_sinks)
+    return head_to_seq(out[..., :dv].reshape(B, S, hq, dv), group), None

@@ -235,9 +235,9 @@ def scan_pass(segments: Sequence[Segment], group, layout: str) -> list:
     stacked = torch.stack([hi(m) for m, _ in local])              # [n, ...]
     gathered = all_gather(stacked, group, tag="state_passing")           # [P, n, ...]
     by_chunk: dict[int, torch.Tensor] = {}
-    for r in range(P):
-        for j, c in enumerate(chunk_ids(layout, P, r)):
-            by_chunk[c] = gathered[r, j]
+    for r, row in enumerate(gathered.unbind(0)):   # views (unbind, unlike indexing, runs on fake CUDA too)
+        for c, packed in zip(chunk_ids(layout, P, r), row.unbind(0)):
+            by_chunk[c] = packed
     maps = [by_chunk[c] for c in range(P * len(ids))]
     states = compose_prefix(segments[0], maps, upto=max(ids))
     outs = [seg.finish(aux, states[c]) for seg, (_, aux), c in zip(segments, local, ids)]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather
+from ..comm import all_gather, all_reduce_sum
 from ..runtime import Runtime, active, runtime_of
 from ..validation import validate_batch
 from . import balancers
@@ -247,9 +247,8 @@ class ContextParallelContextManager:
             else:
                 full_count = None
                 local = kwargs.get("shift_labels")
-                if local is not None:
-                    full_count = local.ne(IGNORE_INDEX).sum()
-                    dist.all_reduce(full_count, group=self.cp_group)
+                if local is not None:   # summed on the group's device (an NCCL group has no CPU backend)
+                    full_count = all_reduce_sum(local.ne(IGNORE_INDEX).sum(), self.cp_group, tag="token count")
             local = kwargs.get("shift_labels")
             self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
             if kwargs.get("num_items_in_batch") is None and full_count is not None:

@@ -127,3 +127,23 @@ class CPBatch:
         counts = torch.bincount(docs[0] - docs[0, 0])
         cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         return cu, int(counts.max())
+
+    def varlen_bounds(self, batch_size: int, device) -> tuple[torch.Tensor, int]:
+        """Flash varlen boundaries of all ``batch_size`` rows flattened into one (row-major): each
+        row's documents (padding tokens: one each) in order, never one across two rows; and the
+        longest document. Built once per forward."""
+        key = ("varlen", batch_size, str(device))
+        if key not in self._cache:
+            docs = self.docs_on(device)
+            S = self.seq_len
+            if docs is None:
+                cu = torch.arange(0, (batch_size + 1) * S, S, dtype=torch.int32, device=device)
+                self._cache[key] = (cu, S)
+            else:
+                docs = (docs - docs[:, :1]).expand(batch_size, S)
+                offset = torch.cat([docs.new_zeros(1), (docs[:, -1] + 1).cumsum(0)[:-1]])
+                counts = torch.bincount((docs + offset[:, None]).reshape(-1))
+                counts = counts[counts > 0]
+                cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+                self._cache[key] = (cu, int(counts.max()))
+        return self._cache[key]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm import all_reduce_sum
 from .batch import IGNORE_INDEX
 
 
@@ -37,7 +38,6 @@ def chunked_nll(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.
 
 
 def reduce_mean(value: torch.Tensor, group=None) -> torch.Tensor:
-    """Mean of a scalar over the CP group (for logging; not differentiable)."""
-    value = value.detach().clone()
-    dist.all_reduce(value, group=group)
-    return value / dist.get_world_size(group)
+    """Mean of a scalar over the CP group (for logging; not differentiable), reduced on the group's
+    device and returned on ``value``'s."""
+    return all_reduce_sum(value, group, tag="reduce_mean") / dist.get_world_size(group)

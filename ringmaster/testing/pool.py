@@ -47,13 +47,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     ctx = RankContext(rank, world)
     while True:
         job = tasks.get()
@@ -68,13 +68,15 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class LocalPool:
-    def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0):
+    def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo"):
+        """``backend``: what every rank passes to ``init_process_group`` (``"cuda:gloo"`` builds a CUDA-only
+        group on CPU, the stand-in for NCCL in tests/test_devices.py)."""
         self.world, self.timeout, self.grace = world, timeout, grace
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results), daemon=True)
+        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend), daemon=True)
                        for r in range(world)]
         for p in self._procs:
             p.start()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ...comm import _all_gather, _reduce_scatter, diagnosed, timed_comm
 from ...sharding import balancers
+from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink
 
 SKIP = "skip"
@@ -42,62 +43,52 @@ class RingPlan:
 
 
 @lru_cache(maxsize=4096)
-def _pair_kind(a: int, b: int, c: int, causal: bool, window: int | None):
-    """Mask of query chunk ``a`` against key chunk ``b`` (chunk length ``c``):
-    SKIP, None (all visible), "causal" (diagonal) or ("window", a, b) for an explicit mask."""
+def _pair_band(a: int, b: int, c: int, causal: bool, window: int | None):
+    """Query chunk ``a`` against key chunk ``b`` (chunk length ``c``): SKIP, or the band
+    ``(lo, hi)`` of local ``i - j`` the pair keeps (``None`` = unbounded).
+
+    Globally a key is visible iff ``0 <= q - k`` (causal) and ``q - k < window``; with
+    ``q - k = (a - b) * c + i - j`` that is ``-(a - b) * c <= i - j <= window - 1 - (a - b) * c``."""
     if causal and b > a:
         return SKIP
-    if window is not None:
-        if not causal:
-            raise NotImplementedError("ring attention supports sliding windows only for causal attention")
-        nearest, farthest = (a - b) * c - (c - 1), (a - b) * c + (c - 1)
-        if nearest >= window:
-            return SKIP
-        if farthest >= window:
-            return ("window", a, b)
-    if causal and a == b:
-        return "causal"
-    return None
+    if window is not None and not causal:
+        raise NotImplementedError("ring attention supports sliding windows only for causal attention")
+    off = (a - b) * c
+    lo = -off if causal else None
+    hi = None if window is None else window - 1 - off
+    if lo is not None and lo <= -(c - 1):
+        lo = None  # every key of an earlier chunk precedes every query
+    if hi is not None:
+        if hi < -(c - 1):
+            return SKIP  # the window ends before this key chunk
+        if hi >= c - 1:
+            hi = None
+    return lo, hi
 
 
-def _mask(kind, c: int, window: int | None, device):
-    if not isinstance(kind, tuple):
-        return kind
-    _, a, b = kind
-    d = (a * c + torch.arange(c, device=device))[:, None] - (b * c + torch.arange(c, device=device))[None, :]
-    return (d >= 0) & (d < window)
-
-
-def _doc_mask(plan: RingPlan, a: int, b: int, base):
-    """AND the pair's mask with "same document"; SKIP when no row shares a document."""
+def _docs_disjoint(plan: RingPlan, a: int, b: int) -> bool:
+    """No row shares a document between the two chunks (ids are non-decreasing along a row)."""
     c = plan.chunk
     dq = plan.docs[:, a * c:(a + 1) * c]
     dk = plan.docs[:, b * c:(b + 1) * c]
-    # ids are non-decreasing along a row: disjoint ranges cannot share a document
-    if bool(((dk.max(-1).values < dq.min(-1).values) | (dk.min(-1).values > dq.max(-1).values)).all()):
-        return SKIP
-    same = (dq[:, :, None] == dk[:, None, :]).unsqueeze(1)  # [B, 1, c, c]
-    if base is None:
-        return same
-    if isinstance(base, str):
-        base = torch.ones(c, c, dtype=torch.bool, device=same.device).tril()
-    return same & base
+    return bool(((dk.max(-1).values < dq.min(-1).values) | (dk.min(-1).values > dq.max(-1).values)).all())
 
 
-def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, object]]:
+def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, BlockMask]]:
     """(query chunk index, key chunk index, mask) for this rank's queries vs ``src``'s block."""
+    c = plan.chunk
     pairs = []
     for qi, a in enumerate(plan.chunks(plan.rank)):
         for kj, b in enumerate(plan.chunks(src)):
-            kind = _pair_kind(a, b, plan.chunk, plan.causal, plan.window)
-            if kind == SKIP:
+            band = _pair_band(a, b, c, plan.causal, plan.window)
+            if band == SKIP:
                 continue
-            mask = _mask(kind, plan.chunk, plan.window, device)
+            docs = {}
             if plan.docs is not None:
-                mask = _doc_mask(plan, a, b, mask)
-                if isinstance(mask, str) and mask == SKIP:
+                if _docs_disjoint(plan, a, b):
                     continue
-            pairs.append((qi, kj, mask))
+                docs = dict(q_docs=plan.docs[:, a * c:(a + 1) * c], k_docs=plan.docs[:, b * c:(b + 1) * c])
+            pairs.append((qi, kj, BlockMask(c, c, lo=band[0], hi=band[1], **docs)))
     return pairs
 
 

@@ -1,0 +1,433 @@
+"""The GPU check: one script, one GPU, under 8 minutes. Prints a table and writes it to a file.
+
+    python benchmarks/gpu_check.py [--out gpu_check.md] [--budget 420] [--max-seq 131072]
+    python benchmarks/gpu_check.py --device cpu --quick       # the same plumbing on CPU (CI smoke)
+
+What it runs (every row is caught on its own: an error is a row that says so, never a crash):
+
+1. **Parity in bf16, each against an fp32 truth.** A random Llama (and for ring, every rotation
+   and layout) is trained one step in bf16 with CP and without, and both are compared with the
+   same weights run in fp32 without CP. A CP path passes when its error against the truth is at
+   most 2x (+1e-3) the non-CP bf16 model's own error: bf16 rounding is allowed, a CP bug is not.
+   Cases: Ulysses with sdpa, with torch's flash kernel (sdpa restricted to the flash backend) and
+   with flex; Ring with torch's fused ops (ring_impl='aten': flash / memory-efficient attention,
+   no math fallback) for both rotations and layouts, causal, sliding-window and packed rows; USP
+   2x2; and Ring / Ulysses with the hub flash kernels when `kernels` can load them.
+   The CP ranks are processes sharing the one GPU, over gloo with CUDA tensors (NCCL refuses two
+   ranks on one GPU); NCCL itself runs at world=1 through the same wiring and shard code.
+2. **Peak memory and step time per rank** at 16k..128k tokens (doubling) for a ~1B-parameter
+   random Llama and a Qwen3.5-style hybrid (3 gated-DeltaNet layers per attention layer), bf16,
+   non-CP vs CP at P=2 (two processes on the one GPU: each rank's CUDA allocator peak is its own).
+   A series stops at the first OOM or when the time budget is spent.
+
+Record the printed table in docs/benchmarks.md ("GPU check") with the date and the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# models
+
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1 << 18)
+HYBRID_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
+                 layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+                 linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=1 << 18)
+PARITY_LLAMA = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1 << 16)
+QUICK_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 12)
+QUICK_HYBRID = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=1 << 12)
+
+HUB_KERNELS = ("kernels-community/flash-attn2", "kernels-community/flash-attn3", "kernels-community/flash-attn4",
+               "kernels-community/vllm-flash-attn3")
+
+
+def parity_cases(P: int, quick: bool) -> list[dict]:
+    """(name, config, inner kernel, batch kind) rows for a CP size."""
+    if P == 4:
+        return [dict(name="usp 2x2 aten", cfg=dict(backend="usp", ulysses_size=2, ring_size=2), inner="sdpa",
+                     batch="causal")]
+    rows = [
+        dict(name="ulysses sdpa", cfg=dict(backend="ulysses"), inner="sdpa", batch="causal"),
+        dict(name="ulysses sdpa packed", cfg=dict(backend="ulysses"), inner="sdpa", batch="packed"),
+        dict(name="ulysses sdpa window", cfg=dict(backend="ulysses"), inner="sdpa", batch="window"),
+        dict(name="ulysses torch-flash", cfg=dict(backend="ulysses"), inner="sdpa", batch="causal",
+             sdpa_backend="FLASH_ATTENTION"),
+        dict(name="ulysses flex", cfg=dict(backend="ulysses"), inner="flex_attention", batch="causal"),
+    ]
+    for rotate in ("alltoall", "allgather"):
+        for layout in ("none", "head_tail"):
+            rows.append(dict(name=f"ring aten {rotate} {layout}", inner="sdpa", batch="causal",
+                             cfg=dict(backend="ring", ring_impl="aten", rotate_method=rotate, load_balance=layout)))
+    rows += [
+        dict(name="ring aten window", cfg=dict(backend="ring", ring_impl="aten"), inner="sdpa", batch="window"),
+        dict(name="ring aten packed", cfg=dict(backend="ring", ring_impl="aten", load_balance="none"), inner="sdpa",
+             batch="packed"),
+        dict(name="ring aten distflash", cfg=dict(backend="ring", ring_impl="aten", load_balance="distflash"),
+             inner="sdpa", batch="causal"),
+    ]
+    for repo in HUB_KERNELS[:1 if quick else None]:
+        short = repo.split("/")[1]
+        rows.append(dict(name=f"ulysses {short}", cfg=dict(backend="ulysses"), inner=repo, batch="packed"))
+        rows.append(dict(name=f"ring {short}", cfg=dict(backend="ring", ring_impl="hf_kernels"), inner=repo,
+                         batch="causal"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# ranks: processes sharing one device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, backend, device, job, args, out_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = job(rank, world, device, *args)
+    except BaseException:
+        result = {"error": traceback.format_exc(limit=4)}
+    out_q.put((rank, result))
+    dist.destroy_process_group()
+
+
+def run_ranks(world: int, job, *args, device: str = "cuda", backend: str = "gloo", timeout: float = 600.0):
+    """Run ``job(rank, world, device, *args)`` on ``world`` fresh processes; every rank's result."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, backend, device, job, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.time() + timeout
+    try:
+        while len(results) < world and time.time() < deadline:
+            try:
+                rank, res = q.get(timeout=5)
+                results[rank] = res
+            except Exception:  # queue.Empty: check that the ranks are alive
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results.get(r, {"error": f"rank {r} died or timed out"}) for r in range(world)]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. parity
+
+
+def _batch(kind: str, vocab: int, S: int, device):
+    from ringmaster.testing.parity import packed_batch, tiny_batch
+
+    if kind == "packed":
+        lens = [S // 4, S // 2 - 8, S // 4 + 8]
+        batch = packed_batch(vocab, lens, seed=1)
+    else:
+        batch = tiny_batch(vocab, S, 1, seed=1)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _grads(model):
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def parity_job(rank, world, device, cases, quick):
+    """Every case on every rank: fp32 truth and bf16 reference without CP, bf16 with CP."""
+    import copy
+
+    import torch.distributed as dist
+
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import tiny_model
+
+    S = 256 if quick else 4096
+    overrides = QUICK_LLAMA if quick else PARITY_LLAMA
+    rows = []
+    for case in cases:
+        row = {"case": case["name"], "P": world}
+        try:
+            extra = dict(overrides)
+            if case["batch"] == "window":
+                extra.update(sliding_window=S // 8, model_type_override="mistral")
+            model_type = extra.pop("model_type_override", "llama")
+            inner = case["inner"]
+            build_inner = inner if inner in ("sdpa", "eager", "flex_attention") else "sdpa"
+            base = tiny_model(model_type, build_inner, 0, **extra).to(device)
+            batch = _batch(case["batch"], base.config.vocab_size, S, device)
+
+            truth = copy.deepcopy(base)
+            out = truth(**batch, use_cache=False)
+            out.loss.backward()
+            t_loss, t_logits, t_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(truth)
+            del truth, out
+
+            ref = copy.deepcopy(base).to(torch.bfloat16)
+            out = ref(**batch, use_cache=False)
+            out.loss.backward()
+            r_loss, r_logits, r_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(ref)
+            del ref, out
+
+            model = copy.deepcopy(base).to(torch.bfloat16)
+            del base
+            cfg = rm.RingmasterConfig(size=world, **case["cfg"])
+            if inner != build_inner:  # a hub kernel: transformers loads it (kernels installed, repo cached)
+                model.set_attn_implementation(inner)
+            runtime = rm.wire(model, cfg)
+            try:
+                ctx = torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, case["sdpa_backend"])) \
+                    if case.get("sdpa_backend") else _null()
+                with ctx, context_parallel_region(batch, runtime=runtime) as shard:
+                    out = model(**shard)
+                    out.loss.backward()
+                loss = out.loss.detach().float().clone()
+                dist.all_reduce(loss, group=runtime.cp_group)
+                loss = loss / world
+                logits = rm.gather_sequence(out.logits.detach().float(), dim=1, runtime=runtime)
+                grads = _grads(model)
+                for g in grads.values():
+                    dist.all_reduce(g, group=runtime.cp_group)
+                    g.div_(world)
+            finally:
+                rm.unwire(model)
+            cp_grad = max(_rel(grads[n], t_grads[n]) for n in t_grads)
+            ref_grad = max(_rel(r_grads[n], t_grads[n]) for n in t_grads)
+            row.update(
+                loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
+                logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
+                grad_cp=cp_grad, grad_ref=ref_grad, missing=len(set(t_grads) - set(grads)))
+            ok = all(row[f"{k}_cp"] <= 2 * row[f"{k}_ref"] + 1e-3 for k in ("loss", "logits", "grad"))
+            row["verdict"] = "ok" if ok and not row["missing"] else "FAIL"
+        except BaseException as e:  # one row's failure is that row's result
+            row["verdict"] = "error"
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+        rows.append(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def nccl_job(rank, world, device, quick):
+    """World=1 over NCCL: wiring, sharding, the input check and one step through the same code."""
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import tiny_model
+
+    rows = []
+    for backend in ("ulysses", "ring"):
+        row = {"case": f"nccl world=1 {backend}", "P": 1}
+        try:
+            model = tiny_model("llama", "sdpa", 0, **(QUICK_LLAMA if quick else PARITY_LLAMA)).to(device)
+            model = model.to(torch.bfloat16)
+            batch = _batch("causal", model.config.vocab_size, 256, device)
+            runtime = rm.wire(model, rm.RingmasterConfig(size=1, backend=backend))
+            try:
+                with context_parallel_region(batch, runtime=runtime) as shard:
+                    model(**shard).loss.backward()
+            finally:
+                rm.unwire(model)
+            row["verdict"] = "ok"
+        except BaseException as e:
+            row["verdict"] = "error"
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 2. memory and step time
+
+
+def step_job(rank, world, device, model_name, overrides, S, reps):
+    import statistics
+
+    import torch.distributed as dist
+
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import tiny_batch, tiny_model
+
+    model_type = "qwen3_5_text" if model_name == "hybrid" else "llama"
+    with torch.device(device):
+        model = tiny_model(model_type, "sdpa", 0, **overrides)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = {k: v.to(device) for k, v in tiny_batch(model.config.vocab_size, S, 1, seed=1).items()}
+    runtime = rm.wire(model, rm.RingmasterConfig(size=world)) if world > 1 else None
+    times, peak = [], 0
+    try:
+        for i in range(reps + 1):
+            model.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            if runtime is not None:
+                with context_parallel_region(batch, runtime=runtime) as shard:
+                    model(**shard).loss.backward()
+            else:
+                model(**batch, use_cache=False).loss.backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                peak = max(peak, torch.cuda.max_memory_allocated())
+            if i:
+                times.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    finally:
+        if runtime is not None:
+            rm.unwire(model)
+    return {"time": statistics.median(times), "peak": peak,
+            "backend": runtime.config.backend.value if runtime is not None else "none"}
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+
+
+def parity_table(rows: list[dict]) -> str:
+    head = "| case | P | loss err CP / non-CP | logits err CP / non-CP | worst grad err CP / non-CP | verdict |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("verdict") == "error" or "loss_cp" not in r:
+            lines.append(f"| {r['case']} | {r['P']} | | | | {r.get('verdict')}: {r.get('error', '')} |")
+            continue
+        lines.append(f"| {r['case']} | {r['P']} | {r['loss_cp']:.2e} / {r['loss_ref']:.2e} | "
+                     f"{r['logits_cp']:.2e} / {r['logits_ref']:.2e} | {r['grad_cp']:.2e} / {r['grad_ref']:.2e} | "
+                     f"{r['verdict']} |")
+    return "\n".join(lines)
+
+
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| model | S | non-CP peak GiB | non-CP step s | CP P=2 backend | CP peak GiB/rank | CP step s | peak ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def cell(x, key, fmt):
+            if x is None:
+                return "-"
+            if x.get("oom"):
+                return "OOM"
+            if "error" in x:
+                return "error"
+            return fmt(x[key])
+        ratio = "-"
+        if r["cp"] and r["ref"] and "peak" in r["cp"] and "peak" in r["ref"] and r["ref"]["peak"]:
+            ratio = f"{r['cp']['peak'] / r['ref']['peak']:.2f}"
+        lines.append(f"| {r['model']} | {r['S']} | {cell(r['ref'], 'peak', lambda v: f'{v / 2**30:.2f}')} | "
+                     f"{cell(r['ref'], 'time', lambda v: f'{v:.3f}')} | "
+                     f"{(r['cp'] or {}).get('backend', '-')} | {cell(r['cp'], 'peak', lambda v: f'{v / 2**30:.2f}')} | "
+                     f"{cell(r['cp'], 'time', lambda v: f'{v:.3f}')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check.md")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run of the plumbing)")
+    parser.add_argument("--budget", type=float, default=330.0,
+                        help="seconds after which no new memory configuration starts (the run stays under 8 min)")
+    parser.add_argument("--min-seq", type=int, default=16384)
+    parser.add_argument("--max-seq", type=int, default=131072)
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu --quick for the CPU smoke run", file=sys.stderr)
+        return 2
+    start = time.time()
+    device = args.device
+    header = [f"# GPU check ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+              f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'})", ""]
+    print("\n".join(header), flush=True)
+
+    parity = []
+    for P in (2, 4):
+        parity += [r for rank_rows in run_ranks(P, parity_job, parity_cases(P, args.quick), args.quick,
+                                                device=device)[:1]
+                   for r in (rank_rows if isinstance(rank_rows, list) else [{"case": f"P={P}", "P": P,
+                                                                                 "verdict": "error",
+                                                                                 "error": rank_rows["error"]}])]
+    if device == "cuda":
+        nccl = run_ranks(1, nccl_job, args.quick, device=device, backend="nccl")[0]
+        parity += nccl if isinstance(nccl, list) else [{"case": "nccl", "P": 1, "verdict": "error",
+                                                        "error": nccl["error"]}]
+    text = "## bf16 parity against an fp32 truth\n\n" + parity_table(parity)
+    print(text, flush=True)
+
+    memory = []
+    if not args.skip_memory:
+        models = {"llama-1B": ("llama", QUICK_LLAMA if args.quick else LLAMA_1B),
+                  "qwen3.5-hybrid-1B": ("hybrid", QUICK_HYBRID if args.quick else HYBRID_1B)}
+        for label, (name, overrides) in models.items():
+            S = 256 if args.quick else args.min_seq
+            ref_alive = True
+            while S <= (1024 if args.quick else args.max_seq) and time.time() - start < args.budget:
+                ref = run_ranks(1, step_job, name, overrides, S, 1, device=device)[0] if ref_alive else None
+                ref_alive = ref_alive and not (ref or {}).get("oom")
+                cp = run_ranks(2, step_job, name, overrides, S, 1, device=device)
+                cp_row = next((r for r in cp if "error" in r or r.get("oom")), cp[0])
+                if "peak" in cp_row:
+                    cp_row = dict(cp_row, peak=max(r.get("peak", 0) for r in cp))
+                memory.append({"model": label, "S": S, "ref": ref, "cp": cp_row})
+                if cp_row.get("oom") or "error" in cp_row:
+                    break
+                S *= 2
+        text += "\n\n## Peak memory and step time per rank (bf16, activation checkpointing)\n\n" + memory_table(memory)
+        print("\n## memory\n" + memory_table(memory), flush=True)
+    text = "\n".join(header) + "\n" + text + f"\n\n(total {time.time() - start:.0f} s)\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
+    failed = [r for r in parity if r.get("verdict") == "FAIL"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

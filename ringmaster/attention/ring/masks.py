@@ -1,0 +1,176 @@
+"""Structured block masks: what a query block may see of one K/V block, without a dense [Sq, Sk] mask.
+
+A ring block's mask is always one of a few shapes: everything visible, a band of diagonals
+(causal diagonal blocks, sliding-window blocks), either of those cut by documents (packed rows),
+or, for tests and generic callers, an arbitrary bool tensor. Keeping the structure lets each
+provider use its kernel's own masking (flash ``is_causal`` / ``window_size`` / ``cu_seqlens``)
+and build a dense mask only per tile of query rows (O(tile * Sk), never O(Sq * Sk) in fp32).
+
+Coordinates are local to the block: query row ``i`` in ``[0, sq)``, key column ``j`` in ``[0, sk)``.
+The band keeps ``lo <= i - j <= hi`` (``None`` = unbounded on that side); documents keep
+``q_docs[b, i] == k_docs[b, j]`` (ids non-decreasing along a row, as packing writes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    sq: int
+    sk: int
+    lo: int | None = None
+    hi: int | None = None
+    q_docs: torch.Tensor | None = field(default=None, compare=False)   # [B, sq]
+    k_docs: torch.Tensor | None = field(default=None, compare=False)   # [B, sk]
+    dense: torch.Tensor | None = field(default=None, compare=False)    # bool [sq, sk] or [B, 1, sq, sk]
+
+    # ---- what kind of block this is
+    @property
+    def full(self) -> bool:
+        return self.lo is None and self.hi is None and self.q_docs is None and self.dense is None
+
+    @property
+    def has_docs(self) -> bool:
+        return self.q_docs is not None
+
+    @property
+    def is_band(self) -> bool:
+        """Only a band (no documents, no arbitrary mask): expressible as one flash call."""
+        return self.q_docs is None and self.dense is None
+
+    @property
+    def causal_square(self) -> bool:
+        """The diagonal block of a causal sequence: ``j <= i`` on a square block."""
+        return self.is_band and self.sq == self.sk and self.lo == 0 and self.hi is None
+
+    def region(self, r0: int = 0, r1: int | None = None):
+        """``(q0, q1, k0, k1)``: the rows of ``[r0, r1)`` that see a key through the band (documents
+        aside) and the keys they see; ``None`` when the band hides everything."""
+        return _trim(r0, self.sq if r1 is None else r1, 0, self.sk, self.lo, self.hi)
+
+    # ---- dense pieces (a tile at a time)
+    def tile(self, r0: int, r1: int, k0: int, k1: int, device) -> torch.Tensor | None:
+        """bool ``[1 or B, 1, r1-r0, k1-k0]`` (True = attend) for that tile; ``None`` when all visible."""
+        m = None
+        if self.lo is not None or self.hi is not None:
+            d = torch.arange(r0, r1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None, :]
+            m = torch.ones_like(d, dtype=torch.bool)
+            if self.lo is not None:
+                m &= d >= self.lo
+            if self.hi is not None:
+                m &= d <= self.hi
+            m = m.view(1, 1, r1 - r0, k1 - k0)
+        if self.q_docs is not None:
+            same = (self.q_docs[:, r0:r1, None].to(device) == self.k_docs[:, None, k0:k1].to(device)).unsqueeze(1)
+            m = same if m is None else m & same
+        if self.dense is not None:
+            dm = self.dense.to(device)
+            dm = (dm.view(1, 1, *dm.shape) if dm.dim() == 2 else dm)[..., r0:r1, k0:k1]
+            m = dm if m is None else m & dm
+        return m
+
+    def to_dense(self, device) -> torch.Tensor | None:
+        """The whole block's bool mask (the math reference kernel and tests only)."""
+        return self.tile(0, self.sq, 0, self.sk, device)
+
+    # ---- documents as flash segments
+    def segments(self) -> list[tuple[int, int, int, int, int]]:
+        """``(b, q0, q1, k0, k1)`` per document present in both the query and the key block, each
+        trimmed to the rows and keys its band reaches, so every listed row sees at least one key.
+        A host sync per row (the run bounds become ``cu_seqlens``); never a per-token loop."""
+        assert self.q_docs is not None and self.dense is None
+        out = []
+        for b in range(self.q_docs.shape[0]):
+            qspans, kspans = _runs(self.q_docs[b]), _runs(self.k_docs[b])
+            for doc, (q0, q1) in qspans.items():
+                if doc not in kspans:
+                    continue
+                k0, k1 = kspans[doc]
+                seg = _trim(q0, q1, k0, k1, self.lo, self.hi)
+                if seg is not None:
+                    out.append((b, *seg))
+        return out
+
+
+def _runs(ids: torch.Tensor) -> dict:
+    """{id: (start, end)} of the runs in a non-decreasing id row (only the run bounds reach the host)."""
+    n = ids.shape[0]
+    starts = torch.cat([ids.new_zeros(1), torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1])
+    ends = torch.cat([starts[1:], ids.new_full((1,), n)])
+    return {d: (s, e) for d, s, e in zip(ids[starts].tolist(), starts.tolist(), ends.tolist())}
+
+
+def _trim(q0, q1, k0, k1, lo, hi):
+    """The rows of ``[q0, q1)`` that see a key of ``[k0, k1)`` through ``lo <= i - j <= hi`` and the
+    keys those rows see; ``None`` when nothing is visible."""
+    if lo is not None and hi is not None and lo > hi:
+        return None
+    r0 = q0 if lo is None else max(q0, k0 + lo)
+    r1 = q1 if hi is None else min(q1, k1 + hi)
+    if r0 >= r1:
+        return None
+    c0 = k0 if hi is None else max(k0, r0 - hi)
+    c1 = k1 if lo is None else min(k1, r1 - lo)
+    if c0 >= c1:
+        return None
+    return r0, r1, c0, c1
+
+
+def flash_window(q0: int, q1: int, k0: int, k1: int, lo, hi) -> tuple[int | None, int | None]:
+    """``(window_left, window_right)`` that make a flash kernel (causal/window aligned bottom-right)
+    keep exactly ``lo <= i - j <= hi`` on the region ``[q0, q1) x [k0, k1)``; ``None`` = unbounded.
+
+    Flash keeps ``-right <= i' - j' + (Sk' - Sq') <= left`` in region coordinates; a trimmed region's
+    last row sees its last key, so both bounds come out >= 0."""
+    shift = q1 - k1          # i - j = (i' - j') + (q0 - k0); Sk' - Sq' = (k1 - k0) - (q1 - q0)
+    left = None if hi is None else hi - shift
+    right = None if lo is None else shift - lo
+    sq, sk = q1 - q0, k1 - k0
+    if left is not None and left >= sk - 1:
+        left = None
+    if right is not None and right >= sq - 1:
+        right = None
+    assert (left is None or left >= 0) and (right is None or right >= 0), (q0, q1, k0, k1, lo, hi)
+    return left, right
+
+
+def as_block_mask(mask, sq: int, sk: int) -> BlockMask:
+    """Accept the block kernels' mask forms: ``None``, ``"causal"`` (square, top-left), a bool tensor,
+    or a :class:`BlockMask`."""
+    if isinstance(mask, BlockMask):
+        return mask
+    if mask is None:
+        return BlockMask(sq, sk)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown block mask {mask!r}")
+        if sq != sk:
+            raise ValueError(f"a 'causal' block must be square, got {sq}x{sk}; pass BlockMask(lo=..., hi=...)")
+        return BlockMask(sq, sk, lo=0)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return BlockMask(sq, sk, dense=mask)
+    raise ValueError(f"block mask must be None, 'causal', a bool tensor or a BlockMask, got {type(mask).__name__}")
+
+
+def flash_calls(m: BlockMask):
+    """How flash kernels (causal/window aligned bottom-right, ``cu_seqlens`` for documents) cover a
+    band or document block, as a list of calls:
+
+    * ``("dense", (q0, q1, k0, k1), (left, right))``: one batched call on that region;
+    * ``("varlen", segments, (left, right))``: one varlen call over those documents (segments as
+      :meth:`BlockMask.segments`), one call per distinct window among the block's documents.
+
+    An empty list: nothing visible. Arbitrary dense masks are not flash-shaped (``ValueError``)."""
+    if m.dense is not None:
+        raise ValueError("an arbitrary dense block mask has no flash form")
+    if m.is_band:
+        region = m.region()
+        return [] if region is None else [("dense", region, flash_window(*region, m.lo, m.hi))]
+    groups: dict = {}
+    for seg in m.segments():
+        groups.setdefault(flash_window(*seg[1:], m.lo, m.hi), []).append(seg)
+    return [("varlen", segs, window) for window, segs in groups.items()]
