@@ -7,7 +7,7 @@ import torch
 import ringmaster as rm
 
 
-def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="torch_native", B=2, S=48, H=4, Hkv=2, D=8,
+def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="aten", B=2, S=48, H=4, Hkv=2, D=8,
                      dtype=torch.float32):
     """distflash_attention against dense causal attention over the whole sequence (forward, dQ/dK/dV,
     dsinks), on this rank's contiguous span. ``doc_lens``: every row packed with these documents."""
@@ -41,7 +41,8 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="torch_native", B=
     sink_cp = sink.clone().requires_grad_(True) if sinks else None
     plan = DistFlashPlan(P, r, c, docs)
     with rm.profile_comms() as comms:
-        out = distflash_attention(*local, group, plan, get_kernel(RingImpl(impl)), sinks=sink_cp)
+        kernel = get_kernel(RingImpl(impl), "flash_attention_2" if impl == "hf_kernels" else None)
+        out = distflash_attention(*local, group, plan, kernel, sinks=sink_cp)
         (out * dout[:, :, span]).sum().backward()
     errs = {"out": rel_err(out, ref[:, :, span]),
             "dq": rel_err(local[0].grad, leaves[0].grad[:, :, span]),
@@ -97,10 +98,37 @@ def saved_bytes(ctx, P, S=256, H=4, Hkv=2, D=16):
     c = S // P
     local = [torch.randn(1, h, c, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv)]
     with rm.profile_memory() as mem:
-        distflash_attention(*local, group, DistFlashPlan(P, r, c), get_kernel(RingImpl.TORCH_NATIVE))
+        distflash_attention(*local, group, DistFlashPlan(P, r, c), get_kernel(RingImpl.ATEN))
     q, k, v = local
     own = 4 * (q.numel() + k.numel() + v.numel() + q.numel() + q[..., 0].numel())  # q, k, v, out, lse (fp32)
     return {"saved": mem.peak_saved_bytes, "own": own}
+
+
+def hub_kernel(ctx, P, case):
+    """A flash_attention_2 model (the CPU flash stand-in through the hub path) under distflash:
+    the block kernel takes the schedule's structured masks (half-row blocks, documents)."""
+    from jobs_ring import kernel_parity
+
+    from ringmaster.attention.ring.hub import HfKernelsKernel
+
+    calls = {"forward": 0, "backward": 0}
+    originals = {name: getattr(HfKernelsKernel, name) for name in calls}
+
+    def counted(name):
+        def method(self, *args, **kwargs):
+            calls[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return method
+
+    try:
+        for name in calls:
+            setattr(HfKernelsKernel, name, counted(name))
+        result = _with_tags(lambda: kernel_parity(ctx, P, "hf_kernels", case, "alltoall", "distflash"))
+    finally:
+        for name, fn in originals.items():
+            setattr(HfKernelsKernel, name, fn)
+    result["hub_calls"] = calls
+    return result
 
 
 def llama_packed(ctx, P, doc_lens):

@@ -94,6 +94,8 @@ FUNCTION_CASES = [
     ("packed-edges", dict(doc_lens=[12, 12, 24], impl="math")),
     ("sinks", dict(sinks=True, impl="math")),
     ("odd-rows", dict(S=36)),                    # 9 tokens a rank at P=4: the P/2 halves are 4 and 5 rows
+    ("hub", dict(impl="hf_kernels")),            # the CPU flash stand-in through the hub provider
+    ("hub-packed", dict(impl="hf_kernels", doc_lens=[5, 20, 23])),
 ]
 
 
@@ -145,6 +147,17 @@ def test_llama_matches_single_device(pool, P, ring_impl, via):
     results = pool.run(jd.llama_parity, P, ring_impl, via=via)
     for r in results:
         assert r["cp_size"] == P and r["backend"] == "ring" and r["n_grads"] == r["n_params"]
+    _check(results, P)
+
+
+@pytest.mark.parametrize("P, case", [(2, "causal"), (4, "causal"), (2, "packed"), (4, "packed")])
+def test_flash_model_through_the_hub_kernel(pool, P, case):
+    """flash_attention_2 models pick ring_impl='hf_kernels' (the CPU stand-in in CI): exact under the
+    schedule, documents through the kernel's varlen path."""
+    results = pool.run(jd.hub_kernel, P, case)
+    for r in results:
+        assert r["backend"] == "ring" and r["n_grads"] == r["n_params"], r
+        assert r["hub_calls"]["forward"] > 0 and r["hub_calls"]["backward"] > 0, r["hub_calls"]
     _check(results, P)
 
 

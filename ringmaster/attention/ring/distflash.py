@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ...comm import diagnosed, timed_comm
 from ...sharding import balancers
+from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink
 
 SKIP = "skip"
@@ -110,19 +111,19 @@ def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
     return active
 
 
-def task_mask(plan: DistFlashPlan, task, device):
-    """The block kernel's mask for ``task``: None, "causal" (a diagonal block) or a bool
-    ``[B, 1, rows, c]`` (same document, and causal on the diagonal)."""
-    if plan.docs is None:
-        return "causal" if task.diagonal else None
+def task_mask(plan: DistFlashPlan, task):
+    """The block kernel's mask for ``task``: None (every key visible) or a structured
+    :class:`.masks.BlockMask` (the causal band of a diagonal block, cut by documents for packed rows),
+    so each provider masks with its own kernel's means and nothing ``[rows, c]`` is built here."""
     c = plan.chunk
     a, b = task.rows(c)
-    dq = plan.docs[:, task.q * c + a:task.q * c + b]
-    dk = plan.docs[:, task.kv * c:task.kv * c + c]
-    same = (dq[:, :, None] == dk[:, None, :]).unsqueeze(1)
-    if task.diagonal:
-        same = same & torch.ones(c, c, dtype=torch.bool, device=device).tril()
-    return same.to(device)
+    # local i - j = global q - k - (q - kv) * c - a: the diagonal block keeps i - j >= -a; an earlier
+    # key chunk is wholly visible (its last key precedes the first query)
+    lo = -a if task.diagonal else None
+    if plan.docs is None:
+        return None if lo is None else BlockMask(b - a, c, lo=lo)
+    return BlockMask(b - a, c, lo=lo, q_docs=plan.docs[:, task.q * c + a:task.q * c + b],
+                     k_docs=plan.docs[:, task.kv * c:task.kv * c + c])
 
 
 class _Exchange:
@@ -220,7 +221,7 @@ class DistFlashAttention(torch.autograd.Function):
                 kv_in, q_in = _received(task, me, got)
                 kv_t = kv if kv_in is None else kv_in
                 q_t = _rows(q, task, c) if q_in is None else q_in
-                o, l = kernel.forward(q_t, kv_t[0], kv_t[1], scale, task_mask(plan, task, q.device))
+                o, l = kernel.forward(q_t, kv_t[0], kv_t[1], scale, task_mask(plan, task))
                 part = torch.cat([o.to(acc), l.to(acc).unsqueeze(-1)], -1)
                 if task.q == me:
                     absorb([(me, task)], [part])
@@ -286,7 +287,7 @@ class DistFlashAttention(torch.autograd.Function):
                     q_t, do_t, o_t, l_t = (q_in[..., :D].to(q.dtype), q_in[..., D:2 * D].to(dout.dtype),
                                            q_in[..., 2 * D:3 * D], q_in[..., 3 * D])
                 g_q, g_k, g_v = kernel.backward(do_t, q_t, kv_t[0], kv_t[1], o_t, l_t, scale,
-                                                task_mask(plan, task, q.device))
+                                                task_mask(plan, task))
                 if task.q == me:
                     add_dq(task, g_q.to(acc))
                 else:
