@@ -81,6 +81,27 @@ def test_per_call_guard():
     check_call(True, None, 64)
 
 
+def test_schedule_plans_blocks_without_dense_masks():
+    """Every task's mask is structured (views of the document ids), and planning a step builds
+    nothing block-sized: the kernels mask tile by tile."""
+    import torch
+    from test_ring_kernels import _Largest
+
+    from ringmaster.attention.ring.distflash import DistFlashPlan, active_tasks, task_mask
+    from ringmaster.attention.ring.masks import BlockMask
+
+    S, P = 2048, 4
+    c = S // P
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([700, 500, 848]))[None]
+    for rank in range(P):
+        plan = DistFlashPlan(P, rank, c, docs)
+        with _Largest() as seen:
+            active = active_tasks(plan)
+            masks = [task_mask(plan, step[rank]) for s, step in enumerate(plan.steps()) if active[s][rank]]
+        assert masks and all(isinstance(m, BlockMask) and m.dense is None for m in masks)
+        assert seen.largest < c * c // 4, seen.largest
+
+
 def test_distflash_cuts_batches_contiguously():
     assert balancers.check_layout("distflash") == "contiguous"
     assert balancers.chunks_per_rank("distflash") == 1
