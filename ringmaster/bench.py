@@ -372,7 +372,8 @@ def write_png(rows: list[dict], path: str) -> str:
 # peers: one attention, every system
 
 
-RINGMASTER_SYSTEMS = ("ringmaster ulysses", "ringmaster ring p2p", "ringmaster ring allgather")
+RINGMASTER_SYSTEMS = ("ringmaster ulysses", "ringmaster ring p2p", "ringmaster ring allgather",
+                      "ringmaster ring distflash")
 PEER_SYSTEMS = ("torch context_parallel", "deepspeed ulysses", "yunchang ulysses", "baseline allgather+sdpa")
 SYSTEMS = RINGMASTER_SYSTEMS + PEER_SYSTEMS
 
@@ -416,10 +417,15 @@ def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: i
         return "contiguous", ulysses
     if name.startswith("ringmaster ring"):
         from .config import RingImpl
+        from .attention.ring.distflash import DistFlashPlan, distflash_attention
         from .attention.ring.kernels import get_kernel
         from .attention.ring.loop import RingPlan, ring_attention
         from .attention.ring.select import resolve_ring_impl
 
+        if name.endswith("distflash"):  # contiguous shards, the work balanced by the schedule
+            kernel = get_kernel(resolve_ring_impl(RingImpl.AUTO, "sdpa"))
+            dplan = DistFlashPlan(P, rank, S // P)
+            return "contiguous", lambda q, k, v: distflash_attention(q, k, v, group, dplan, kernel)
         rotate = "allgather" if name.endswith("allgather") else "alltoall"
         plan = RingPlan("head_tail", P, rank, S // (2 * P))
         kernel = get_kernel(resolve_ring_impl(RingImpl.AUTO, "sdpa"))

@@ -28,7 +28,6 @@ from .attention.ring.kernels import get_kernel
 from .attention.ring.select import resolve_ring_impl, resolve_rotate
 from .config import Backend, LoadBalance, RingImpl, RingmasterConfig
 from .mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
-from .sharding.balancers import DISTFLASH_REFUSAL
 
 
 @dataclass(eq=False)
@@ -52,9 +51,10 @@ class Runtime:
 
     @property
     def shard_load_balance(self) -> str:
-        """The shard layout batch tensors use: ``"contiguous"`` or ``"head_tail"``."""
+        """The shard layout batch tensors use: ``"contiguous"`` or ``"head_tail"`` (``distflash`` cuts
+        contiguously: it balances the work by its schedule, not by the cut)."""
         lb = self.config.load_balance
-        return "head_tail" if lb is LoadBalance.HEAD_TAIL else "contiguous" if lb is LoadBalance.NONE else lb.value
+        return "head_tail" if lb is LoadBalance.HEAD_TAIL else "contiguous"
 
     @property
     def backend(self) -> Backend:
@@ -120,8 +120,12 @@ def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
             "backend='usp' shards the sequence contiguously (each Ulysses group holds one span of the ring); "
             "use load_balance='none' (or 'auto'), or backend='ring' for head_tail balancing"
         )
-    if cfg.load_balance is LoadBalance.DISTFLASH:
-        raise NotImplementedError(DISTFLASH_REFUSAL)
+    if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.load_balance is LoadBalance.DISTFLASH:
+        raise ValueError(
+            "load_balance='distflash' is a schedule for pure Ring (backend='ring'); under backend='usp' each "
+            "Ulysses group holds one span of the ring and runs the plain ring loop. Use load_balance='none' "
+            "(or 'auto'), or backend='ring' for distflash"
+        )
     return ulysses_only
 
 
@@ -165,9 +169,11 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
         else:  # a 1 x P USP split is plain Ring
             rt.ring_group, backend = group, "ring"
         rt.ring_impl = resolve_ring_impl(cfg.ring_impl, inner)
+        # distflash owns its p2p schedule: rotate_method is not consulted (axolotl passes its default)
+        schedule = "distflash" if cfg.load_balance is LoadBalance.DISTFLASH else "ring"
         binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
                                    ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
-                                   rotate=resolve_rotate(cfg.rotate_method),
+                                   rotate=resolve_rotate(cfg.rotate_method), schedule=schedule,
                                    name=register.attention_name(backend, inner, serial))
     rt.binding = binding
     if register.register_attention(binding):

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from . import runtime as _runtime
 from .architectures import classify_layers, get_architecture, stateful_layers, text_config, unsupported_message
+from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
 from .attention.ulysses import kv_replication
-from .config import RingmasterConfig
+from .config import LoadBalance, RingmasterConfig
 from .errors import UnsupportedLayerError
 from .mesh import intra_node_size
 from .multimodal import wire_multimodal
@@ -132,6 +133,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
     if cfg.ring_size > 1:
         param = next(model.parameters())
         check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype, inner)
+        if cfg.load_balance is LoadBalance.DISTFLASH and cfg.ulysses_size == 1:
+            distflash.check_model(model, tcfg, layers.attention)
 
     # ---- change, recording every undo
     previous = _runtime.active(required=False)

@@ -187,9 +187,9 @@ def ulysses_with_head_tail(ctx):
              device_mesh=ctx.mesh(2))
 
 
-def distflash_requested(ctx):
-    rm.setup(rm.RingmasterConfig(size=2, backend="ring", load_balance="distflash"), num_kv_heads=4,
-             device_mesh=ctx.mesh(2))
+def distflash_under_usp(ctx):
+    rm.setup(rm.RingmasterConfig(size=4, backend="usp", ulysses_size=2, ring_size=2, load_balance="distflash"),
+             num_kv_heads=4, device_mesh=ctx.mesh(4))
 
 
 def dropout_under_ring(ctx):
@@ -280,8 +280,8 @@ SCENARIOS = [
              ("shards the sequence contiguously",)),
     Scenario("ulysses_with_head_tail", "Ulysses asked for head_tail", ulysses_with_head_tail, "ValueError",
              ("only helps Ring",)),
-    Scenario("distflash_requested", "load_balance='distflash'", distflash_requested, "NotImplementedError",
-             ("head_tail already balances",)),
+    Scenario("distflash_under_usp", "load_balance='distflash' with USP", distflash_under_usp, "ValueError",
+             ("schedule for pure Ring", "load_balance='none'")),
     Scenario("dropout_under_ring", "attention dropout under Ring", dropout_under_ring, "NotImplementedError",
              ("without attention dropout",)),
     Scenario("hf_kernels_for_sdpa_model", "ring_impl='hf_kernels' for a model without a flash kernel",

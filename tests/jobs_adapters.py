@@ -147,6 +147,7 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
             out["attn"] = model.config._attn_implementation
             out["backend"], out["ring_impl"] = runtime.backend.value, getattr(runtime.ring_impl, "value", None)
             out["layout"], out["rotate"] = runtime.shard_load_balance, runtime.binding.rotate
+            out["schedule"] = runtime.binding.schedule
             out["collator_shards"] = collator.cp_shard is not None
             batch = trainer.data_collator([dict(r) for r in rows])
             out["presharded"] = "_cp_shard" in batch

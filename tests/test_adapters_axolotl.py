@@ -163,8 +163,6 @@ def test_plugin_wires_a_separate_ref_model(pool, ours):
 
 FA2 = "flash_attention_2"
 GQA = dict(num_attention_heads=8, num_key_value_heads=2)
-DISTFLASH_PENDING = ("load_balance: distflash is built on another branch (h-distflash); the lead enables this "
-                     "case when it lands")
 RING_CASES = [
     # id, P, attn, context_parallel block, (ring_impl, layout, rotate) ringmaster binds
     ("ring-sdpa-allgather", 2, "sdpa", dict(backend="ring"), ("aten", "contiguous", "allgather")),
@@ -197,11 +195,26 @@ def test_axolotl_plugin_trains_ring_and_usp(pool, case):
     check(results, P)
 
 
+DISTFLASH_CASES = [
+    # id, P, model, hybrid: axolotl refuses head_tail for packed rows and recurrent layers, not distflash
+    ("llama-P2", 2, "llama", False),
+    ("llama-P4", 4, "llama", False),
+    ("qwen3_5-hybrid-P2", 2, "qwen3_5_text", True),
+]
+
+
 @needs_axolotl
-@pytest.mark.skip(reason=DISTFLASH_PENDING)
-def test_axolotl_plugin_trains_ring_distflash(pool):
-    """Placeholder: ``load_balance: distflash`` through the unchanged plugin. axolotl's settings allow it
-    for flash_attention_2 only (a balance owns a P2P schedule, which needs flash), so: the stand-in."""
-    results = pool.run(jobs_adapters.axolotl_plugin_step, 2, "llama", True, GQA, False, False,
-                       dict(backend="ring", load_balance="distflash"), FA2)
-    check(results, 2)
+@pytest.mark.parametrize("case", DISTFLASH_CASES, ids=[c[0] for c in DISTFLASH_CASES])
+def test_axolotl_plugin_trains_ring_distflash(pool, case):
+    """``load_balance: distflash`` through the unchanged plugin. axolotl's settings allow it for
+    flash_attention_2 only (a balance owns a P2P schedule, which needs flash), so: the stand-in.
+    The plugin passes its default rotate_method (allgather); the schedule does not consult it, and
+    batches are cut contiguously (what its collator and manager shard with)."""
+    _, P, model_type, hybrid = case
+    results = pool.run(jobs_adapters.axolotl_plugin_step, P, model_type, True, GQA if model_type == "llama" else None,
+                       False, False, dict(backend="ring", load_balance="distflash"), FA2)
+    for r in results:
+        assert (r["backend"], r["ring_impl"], r["layout"], r["schedule"]) == (
+            "ring", "hf_kernels", "contiguous", "distflash"), r
+        assert r["collator_shards"] and r["presharded"], r
+    check(results, P, hybrid=hybrid)

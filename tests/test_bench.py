@@ -31,7 +31,8 @@ def test_bench_quick_prints_both_tables(pool, monkeypatch, capsys, tmp_path):
         assert f"{model:<15} {256:>6}  1 none" in out, out       # non-CP reference row
         assert f"{model:<15} {256:>6}  4 " in out, out            # CP at P=4
     for system in ("ringmaster ulysses", "ringmaster ring p2p", "ringmaster ring allgather",
-                   "torch context_parallel", "deepspeed ulysses", "yunchang ulysses", "baseline allgather+sdpa"):
+                   "ringmaster ring distflash", "torch context_parallel", "deepspeed ulysses", "yunchang ulysses",
+                   "baseline allgather+sdpa"):
         assert system in out
     assert "max rel err" in out and "vs rm best" in out
     assert (tmp_path / "cp_vs_noncp.csv").read_text().startswith("model,P,backend,seq")

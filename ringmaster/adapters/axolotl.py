@@ -51,7 +51,7 @@ if BaseModel is not None:
         ulysses_size: Optional[int] = Field(default=None, ge=1)
         ring_size: Optional[int] = Field(default=None, ge=1)
         rotate_method: Literal["alltoall", "allgather", "p2p"] = "alltoall"
-        load_balance: Literal["auto", "none", "head_tail"] = "auto"
+        load_balance: Literal["auto", "none", "head_tail", "distflash"] = "auto"
         ring_impl: Literal["auto", "math", "torch_native", "hf_kernels"] = "auto"
         recurrent: Literal["auto", "scan", "sequential"] = "auto"
         gather_outputs: bool = False

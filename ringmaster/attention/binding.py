@@ -19,10 +19,13 @@ class AttentionBinding:
     ring_group: Any = None
     ring_kernel: Any = None
     rotate: str = "alltoall"
+    schedule: str = "ring"             # Ring's block schedule: "ring" (the rotation loop) | "distflash"
     name: str = ""
     inner_kernel: Any = None           # a flash inner's resolved kernel (attention.flash_kernels.FlashKernel)
 
     def layouts(self) -> tuple[str, ...]:
-        """Shard layouts this attention is exact for: Ring plans with any layout the batch was cut
-        with; Ulysses (and USP's Ulysses stage) needs contiguous spans."""
-        return ("contiguous", "head_tail") if self.backend == "ring" else ("contiguous",)
+        """Shard layouts this attention is exact for: the Ring loop plans with any layout the batch
+        was cut with; the distflash schedule and Ulysses (and USP's Ulysses stage) need contiguous spans."""
+        if self.backend == "ring" and self.schedule != "distflash":
+            return ("contiguous", "head_tail")
+        return ("contiguous",)

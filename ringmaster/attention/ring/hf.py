@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ...sharding import balancers
 from ..binding import AttentionBinding
+from . import distflash
 from .loop import RingPlan, ring_attention
 
 
@@ -27,10 +28,16 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("ring attention does not implement logit soft-capping; use backend='ulysses'")
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    if binding.schedule == "distflash":
+        distflash.check_call(causal, kwargs.get("sliding_window"), cpb.seq_len)
+        plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
+                                       chunk=query.shape[2], docs=cpb.docs_on(query.device))
+        return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
+                                             scale=kwargs.get("scaling"), sinks=sinks)
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
-                    causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-                    window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device))
+                    causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device))
     return ring_attention(query, key, value, group, plan, binding.ring_kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks)
 

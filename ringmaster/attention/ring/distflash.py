@@ -1,0 +1,345 @@
+"""Ring attention on the contiguous layout with DistFlashAttn's balanced schedule.
+
+Each rank holds one contiguous span (so recurrent layers and packed rows see the sequence in
+order), and the causal work is balanced by *who computes which block*, not by the cut
+(:func:`ringmaster.sharding.balancers.distflash_schedule`): at every step each rank computes one
+block, either its own queries against an incoming K/V block, or, for a rank that would
+otherwise idle, a busier rank's queries against its own K/V, returning the partial
+``(out, lse)`` to the queries' owner, which merges it (fp32 LSE merge). Backward runs the same
+schedule: each block's backward gets the *merged* output and LSE (exact for every block kernel),
+dQ of a lent block travels back to the queries' owner, dK/dV of a fetched block back to the
+K/V's owner.
+
+Messages are point to point (``batch_isend_irecv``), the next step's inputs in flight while the
+current step computes, so a rank holds at most two foreign blocks: memory stays O(S/P).
+Causal attention only: a sliding window or non-causal attention is refused before any
+collective (use load_balance='none'). Packed rows: each block is masked by "same document";
+a block whose rows share no document is skipped by both its computer and its owners (every
+rank decides from the same global document ids). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...comm import diagnosed, timed_comm
+from ...sharding import balancers
+from .masks import BlockMask
+from .merge import acc_dtype, merge, merge_sink
+
+SKIP = "skip"
+# gloo matches p2p messages by (peer, tag): one tag per message kind keeps kinds apart
+CH_KV, CH_Q, CH_OUT, CH_DQ, CH_DKV = 10, 11, 12, 13, 14
+
+
+def _windowed(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
+    return bool(getattr(config, "sliding_window", None))
+
+
+def check_model(model, text_config, attention_paths) -> None:
+    """Refuse, at wire time, a model distflash cannot run exactly: sliding-window, chunked or
+    non-causal attention (the schedule covers the causal lower triangle only)."""
+    found = []
+    if _windowed(text_config):
+        found.append(f"{type(text_config).__name__} declares sliding-window/chunked attention layers")
+    modules = dict(model.named_modules())
+    for path in attention_paths:
+        module = modules[path]
+        if getattr(module, "sliding_window", None):
+            found.append(f"{path} ({type(module).__name__}) has sliding_window={module.sliding_window}")
+        elif getattr(module, "is_causal", True) is False:
+            found.append(f"{path} ({type(module).__name__}) is not causal")
+    if found:
+        raise ValueError(
+            f"load_balance='distflash' balances causal full attention only, but {found[0]}; use load_balance='none' "
+            "(or 'head_tail' without packed rows / recurrent layers)"
+        )
+
+
+def check_call(causal: bool, window: int | None, seq_len: int) -> None:
+    """The per-call guard (before any collective), for runtimes set up without ``rm.wire``."""
+    if not causal:
+        raise NotImplementedError("load_balance='distflash' schedules causal attention only, this layer is not "
+                                  "causal; use load_balance='none'")
+    if window is not None and window < seq_len:
+        raise NotImplementedError(
+            f"load_balance='distflash' does not support sliding windows (sliding_window={window} < sequence "
+            f"length {seq_len}); use load_balance='none'"
+        )
+
+
+@dataclass(frozen=True)
+class DistFlashPlan:
+    """This rank's place in the schedule, and the batch's document ids (packed rows)."""
+
+    size: int
+    rank: int
+    chunk: int                 # tokens per rank
+    docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
+
+    def steps(self):
+        return balancers.distflash_schedule(self.size)
+
+
+def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
+    """``active[s][r]``: whether rank ``r``'s task at step ``s`` has any visible key. Decided from
+    global facts only (schedule, chunk, document ids), so every rank agrees which messages exist."""
+    steps = plan.steps()
+    active = [[task.rows(plan.chunk)[1] > task.rows(plan.chunk)[0] for task in step] for step in steps]
+    if plan.docs is None:
+        return active
+    c, docs = plan.chunk, plan.docs
+    flat = [(s, r, task) for s, step in enumerate(steps) for r, task in enumerate(step) if active[s][r]]
+    if not flat:
+        return active
+    lo, hi = [], []  # ids are non-decreasing along a row: min/max of a span are its ends
+    for _, _, task in flat:
+        a, b = task.rows(c)
+        lo.append(torch.stack([docs[:, task.q * c + a], docs[:, task.kv * c]]))
+        hi.append(torch.stack([docs[:, task.q * c + b - 1], docs[:, task.kv * c + c - 1]]))
+    lo, hi = torch.stack(lo), torch.stack(hi)   # [n, 2 (q, kv), B]
+    disjoint = (hi[:, 1] < lo[:, 0]) | (lo[:, 1] > hi[:, 0])
+    keep = (~disjoint.all(-1)).tolist()
+    for (s, r, _), k in zip(flat, keep):
+        active[s][r] = bool(k)
+    return active
+
+
+def task_mask(plan: DistFlashPlan, task):
+    """The block kernel's mask for ``task``: None (every key visible) or a structured
+    :class:`.masks.BlockMask` (the causal band of a diagonal block, cut by documents for packed rows),
+    so each provider masks with its own kernel's means and nothing ``[rows, c]`` is built here."""
+    c = plan.chunk
+    a, b = task.rows(c)
+    # local i - j = global q - k - (q - kv) * c - a: the diagonal block keeps i - j >= -a; an earlier
+    # key chunk is wholly visible (its last key precedes the first query)
+    lo = -a if task.diagonal else None
+    if plan.docs is None:
+        return None if lo is None else BlockMask(b - a, c, lo=lo)
+    return BlockMask(b - a, c, lo=lo, q_docs=plan.docs[:, task.q * c + a:task.q * c + b],
+                     k_docs=plan.docs[:, task.kv * c:task.kv * c + c])
+
+
+class _Exchange:
+    """Point-to-point messages inside the CP group, posted as one batch, waited for later."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+
+    def post(self, sends, recvs, phase: str, tag: str):
+        """``sends``: ``[(group rank, tensor, channel)]``; ``recvs``: ``[(group rank, buffer, channel)]``.
+        Returns a pending handle (None when there is nothing to move)."""
+        if not sends and not recvs:
+            return None
+        ops = [dist.P2POp(dist.isend, t, self.ranks[peer], self.group, tag=ch) for peer, t, ch in sends]
+        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.group, tag=ch) for peer, buf, ch in recvs]
+        nbytes = sum(t.numel() * t.element_size() for _, t, _ in sends)
+        return [buf for _, buf, _ in recvs], dist.batch_isend_irecv(ops), (phase, nbytes, tag), sends
+
+    def wait(self, pending) -> list[torch.Tensor]:
+        if pending is None:
+            return []
+        bufs, works, (phase, nbytes, tag), _ = pending
+        with diagnosed("p2p", tag, self.group), timed_comm("p2p", phase, nbytes, tag):
+            for w in works:
+                w.wait()
+        return bufs
+
+
+def _rows(x: torch.Tensor, task, c: int) -> torch.Tensor:
+    a, b = task.rows(c)
+    return x[..., a:b, :] if x.dim() == 4 else x[..., a:b]
+
+
+def _inputs(plan, step, active, me, local: dict, like: dict):
+    """The sends and receives that bring step ``step``'s inputs to the ranks computing it.
+
+    ``local[kind](task)``: the tensor this rank sends for ``task`` (kind "kv" or "q");
+    ``like[kind](task)``: an empty buffer of the right shape to receive it."""
+    sends, recvs = [], []
+    for x, task in enumerate(step):
+        if x == me or not active[x]:
+            continue
+        if task.kv == me:
+            sends.append((x, local["kv"](task), CH_KV))
+        if task.q == me:
+            sends.append((x, local["q"](task), CH_Q))
+    task = step[me]
+    if active[me]:
+        if task.kv != me:
+            recvs.append((task.kv, like["kv"](task), CH_KV))
+        if task.q != me:
+            recvs.append((task.q, like["q"](task), CH_Q))
+    return sends, recvs
+
+
+def _received(task, me, bufs):
+    """Split what a step's receives delivered into (kv, q) (None for what is local)."""
+    bufs = list(bufs)
+    kv = bufs.pop(0) if task.kv != me else None
+    q = bufs.pop(0) if task.q != me else None
+    return kv, q
+
+
+class DistFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: DistFlashPlan, group, kernel, scale: float):
+        me, c = plan.rank, plan.chunk
+        steps, active = plan.steps(), active_tasks(plan)
+        ex = _Exchange(group)
+        kv = torch.stack([k, v]).contiguous()
+        acc = acc_dtype(q)
+        B, H, _, D = q.shape
+        out = q.new_zeros((B, H, c, D), dtype=acc)
+        lse = q.new_full((B, H, c), float("-inf"), dtype=acc)
+        local = {"kv": lambda task: kv, "q": lambda task: _rows(q, task, c).contiguous()}
+        like = {"kv": lambda task: torch.empty_like(kv), "q": lambda task: q.new_empty((B, H, _n(task, c), D))}
+
+        def absorb(homing, got):
+            for (_, task), part in zip(homing, got):
+                a, b = task.rows(c)
+                out[..., a:b, :], lse[..., a:b] = merge(out[..., a:b, :], lse[..., a:b], part[..., :D], part[..., D])
+
+        def post_inputs(s):
+            if s >= len(steps):
+                return None
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "forward", "ring_distflash_in")
+
+        pending_in, pending_out = post_inputs(0), None
+        for s, step in enumerate(steps):
+            nxt = post_inputs(s + 1)
+            got = ex.wait(pending_in)
+            task, sends = step[me], []
+            if active[s][me]:
+                kv_in, q_in = _received(task, me, got)
+                kv_t = kv if kv_in is None else kv_in
+                q_t = _rows(q, task, c) if q_in is None else q_in
+                o, l = kernel.forward(q_t, kv_t[0], kv_t[1], scale, task_mask(plan, task))
+                part = torch.cat([o.to(acc), l.to(acc).unsqueeze(-1)], -1)
+                if task.q == me:
+                    absorb([(me, task)], [part])
+                else:  # a lent block: its partial (out, lse) goes home as one [..., D + 1] message
+                    sends.append((task.q, part.contiguous(), CH_OUT))
+            homing = [(x, t) for x, t in enumerate(step) if x != me and active[s][x] and t.q == me]
+            recvs = [(x, q.new_empty((B, H, _n(t, c), D + 1), dtype=acc), CH_OUT) for x, t in homing]
+            posted = ex.post(sends, recvs, "forward", "ring_distflash_out")
+            if pending_out is not None:
+                absorb(pending_out[0], ex.wait(pending_out[1]))
+            pending_out, pending_in = (homing, posted), nxt
+        absorb(pending_out[0], ex.wait(pending_out[1]))
+        if sinks is not None:
+            out, lse = merge_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
+        ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active = (
+            sinks is not None, plan, group, kernel, scale, active)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        sinks = rest[0] if ctx.has_sinks else None
+        plan, group, kernel, scale, active = ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active
+        me, c = plan.rank, plan.chunk
+        steps = plan.steps()
+        ex = _Exchange(group)
+        acc = acc_dtype(q)
+        B, H, _, D = q.shape
+        dout = dout.contiguous()
+        kv = torch.stack([k, v]).contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        # a lent block needs the owner's queries, dO, merged output and LSE: one [.., 3D + 1] message
+        def owner_rows(task):
+            return torch.cat([_rows(q, task, c).to(acc), _rows(dout, task, c).to(acc), _rows(out, task, c),
+                              _rows(lse, task, c).unsqueeze(-1)], -1).contiguous()
+
+        local = {"kv": lambda task: kv, "q": owner_rows}
+        like = {"kv": lambda task: torch.empty_like(kv),
+                "q": lambda task: q.new_empty((B, H, _n(task, c), 3 * D + 1), dtype=acc)}
+
+        def add_dq(task, g):
+            a, b = task.rows(c)
+            dq[..., a:b, :] += g
+
+        def post_inputs(s):
+            if s >= len(steps):
+                return None
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "backward", "ring_distflash_in")
+
+        pending_in, pending_grads = post_inputs(0), None
+        for s, step in enumerate(steps):
+            nxt = post_inputs(s + 1)
+            got = ex.wait(pending_in)
+            task, sends = step[me], []
+            if active[s][me]:
+                kv_in, q_in = _received(task, me, got)
+                kv_t = kv if kv_in is None else kv_in
+                if q_in is None:
+                    q_t, do_t, o_t, l_t = (_rows(x, task, c) for x in (q, dout, out, lse))
+                else:
+                    q_t, do_t, o_t, l_t = (q_in[..., :D].to(q.dtype), q_in[..., D:2 * D].to(dout.dtype),
+                                           q_in[..., 2 * D:3 * D], q_in[..., 3 * D])
+                g_q, g_k, g_v = kernel.backward(do_t, q_t, kv_t[0], kv_t[1], o_t, l_t, scale,
+                                                task_mask(plan, task))
+                if task.q == me:
+                    add_dq(task, g_q.to(acc))
+                else:
+                    sends.append((task.q, g_q.to(acc).contiguous(), CH_DQ))
+                if task.kv == me:
+                    dkv[0].add_(g_k.to(acc))
+                    dkv[1].add_(g_v.to(acc))
+                else:
+                    sends.append((task.kv, torch.stack([g_k.to(acc), g_v.to(acc)]).contiguous(), CH_DKV))
+            homing = []
+            for x, t in enumerate(step):
+                if x == me or not active[s][x]:
+                    continue
+                if t.q == me:
+                    homing.append(("dq", t, (x, q.new_empty((B, H, _n(t, c), D), dtype=acc), CH_DQ)))
+                if t.kv == me:
+                    homing.append(("dkv", t, (x, torch.empty_like(dkv), CH_DKV)))
+            posted = ex.post(sends, [h[2] for h in homing], "backward", "ring_distflash_grads")
+            if pending_grads is not None:
+                _absorb_grads(pending_grads[0], ex.wait(pending_grads[1]), add_dq, dkv)
+            pending_grads = (homing, posted)
+            pending_in = nxt
+        _absorb_grads(pending_grads[0], ex.wait(pending_grads[1]), add_dq, dkv)
+        dsinks = None
+        if sinks is not None:
+            delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
+            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
+            dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
+
+
+def _absorb_grads(homing, got, add_dq, dkv):
+    for (kind, task, _), g in zip(homing, got):
+        if kind == "dq":
+            add_dq(task, g)
+        else:
+            dkv.add_(g)
+
+
+def _n(task, c: int) -> int:
+    a, b = task.rows(c)
+    return b - a
+
+
+def distflash_attention(q, k, v, group, plan: DistFlashPlan, kernel, scale: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact causal attention of this rank's contiguous span over the whole sequence.
+
+    q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` (rank r holds tokens ``[r S/P, (r+1) S/P)``);
+    returns ``[B, Hq, S/P, D]``. ``sinks`` (``[Hq]``) adds gpt-oss style attention sinks.
+    """
+    if q.shape[-2] != plan.chunk:
+        raise ValueError(f"distflash plan expects {plan.chunk} tokens per rank, got q of shape {tuple(q.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return DistFlashAttention.apply(q, k, v, sinks, plan, group, kernel, scale)
