@@ -12,7 +12,10 @@ CASES = {
     "causal": ("llama", LLAMA_GQA),
     "window": ("mistral", dict(sliding_window=16)),
     "packed": ("llama", LLAMA_GQA),
+    "sinks": ("gpt_oss", {}),  # per-head sink logits: the ring merges them after the last block
 }
+# the kernel a non-flash model (and every reference) runs: HF's sdpa has no sinks, eager has
+REFERENCE_ATTN = {"sinks": "eager"}
 
 
 def as_flash_model(model, name="flash_attention_2"):
@@ -24,9 +27,9 @@ def as_flash_model(model, name="flash_attention_2"):
             config._attn_implementation = name
 
 
-def _sdpa_reference(inner_forward):
+def _sdpa_reference(inner_forward, name="sdpa"):
     def forward(model, batch):
-        model.set_attn_implementation("sdpa")  # the deep-copied reference runs torch's own attention
+        model.set_attn_implementation(name)  # the deep-copied reference runs torch's own attention
         return inner_forward(model, batch)
     return forward
 
@@ -41,13 +44,13 @@ def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attent
     model_type, overrides = CASES[case]
     cfg = rm.RingmasterConfig(size=P, backend=backend, rotate_method=rotate, load_balance=layout,
                               ring_impl="aten" if kernel == "aten" else "auto", **split)
-    kwargs = dict(device_mesh=ctx.mesh(P), **overrides)
+    kwargs = dict(device_mesh=ctx.mesh(P), attn_implementation=REFERENCE_ATTN.get(case, "sdpa"), **overrides)
     reference = per_document_forward if case == "packed" else _plain_forward
     if case == "packed":
         kwargs["batch"] = packed_batch(128, DOC_LENS)
     if kernel == "hf_kernels":
         kwargs["prepare"] = lambda m: as_flash_model(m, flash_name)
-        reference = _sdpa_reference(reference)
+        reference = _sdpa_reference(reference, REFERENCE_ATTN.get(case, "sdpa"))
     return compare(model_type, cfg, reference_forward=reference, **kwargs)
 
 

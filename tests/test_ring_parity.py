@@ -71,7 +71,7 @@ def test_auto_backend_picks_ring_for_mqa_and_trains_exactly(pool):
 
 # -- every block-kernel provider at model level --------------------------------------------------
 
-KERNEL_CASES = list(itertools.product(["aten", "hf_kernels"], ["causal", "window", "packed"]))
+KERNEL_CASES = list(itertools.product(["aten", "hf_kernels"], ["causal", "window", "packed", "sinks"]))
 
 
 def _check_case(results, P, case):
@@ -87,7 +87,7 @@ def _check_case(results, P, case):
 @pytest.mark.parametrize("kernel, case", KERNEL_CASES, ids=[f"{k}-{c}" for k, c in KERNEL_CASES])
 def test_ring_kernel_provider_matches_single_device(pool, kernel, case, P):
     """aten and the hub flash kernels (the CPU stand-in, picked by AUTO for a flash_attention_2 model)
-    x causal / sliding window / packed x both rotations x both layouts."""
+    x causal / sliding window / packed / sinks (gpt_oss) x both rotations x both layouts."""
     for rotate, layout in itertools.product(["alltoall", "allgather"], ["none", "head_tail"]):
         results = pool.run(jobs_ring.kernel_parity, P, kernel, case, rotate, layout)
         try:
