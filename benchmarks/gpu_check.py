@@ -12,7 +12,8 @@ What it runs (every row is caught on its own: an error is a row that says so, ne
    Cases: Ulysses with sdpa, with torch's flash kernel (sdpa restricted to the flash backend) and
    with flex; Ring with torch's fused ops (ring_impl='aten': flash / memory-efficient attention,
    no math fallback) for both rotations and layouts, causal, sliding-window and packed rows; USP
-   2x2; and Ring / Ulysses with the hub flash kernels when `kernels` can load them.
+   2x2; and Ring / Ulysses with the flash kernels: the flash_attn packages when installed, the hub kernels
+   when `kernels` finds them in its local cache (rows say why when neither loads).
    The CP ranks are processes sharing the one GPU, over gloo with CUDA tensors (NCCL refuses two
    ranks on one GPU); NCCL itself runs at world=1 through the same wiring and shard code.
 2. **Peak memory and step time per rank** at 16k..128k tokens (doubling) for a ~1B-parameter
@@ -52,8 +53,11 @@ QUICK_HYBRID = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_h
                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=1 << 12)
 
-HUB_KERNELS = ("kernels-community/flash-attn2", "kernels-community/flash-attn3", "kernels-community/flash-attn4",
-               "kernels-community/vllm-flash-attn3")
+# flash names ringmaster resolves itself (attention.flash_kernels): the installed flash_attn /
+# flash_attn_interface package, else the hub through `kernels` (a hub repo must be in the local cache:
+# the GPU machine reaches no network)
+FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2",
+                 "kernels-community/flash-attn3", "kernels-community/flash-attn4", "kernels-community/vllm-flash-attn3")
 
 
 def parity_cases(P: int, quick: bool) -> list[dict]:
@@ -80,8 +84,8 @@ def parity_cases(P: int, quick: bool) -> list[dict]:
         dict(name="ring aten distflash", cfg=dict(backend="ring", ring_impl="aten", load_balance="distflash"),
              inner="sdpa", batch="causal"),
     ]
-    for repo in HUB_KERNELS[:1 if quick else None]:
-        short = repo.split("/")[1]
+    for repo in FLASH_KERNELS[2:3] if quick else FLASH_KERNELS:
+        short = repo.split("/")[-1]
         rows.append(dict(name=f"ulysses {short}", cfg=dict(backend="ulysses"), inner=repo, batch="packed"))
         rows.append(dict(name=f"ring {short}", cfg=dict(backend="ring", ring_impl="hf_kernels"), inner=repo,
                          batch="causal"))
@@ -207,8 +211,8 @@ def parity_job(rank, world, device, cases, quick):
             model = copy.deepcopy(base).to(torch.bfloat16)
             del base
             cfg = rm.RingmasterConfig(size=world, **case["cfg"])
-            if inner != build_inner:  # a hub kernel: transformers loads it (kernels installed, repo cached)
-                model.set_attn_implementation(inner)
+            if inner != build_inner:  # a flash kernel: ringmaster resolves and calls it itself, so the name
+                _name_attention(model, inner)  # is set as from_pretrained(attn_implementation=...) sets it
             runtime = rm.wire(model, cfg)
             try:
                 ctx = torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, case["sdpa_backend"])) \
@@ -241,6 +245,13 @@ def parity_job(rank, world, device, cases, quick):
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _name_attention(model, name):
+    for module in [model, *model.modules()]:
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
 
 
 class _null:
@@ -383,6 +394,10 @@ def main(argv=None) -> int:
         return 2
     start = time.time()
     device = args.device
+    if device == "cpu":  # the plumbing run: hub flash names resolve to ringmaster's CPU stand-in (never on GPU)
+        from ringmaster.testing.flash_standin import local_kernels
+
+        os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
     header = [f"# GPU check ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
               f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'})", ""]
     print("\n".join(header), flush=True)
