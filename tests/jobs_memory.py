@@ -78,7 +78,12 @@ def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa",
     from ringmaster.testing.parity import tiny_model
 
     model_type, overrides = MODELS[kind]
-    model = tiny_model(model_type, "eager" if model_type == "gpt_oss" else attn, **overrides)
+    flash = "/" in attn  # a hub flash kernel (the CPU stand-in): built with sdpa, then named as from_pretrained does
+    model = tiny_model(model_type, "eager" if model_type == "gpt_oss" else "sdpa" if flash else attn, **overrides)
+    if flash:
+        from jobs_ring import as_flash_model
+
+        as_flash_model(model, attn)
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     rm.wire(model, cfg, device_mesh=ctx.mesh(P))
     vocab = model.config.vocab_size

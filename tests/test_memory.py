@@ -37,6 +37,10 @@ for kind in ("causal", "window", "packed", "padded"):  # flex has no CPU backwar
 for rotate in ("alltoall", "allgather"):
     for kind in ("causal", "window", "packed", "padded", "sinks"):
         ROWS.append((f"ring-{rotate}-{kind}", "ring", 2, kind, dict(rotate_method=rotate), "sdpa", True, SIZES))
+for kind in ("causal", "window", "packed", "padded"):  # the hub flash path (CPU stand-in: tiled like the kernel)
+    ROWS.append((f"ulysses-hubflash-{kind}", "ulysses", 2, kind, {}, "kernels-community/flash-attn2", True, SIZES))
+for kind in ("causal", "packed", "padded"):  # distflash refuses windows
+    ROWS.append((f"ring-distflash-{kind}", "ring", 2, kind, dict(load_balance="distflash"), "sdpa", True, SIZES))
 for kind in ("causal", "window", "packed", "padded", "sinks"):  # u=2 x r=2 needs the pool's 4 ranks
     ROWS.append((f"usp-u2r2-{kind}", "usp", 4, kind, dict(ulysses_size=2, ring_size=2), "sdpa", True, SIZES))
 
