@@ -96,8 +96,10 @@ def test_ring_kernel_provider_matches_single_device(pool, kernel, case, P):
             raise AssertionError(f"rotate={rotate} load_balance={layout}: {exc}") from exc
 
 
-@pytest.mark.parametrize("flash_name", ["flash_attention_3", "kernels-community/vllm-flash-attn3"])
-def test_ring_fa3_hub_kernels_match_single_device(pool, flash_name):
+@pytest.mark.parametrize("flash_name", ["flash_attention_3", "kernels-community/vllm-flash-attn3", "flash_attention_4"])
+def test_ring_fa3_fa4_hub_kernels_match_single_device(pool, flash_name):
+    """FA3's and FA4's low-level functions (``_flash_attn_forward``/``_flash_attn_fwd``, their backward) on
+    the stand-ins: argument names, returns and LSE conventions differ from FA2's."""
     results = pool.run(jobs_ring.kernel_parity, 2, "hf_kernels", "window", "alltoall", "none", flash_name)
     _check_ring(results, 2)
 
