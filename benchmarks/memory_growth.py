@@ -25,6 +25,10 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated row ids (default: every row)")
     args = parser.parse_args()
 
+    from ringmaster.testing.flash_standin import local_kernels
+
+    # the hub flash rows run ringmaster's CPU stand-in (a CPU benchmark: never the real kernel)
+    os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
     import jobs_memory
     import test_memory
 
