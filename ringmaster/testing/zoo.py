@@ -1,0 +1,388 @@
+"""The transformers model zoo: every decoder-only causal-LM family of the installed transformers,
+shrunk to a tiny random config, run through CP parity and classified.
+
+Why a zoo: the registry (and, once it lands, the generic path) claims "exact or refused" for any
+HF decoder; the only way to keep that claim true as transformers adds families is to run all of
+them. The family list comes from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (nothing hand-listed), each
+default config is shrunk generically by :func:`tiny_config` (per-family overrides are data:
+:data:`parity.TINY` and :data:`FAMILY_OVERRIDES`), and every family gets one of:
+
+- ``exact``: loss, gathered logits and every parameter gradient (each against its own norm) match
+  the same model without CP (float64, tolerance :data:`TOL`);
+- ``refused``: ringmaster raised a clean error (from its own code, before the CP step completed)
+  whose message is the reason;
+- ``WRONG``: CP ran and differs (the defect the zoo exists to catch);
+- ``crash``: CP raised something that is not a clean refusal (an error from inside a model);
+- ``hang``: the pool timed out (found by :func:`sweep`).
+
+Families whose tiny model cannot even run without CP are not scored (``excluded`` with the error),
+nor are encoder-decoder families (``ForCausalLM`` heads of seq2seq models).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# float64 parity: fp32 cancellation in small gradients must not read as WRONG (nor hide a real error)
+TOL = 1e-6
+
+# generic shrink: applied to every config key that exists in the family's default config
+SHRINK: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=128, ffn_hidden_size=128, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, moe_shared_expert_intermediate_size=32, shared_intermediate_size=32,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    moe_topk=2, top_k=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    sliding_window=16, attention_chunk_size=16, max_position_embeddings=1024, max_window_layers=1,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=12,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12,
+    mamba_d_ssm=128, state_size=16, time_step_rank=8, expand=2, conv_kernel=4,
+    tie_word_embeddings=False, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    router_jitter_noise=0.0,
+)
+
+# a tiny model bigger than this is a config the generic shrink missed (blt's hash embeddings)
+MAX_PARAMS = 3_000_000
+
+# per-family fixes where the generic shrink is not a valid config (data, not code)
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "glm4_moe_lite": dict(head_dim=16),
+}
+
+# families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
+CASES: tuple[tuple[str, int], ...] = (("ulysses", 2), ("ring", 2), ("ulysses", 4), ("ring", 4))
+
+
+def causal_lm_families() -> list[str]:
+    """Every ``model_type`` of the installed transformers with a causal-LM head, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _layer_indices(d: dict[str, Any], n_layers: int) -> list[int]:
+    """Which layers of the default config to keep: the first layer of each distinct combination of the
+    per-layer lists (``layer_types``, ``mlp_layer_types``, hybrid pattern strings), at least two, at most 4."""
+    per_layer = [v for k, v in d.items() if isinstance(v, (list, str)) and len(v) == n_layers and n_layers > 1
+                 and k not in ("architectures",)]
+    if not per_layer:
+        return [0, 1]
+    first: dict[tuple, int] = {}
+    for i in range(n_layers):
+        first.setdefault(tuple(str(v[i]) for v in per_layer), i)
+    keep = sorted(first.values())[:4]
+    if len(keep) < 2:
+        keep = [keep[0], keep[0] + 1]
+    return keep
+
+
+def _shrink_dict(d: dict[str, Any], attribute_map: dict[str, str] | None = None) -> dict[str, Any]:
+    """The generic shrink of one (sub)config dict: known size keys (also under the family's own
+    names, ``attribute_map``: gpt2's ``n_embd``), every dropout to 0, per-layer lists cut to one layer
+    of each kind, and nested sub-configs shrunk the same way."""
+    out: dict[str, Any] = {}
+    alias = {v: k for k, v in (attribute_map or {}).items()}
+    for key, value in d.items():
+        generic = alias.get(key, key)
+        if generic in SHRINK and not isinstance(value, (dict, list)):
+            if value is None and generic != "head_dim":  # None is "off" (no sliding window, no q LoRA)
+                continue
+            out[key] = SHRINK[generic]
+        elif isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop") or key.endswith("_prob")):
+            out[key] = 0.0
+        elif isinstance(value, dict) and ("model_type" in value or "hidden_size" in value):
+            out[key] = {**value, **_shrink_dict(value)}
+        elif isinstance(value, int) and not isinstance(value, bool) and value > 4096 and "vocab" in key:
+            out[key] = 128
+    layer_key = next((k for k in d if alias.get(k, k) == "num_hidden_layers"), "num_hidden_layers")
+    n_layers = d.get(layer_key)
+    if isinstance(n_layers, int):
+        keep = _layer_indices(d, n_layers)
+        for key, value in d.items():
+            if isinstance(value, list) and len(value) == n_layers and n_layers > 1:
+                out[key] = [value[i] for i in keep]
+            elif isinstance(value, str) and len(value) == n_layers and n_layers > 1:
+                out[key] = "".join(value[i] for i in keep)
+        out[layer_key] = len(keep)
+    if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: head_dim is the rotary part
+        out["head_dim"] = SHRINK["qk_rope_head_dim"]
+    return out
+
+
+def tiny_config(model_type: str, base=None, **overrides):
+    """A tiny config of ``model_type`` (or of ``base``, a config loaded from a checkpoint): the
+    generic shrink, then :data:`parity.TINY` / :data:`FAMILY_OVERRIDES`, then ``overrides``."""
+    from transformers import AutoConfig
+
+    from .parity import TINY
+
+    if base is None:
+        base = AutoConfig.for_model(model_type)
+    model_type = base.model_type
+    d = base.to_dict()
+    kwargs = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")
+              and not k.startswith("_")}
+    kwargs.update(_shrink_dict(d, getattr(base, "attribute_map", None)))
+    kwargs.update(TINY.get(model_type, {}))
+    kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
+    kwargs.update(overrides)
+    if "is_decoder" in d:
+        kwargs["is_decoder"] = True
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def is_encoder_decoder(model_type: str) -> bool:
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.for_model(model_type), "is_encoder_decoder", False))
+
+
+def build_tiny(model_type: str, config=None, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """The tiny random causal LM (fp32 init, then cast): SDPA where the family has it, else eager."""
+    from transformers import AutoModelForCausalLM
+
+    config = config if config is not None else tiny_config(model_type)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"the shrunk config still has {n / 1e6:.1f}M parameters (limit {MAX_PARAMS / 1e6:.0f}M): "
+                         f"add a per-family override to FAMILY_OVERRIDES")
+    last = None
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
+                                                     dtype=torch.float32)
+        except ValueError as e:  # the family has no SDPA path
+            last = e
+            continue
+        try:
+            model.set_experts_implementation("eager")  # grouped_mm has no float64
+        except Exception:  # noqa: BLE001 - a model without experts has nothing to set
+            pass
+        return model.to(dtype).train()
+    raise last
+
+
+def zoo_batch(vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
+    from .parity import tiny_batch
+
+    return tiny_batch(vocab, seq_len, seed=1)
+
+
+def reference_step(model, batch) -> None:
+    """One forward+backward without CP: a family whose tiny model fails here is not scored."""
+    from .parity import keep_fp64
+
+    with keep_fp64():
+        out = model(**batch, use_cache=False)
+        if out.loss is None or not torch.isfinite(out.loss):
+            raise RuntimeError(f"loss is {out.loss}")
+        out.loss.backward()
+
+
+def _ringmaster_frame(tb) -> bool:
+    """Was the exception raised by ringmaster's own code (a clean refusal), not inside a model?"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return False
+    last = os.path.abspath(frames[-1].filename)
+    return last.startswith(root + os.sep) and os.sep + "testing" + os.sep not in last[len(root):]
+
+
+def short(message: str, limit: int = 300) -> str:
+    line = " ".join(str(message).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def classify_error(exc: BaseException) -> tuple[str, str]:
+    """``("refused", reason)`` for a clean ringmaster refusal, else ``("crash", type: message)``."""
+    from ringmaster.errors import UnsupportedLayerError
+
+    msg = short(str(exc))
+    if isinstance(exc, UnsupportedLayerError) or (
+            isinstance(exc, (ValueError, NotImplementedError, RuntimeError, TypeError))
+            and _ringmaster_frame(exc.__traceback__) and msg):
+        return "refused", msg
+    return "crash", f"{type(exc).__name__}: {msg}"
+
+
+def parity_case(ctx, model_type: str, base, batch, backend: str, P: int) -> dict[str, Any]:
+    """One CP parity run of the prebuilt ``base`` model; never raises (the verdict says what happened)."""
+    import ringmaster as rm
+
+    from .parity import compare
+
+    cfg = rm.RingmasterConfig(size=P, backend=backend)
+    try:
+        r = compare(model_type, cfg, device_mesh=ctx.mesh(P), batch=batch, fp64=True,
+                    build=lambda *a, **k: copy.deepcopy(base))
+    except Exception as e:  # noqa: BLE001 - every outcome is recorded, none escapes
+        verdict, reason = classify_error(e)
+        try:
+            rm.teardown()
+        except Exception:  # noqa: BLE001
+            pass
+        return {"verdict": verdict, "reason": reason}
+    errs = {"loss": r["loss_err"], "logits": r["logits_err"], "grad": r["grad_err"]}
+    bad = [k for k, v in errs.items() if not v <= TOL]
+    if r["missing_grads"]:
+        bad.append(f"missing grads {r['missing_grads'][:3]}")
+    reason = "" if not bad else (f"{', '.join(bad)} over {TOL:g}: loss {r['loss_err']:.1e}, logits "
+                                 f"{r['logits_err']:.1e}, worst grad {r['grad_err']:.1e} ({r['worst_param']})")
+    return {"verdict": "WRONG" if bad else "exact", "reason": reason,
+            "errs": errs, "worst_param": r["worst_param"], "attention_layers": r["attention_layers"],
+            "recurrent_layers": r["recurrent_layers"]}
+
+
+def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: dict | None = None):
+    """Run on every pool rank: each family's scoring step, then each (backend, P) parity case.
+    ``configs`` maps a family to a config to use instead of :func:`tiny_config` (``ringmaster check``)."""
+    out = {}
+    for model_type in families:
+        row: dict[str, Any] = {"family": model_type}
+        try:
+            if configs is None and is_encoder_decoder(model_type):
+                row.update(status="excluded", reason="encoder-decoder family")
+                out[model_type] = row
+                continue
+            config = (configs or {}).get(model_type) or tiny_config(model_type)
+            base = build_tiny(model_type, config)
+            batch = zoo_batch(base.config.get_text_config().vocab_size, seq_len)
+            reference_step(copy.deepcopy(base), batch)
+        except Exception as e:  # noqa: BLE001 - a family whose tiny model does not run is listed, not scored
+            row.update(status="excluded", reason=f"tiny model does not run without CP: {type(e).__name__}: "
+                                                 f"{short(str(e), 160)}")
+            out[model_type] = row
+            continue
+        row["status"] = "scored"
+        row["attn_implementation"] = base.config._attn_implementation
+        row["layer_kinds"] = layer_kinds(base)
+        for backend, P in cases:
+            if P > ctx.world:
+                continue
+            row[f"{backend}{P}"] = parity_case(ctx, model_type, base, batch, backend, P)
+        out[model_type] = row
+    return out
+
+
+def layer_kinds(model) -> list[str]:
+    """The module classes that mix tokens or carry positions: what a verdict is about."""
+    kinds = []
+    for _, module in model.named_modules():
+        name = type(module).__name__
+        if any(s in name for s in ("Attention", "Mixer", "Mamba", "DeltaNet", "Conv", "Rotary", "Embedding",
+                                   "Recurrent", "Lstm", "LSTM", "Moe", "MoE", "Experts", "Router")):
+            if name not in kinds and not name.endswith("ForCausalLM"):
+                kinds.append(name)
+    return kinds
+
+
+class RestartingPool:
+    """A pool that replaces its :class:`LocalPool` after a timeout or a rank failure (the session
+    ``pool`` fixture does the same), so one hung family does not lose the rest of the sweep."""
+
+    def __init__(self, world: int = 4, timeout: float = 240.0):
+        self.world, self.timeout, self._pool = world, timeout, None
+
+    def run(self, fn, *args, **kwargs):
+        from .pool import LocalPool
+
+        if self._pool is None or self._pool.broken:
+            self._pool = LocalPool(self.world, timeout=self.timeout, grace=15)
+        return self._pool.run(fn, *args, **kwargs)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close(force=self._pool.broken)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class SweepResult:
+    rows: dict[str, dict[str, Any]]
+    seconds: float
+
+
+def sweep(pool, families: list[str] | None = None, cases=CASES, seq_len: int = 32, batch_size: int = 24,
+          progress=None) -> SweepResult:
+    """Run the zoo in ``pool`` (4 ranks), ``batch_size`` families per ``pool.run``. A batch that times
+    out is rerun family by family; the family that times out alone is a ``hang`` (its case verdicts
+    unknown), one that raises on a rank (not caught by the job) a ``crash``."""
+    import time
+
+    families = causal_lm_families() if families is None else list(families)
+    start = time.monotonic()
+    rows: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(families), batch_size):
+        chunk = families[i:i + batch_size]
+        rows.update(_run_chunk(pool, chunk, cases, seq_len))
+        if progress:
+            progress(i + len(chunk), len(families))
+    return SweepResult(rows, time.monotonic() - start)
+
+
+def _run_chunk(pool, chunk, cases, seq_len):
+    try:
+        return _merge_ranks(pool.run(zoo_job, chunk, cases, seq_len))
+    except Exception as e:  # noqa: BLE001 - find the family that hung or broke the pool
+        if len(chunk) > 1:
+            out = {}
+            for family in chunk:
+                out.update(_run_chunk(pool, [family], cases, seq_len))
+            return out
+        verdict = "hang" if isinstance(e, TimeoutError) else "crash"
+        family = chunk[0]
+        return {family: {"family": family, "status": "scored", "layer_kinds": [],
+                         **{f"{b}{P}": {"verdict": verdict, "reason": "the pool did not finish this family"}
+                            for b, P in cases}}}
+
+
+def _merge_ranks(results: list[dict]) -> dict:
+    """Rank 0's rows; a case whose verdict differs across ranks is a crash (ranks must agree)."""
+    rows = results[0]
+    for family, row in rows.items():
+        for key, case in row.items():
+            if isinstance(case, dict) and "verdict" in case:
+                verdicts = {r[family][key]["verdict"] for r in results if key in r.get(family, {})}
+                if len(verdicts) > 1:
+                    case.update(verdict="crash", reason=f"ranks disagree: {sorted(verdicts)}; {case['reason']}")
+    return rows
+
+
+def summary(rows: dict[str, dict[str, Any]], cases=CASES) -> dict[str, Any]:
+    """Counts: scored, excluded, and per case exact / refused / WRONG / crash / hang."""
+    scored = [f for f, r in rows.items() if r["status"] == "scored"]
+    out: dict[str, Any] = {"families": len(rows), "scored": len(scored),
+                           "excluded": len(rows) - len(scored)}
+    for b, P in cases:
+        key = f"{b}{P}"
+        counts: dict[str, int] = {}
+        for f in scored:
+            v = rows[f].get(key, {}).get("verdict")
+            if v:
+                counts[v] = counts.get(v, 0) + 1
+        out[key] = counts
+    return out
+
+
+def refusal_names_something(row: dict[str, Any], reason: str) -> bool:
+    """A refusal must name the layer or feature: the family, one of its module classes, or a config key."""
+    words = [row["family"], *row.get("layer_kinds", [])]
+    return any(w and w in reason for w in words) or any(
+        k in reason for k in ("model_type", "attn_implementation", "layer", "attention", "Attention",
+                              "position", "module", "feature"))
