@@ -1,0 +1,77 @@
+"""The transformers model zoo: every causal-LM family of the installed transformers, shrunk to a
+tiny random config, is exact under CP or refused with a reason; never wrong, never a hang.
+
+One sweep (ringmaster/testing/zoo.py) in the session pool, shared by the tests of this module;
+the committed coverage table in docs/models.md (tools/zoo_table.py) is the expected result, so a
+family that the table says is exact and is not any more fails here, and so does a new family or
+a changed verdict (regenerate the table and review the diff).
+"""
+
+import os
+import sys
+
+import pytest
+
+from ringmaster.testing import zoo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import zoo_table  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def swept(pool):
+    return zoo.sweep(pool)
+
+
+def _cases(rows):
+    for family, row in sorted(rows.items()):
+        if row["status"] == "scored":
+            for b, P in zoo.CASES:
+                key = f"{b}{P}"
+                if key in row:
+                    yield family, key, row[key]
+
+
+def test_never_wrong_never_a_hang(swept):
+    bad = [(f, k, c["verdict"], c["reason"]) for f, k, c in _cases(swept.rows) if c["verdict"] in ("WRONG", "hang")]
+    assert not bad, bad
+
+
+def test_every_refusal_names_the_layer_or_feature(swept):
+    vague = [(f, k, c["reason"]) for f, k, c in _cases(swept.rows)
+             if c["verdict"] == "refused" and not zoo.refusal_names_something(swept.rows[f], c["reason"])]
+    assert not vague, vague
+
+
+def test_exact_fraction_and_table_match(swept):
+    s = zoo.summary(swept.rows)
+    print(f"\nzoo: {s} in {swept.seconds:.0f}s")
+    for b, P in zoo.CASES:
+        counts = s[f"{b}{P}"]
+        print(f"{b} P={P}: exact {counts.get('exact', 0)}/{s['scored']} "
+              f"({counts.get('exact', 0) / max(s['scored'], 1):.0%})")
+    committed = zoo_table.parse(open(zoo_table.DOC).read())
+    fresh = zoo_table.verdicts(swept.rows)
+    lost = sorted((f, k) for f, row in committed.items() for k, v in row.items()
+                  if v == "exact" and fresh.get(f, {}).get(k) != "exact")
+    assert not lost, f"the coverage table says these are exact and they are not now: {lost}"
+    diff = {f: (committed.get(f), fresh.get(f)) for f in set(committed) | set(fresh) if committed.get(f) != fresh.get(f)}
+    assert not diff, f"docs/models.md's zoo table differs from this run; run python tools/zoo_table.py: {diff}"
+
+
+def test_families_come_from_transformers_and_encoder_decoders_are_excluded():
+    families = zoo.causal_lm_families()
+    assert len(families) > 150 and "llama" in families and "phi3" in families
+    assert zoo.is_encoder_decoder("bart") and not zoo.is_encoder_decoder("llama")
+
+
+def test_tiny_config_is_generic_and_small():
+    for family in ("phi3", "mixtral", "gpt2", "deepseek_v3", "gemma2"):
+        config = zoo.tiny_config(family)
+        text = config.get_text_config()
+        assert text.hidden_size == 64 and text.num_hidden_layers <= 4 and text.vocab_size == 128, family
+    assert zoo.tiny_config("mixtral").num_local_experts == 4
+    # one layer of each kind: gemma3_text's 5 sliding + 1 full layers become sliding, full
+    assert zoo.tiny_config("gemma3_text").layer_types == ["sliding_attention", "full_attention"]
