@@ -1,5 +1,6 @@
 """``ringmaster`` command line: ``demo`` runs CP on local CPU gloo ranks against a tiny model,
-``plan`` prints the cost of each split, ``bench`` runs a short version of the benchmarks."""
+``plan`` prints the cost of each split, ``bench`` runs a short version of the benchmarks,
+``check`` answers "will CP be exact for my model?" from its config alone."""
 
 from __future__ import annotations
 
@@ -72,6 +73,120 @@ def bench(args) -> int:
     return 0
 
 
+def _load_config(target: str):
+    """A config from a ``config.json`` path, a model directory holding one, or a ``model_type``
+    (read by the family's own config class: transformers' JSON has its own encoding of inf)."""
+    import json
+    import os
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if os.path.isdir(target):
+        target = os.path.join(target, "config.json")
+    if os.path.isfile(target):
+        with open(target) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise SystemExit(f"ringmaster check: {target} has model_type {model_type!r}, which transformers "
+                             "does not know")
+        return CONFIG_MAPPING[model_type].from_json_file(target)
+    return AutoConfig.for_model(target)
+
+
+def _check_cases(sizes: list[int]) -> list[tuple[str, int]]:
+    cases = []
+    for P in sizes:
+        cases += [("ulysses", P), ("ring", P)] + ([("usp", P)] if P >= 4 and P % 2 == 0 else [])
+    return cases
+
+
+def _per_kind(row: dict, keys: list[str]) -> dict[str, dict[str, str]]:
+    """Per layer kind and case: exact when the whole model is, refused for the kinds a refusal
+    names (every kind when it names none: a model-wide refusal), '-' for kinds it did not reach."""
+    kinds = row.get("layer_kinds") or ["(model)"]
+    out = {k: {} for k in kinds}
+    for key in keys:
+        case = row[key]
+        named = [k for k in kinds if k in case.get("reason", "")]
+        for k in kinds:
+            if case["verdict"] == "refused":
+                out[k][key] = "refused" if (k in named or not named) else "-"
+            else:
+                out[k][key] = case["verdict"]
+    return out
+
+
+def run_check(pool, base, sizes: list[int], seq: int = 32, target: str = "") -> dict:
+    """``ringmaster check``'s work, in a pool of ``max(sizes)`` (or more) ranks: the tiny model of
+    ``base``'s architecture, one parity case per backend and size. Returns the JSON-able result
+    (``rc``: 0 some backend exact, 2 every backend refused or the tiny model does not run, 1 wrong,
+    crash or hang)."""
+    from .testing.zoo import _merge_ranks, tiny_config, zoo_job
+
+    start = time.perf_counter()
+    model_type = base.model_type
+    config = tiny_config(model_type, base=base)
+    cases = _check_cases(sizes)
+    try:
+        row = _merge_ranks(pool.run(zoo_job, [model_type], cases, seq, configs={model_type: config}))[model_type]
+    except TimeoutError as e:
+        row = {"family": model_type, "status": "scored", "layer_kinds": [],
+               **{f"{b}{P}": {"verdict": "hang", "reason": str(e).splitlines()[0]} for b, P in cases}}
+    keys = [f"{b}{P}" for b, P in cases]
+    size_of = {f"{b}{P}": P for b, P in cases}
+    result = {"target": target or model_type, "model_type": model_type, "sizes": sizes}
+    if row["status"] != "scored":
+        result.update(status="not run", reason=row["reason"], best_backend=None, rc=2)
+    else:
+        exact = [k for k in keys if row[k]["verdict"] == "exact"]
+        # the largest exact P first, then the fewest bytes per rank
+        best = min(exact, key=lambda k: (-size_of[k], row[k].get("bytes_sent", 0))) if exact else None
+        bad = [k for k in keys if row[k]["verdict"] in ("WRONG", "crash", "hang")]
+        result.update(status="run", attn_implementation=row.get("attn_implementation"),
+                      layer_kinds=_per_kind(row, keys),
+                      cases={k: {kk: v for kk, v in row[k].items() if kk in ("verdict", "reason", "errs", "bytes_sent")}
+                             for k in keys},
+                      best_backend=best, rc=1 if bad else (0 if exact else 2))
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def check(args) -> int:
+    from .testing.zoo import RestartingPool
+
+    sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
+    if not sizes or min(sizes) < 2:
+        raise SystemExit(f"ringmaster check: --sizes {args.sizes!r} must list CP degrees >= 2, e.g. 2,4")
+    base = _load_config(args.target)
+    with RestartingPool(max(sizes), timeout=args.timeout) as pool:
+        result = run_check(pool, base, sizes, args.seq, args.target)
+    rc = result["rc"]
+    if args.json:
+        import json
+
+        print(json.dumps(result, indent=2, default=str))
+        return rc
+    print(f"ringmaster check: {result['model_type']} ({args.target}), tiny random model, {max(sizes)} CPU gloo "
+          f"ranks, {args.seq} tokens, float64 parity ({result['seconds']:.0f}s)")
+    if result["status"] != "run":
+        print(f"not run: {result['reason']}")
+        return rc
+    keys = list(result["cases"])
+    width = max(len(k) for k in result["layer_kinds"]) + 2
+    print("\n" + "layer kind".ljust(width) + "".join(k.ljust(10) for k in keys))
+    for kind, cells in result["layer_kinds"].items():
+        print(kind.ljust(width) + "".join(cells[k].ljust(10) for k in keys))
+    print()
+    for k in keys:
+        c = result["cases"][k]
+        detail = (f"loss {c['errs']['loss']:.1e}, logits {c['errs']['logits']:.1e}, worst grad {c['errs']['grad']:.1e}"
+                  if "errs" in c else c["reason"])
+        print(f"{k:<10} {c['verdict']:<8} {detail}")
+    print(f"\nbest backend: {result['best_backend'] or 'none (every backend refused or failed)'}")
+    return rc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringmaster",
@@ -130,6 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for cp_vs_noncp.csv/.png and peers.csv")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=bench)
+
+    p = sub.add_parser(
+        "check",
+        help="will CP be exact for my model? tiny random model of its architecture, parity per backend",
+        description="Build the tiny random model of an architecture (from a config.json, a model directory or a "
+                    "model_type, shrunk as the model zoo does), run CP parity (loss, gathered logits, every "
+                    "gradient; float64) on CPU gloo ranks for Ulysses, Ring and USP (where P allows) and print, "
+                    "per layer kind, exact or refused with the reason, and the best backend. Exit status: 0 some "
+                    "backend exact, 2 every backend refused, 1 something wrong, crashed or hung.",
+    )
+    p.add_argument("target", help="config.json, a model directory, or a model_type (e.g. phi3)")
+    p.add_argument("--sizes", default="2,4", help="CP degrees to check (default 2,4)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length in tokens (default 32)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank is killed")
+    p.set_defaults(func=check)
     return parser
 
 

@@ -241,7 +241,7 @@ def parity_case(ctx, model_type: str, base, batch, backend: str, P: int) -> dict
                                  f"{r['logits_err']:.1e}, worst grad {r['grad_err']:.1e} ({r['worst_param']})")
     return {"verdict": "WRONG" if bad else "exact", "reason": reason,
             "errs": errs, "worst_param": r["worst_param"], "attention_layers": r["attention_layers"],
-            "recurrent_layers": r["recurrent_layers"]}
+            "recurrent_layers": r["recurrent_layers"], "bytes_sent": r["bytes_sent"]}
 
 
 def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: dict | None = None):
