@@ -6,7 +6,7 @@ where ``rm.wire`` swaps in the CP function; ``_supports_attention_backend`` is n
 transformers 5.24: bamba, jamba, biogpt dispatch without it), (2) no layer carries state along
 the sequence (:mod:`.classify` fails closed), and (3) nothing else depends on where a token
 sits in the *local* shard: learned absolute position embeddings, convolutions over the
-sequence, per-sequence MoE statistics (:func:`cp_hazards`). The spec (attention classes, the
+sequence, per-sequence MoE statistics, dropout (:func:`cp_hazards`). The spec (attention classes, the
 config's head attributes) is derived from the model itself.
 
 A registered spec wins over the generic path (hybrids, VLMs, overrides), and a registered spec
@@ -117,6 +117,21 @@ def get_architecture(model_or_config) -> ArchitectureSpec:
     raise unknown_family(model_or_config)
 
 
+_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate)")
+
+
+def _dropout_hazards(config) -> list[str]:
+    out = []
+    for name, value in sorted(vars(config).items()):
+        if _DROPOUT.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out.append(
+                f"config.{name}={value}: dropout under CP draws each rank's mask from the same random stream, so "
+                "the shards reuse one mask pattern for different positions (and heads, under Ulysses) and training "
+                f"is not the single-device run. Set {name}=0.0 for CP training (seed_oss ships residual_dropout="
+                "0.1: its whole-gradient error was 0.56 at P=2 until refused)")
+    return out
+
+
 def _config_hazards(config) -> list[str]:
     out = []
     if getattr(config, "output_router_logits", False):
@@ -136,11 +151,13 @@ def _config_hazards(config) -> list[str]:
 def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
     """What would make the wired model silently wrong beyond its attention: learned/absolute position
     embeddings (positions from the local length), convolutions over the sequence outside declared
-    recurrent layers, per-sequence MoE statistics. Registered families are vouched for by their
+    recurrent layers, per-sequence MoE statistics, dropout (each rank draws the same mask stream).
+    Registered families are vouched for by their
     parity tests (only the MoE config check applies to them); the generic path gets every check."""
     out = _config_hazards(text_config(model.config))
     if registered_architecture(model) is spec:
         return out
+    out += _dropout_hazards(text_config(model.config))
     skip = tuple(spec.vision_modules) + tuple(recurrent_paths)
     for path, module in model.named_modules():
         if any(path == s or path.startswith(s + ".") for s in skip):
@@ -154,6 +171,10 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
                 "ringmaster supports rotary (and no) position encodings generically; register this family "
                 "explicitly only if its embedding reads the global position_ids ringmaster passes, else use a CP "
                 "size of 1")
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            out.append(
+                f"layer {path!r} ({cls}) drops with p={module.p}: each CP rank draws its mask from the same random "
+                "stream, so the shards reuse one mask pattern; set the model's dropout to 0.0 for CP training")
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
             out.append(
                 f"layer {path!r} ({cls}) convolves along the sequence outside attention: each rank would miss "
