@@ -106,6 +106,22 @@ def _switch_attention(model, spec, name: str, undo: list) -> None:
         model.set_attn_implementation(name)
 
 
+def _refuse_router_logits_kwarg(model, undo: list) -> None:
+    """A MoE model can switch its auxiliary load-balancing loss on per call (``output_router_logits=True``
+    overrides the config, which ``wire`` already checked): refuse that call before its forward runs."""
+    if not hasattr(text_config(model.config), "output_router_logits"):
+        return
+
+    def pre(module, args, kwargs):
+        if kwargs.get("output_router_logits"):
+            raise UnsupportedLayerError(
+                "output_router_logits=True was passed to a CP forward: the MoE auxiliary load-balancing loss is a "
+                "per-sequence statistic that each rank would compute over its shard only; call the model with "
+                "output_router_logits=False under CP")
+
+    undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
+
+
 def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
@@ -150,6 +166,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
                    num_heads=num_heads)
         rt.multimodal = spec if spec.multimodal else None
         switched = _switch_off_cache(model, undo)
+        _refuse_router_logits_kwarg(model, undo)
         if rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
         if recurrent:

@@ -81,13 +81,17 @@ def _bypass(model):
     model.model.layers[1].cross_attn = HandRolledAttention()
 
 
-@pytest.mark.parametrize("mutation,needle", [
-    ("drop_kwargs", "'model.layers.1.self_attn'"),   # the batch never reaches layer 1's attention
-    ("twice", "'model.layers.0.self_attn' called the CP attention function 2 times"),
-    ("never", "'model.layers.1.self_attn' never called"),
+@pytest.mark.parametrize("mutation,needle,backend", [
+    ("drop_kwargs", "'model.layers.1.self_attn'", "ulysses"),   # the batch never reaches layer 1's attention
+    ("drop_kwargs", "'model.layers.1.self_attn'", "ring"),
+    ("twice", "'model.layers.0.self_attn' called the CP attention function 2 times", "ulysses"),
+    ("never", "'model.layers.1.self_attn' never called", "ulysses"),
+    ("never", "'model.layers.1.self_attn' never called", "ring"),
+    ("own_mask", "'model.layers.0.self_attn' passed its own attention mask", "ulysses"),
+    ("router_kwarg", "output_router_logits=True was passed", "ulysses"),
 ])
-def test_accounting_guard_trips_before_backward(pool, mutation, needle):
-    kind, msg, loss = pool.run(jobs_generic.mutated_forward, mutation)[0]
+def test_accounting_guard_trips_before_backward(pool, mutation, needle, backend):
+    kind, msg, loss = pool.run(jobs_generic.mutated_forward, mutation, 2, "granite", backend)[0]
     assert loss is None, "the broken model's forward returned a loss: the accounting guard did not trip"
     assert kind in ("UnsupportedLayerError", "RuntimeError"), msg
     assert needle in msg, msg
