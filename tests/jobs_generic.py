@@ -35,6 +35,8 @@ GENERIC_TINY = {
     "ernie4_5": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "apertus": dict(num_attention_heads=4, num_key_value_heads=2),
     "persimmon": dict(num_attention_heads=4),
+    "phimoe": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                   sliding_window=None),
     "nemotron": dict(num_attention_heads=4, num_key_value_heads=2),
     "diffllama": dict(num_attention_heads=4, num_key_value_heads=2),
     "bitnet": dict(num_attention_heads=4, num_key_value_heads=2),
@@ -219,5 +221,26 @@ def _router_call(ctx, P, backend):
     except Exception as exc:  # the test asserts on type and message
         return type(exc).__name__, str(exc), None
     finally:
+        rm.unwire(model)
+        rm.teardown()
+
+
+def unrefused_forward(ctx, model_type, P=2):
+    """One CP forward of a refused family with its refusal taken out of the registry."""
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.architectures.spec import _REGISTRY
+
+    saved = _REGISTRY.pop(model_type)
+    model = tiny_model(model_type, **overrides_for(model_type))
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+        batch = tiny_batch(model.config.vocab_size, 64)
+        with context_parallel_region(batch) as shard:
+            out = model(**shard)
+        return None, "forward returned", out.loss.item()
+    except Exception as exc:  # the test asserts on type and message
+        return type(exc).__name__, str(exc), None
+    finally:
+        _REGISTRY[model_type] = saved
         rm.unwire(model)
         rm.teardown()

@@ -109,3 +109,17 @@ def test_seed_oss_dropout_refused_and_exact_without(pool):
     kind, msg = pool.run(jobs_generic.wire_error, "seed_oss", 2, dict(residual_dropout=0.1))[0]
     assert kind == "UnsupportedLayerError" and "config.residual_dropout=0.1" in msg, msg
     check(pool.run(jobs_generic.parity, "seed_oss", 2, "ulysses", dict(residual_dropout=0.0)))
+
+
+@pytest.mark.parametrize("model_type,needle", [("phimoe", "sparsemixer"), ("stablelm", "StableLmDecoderLayer"),
+                                               ("diffllama", "differential attention")])
+def test_registered_refusals(pool, model_type, needle):
+    kind, msg = pool.run(jobs_generic.wire_error, model_type)[0]
+    assert kind == "UnsupportedLayerError" and f"{model_type!r} is refused" in msg and needle in msg, msg
+
+
+def test_stablelm_without_refusal_trips_the_accounting(pool):
+    """The refusal is backed by the guard: with the spec removed, stablelm's layer drops the batch and the
+    first CP forward raises naming the attention module."""
+    kind, msg, loss = pool.run(jobs_generic.unrefused_forward, "stablelm")[0]
+    assert loss is None and "'model.layers.0.self_attn'" in msg and "**kwargs" in msg, (kind, msg)

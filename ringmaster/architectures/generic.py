@@ -117,7 +117,7 @@ def get_architecture(model_or_config) -> ArchitectureSpec:
     raise unknown_family(model_or_config)
 
 
-_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate)")
+_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate|jitter_noise)")
 
 
 def _dropout_hazards(config) -> list[str]:
@@ -125,7 +125,7 @@ def _dropout_hazards(config) -> list[str]:
     for name, value in sorted(vars(config).items()):
         if _DROPOUT.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             out.append(
-                f"config.{name}={value}: dropout under CP draws each rank's mask from the same random stream, so "
+                f"config.{name}={value}: dropout (or router jitter) under CP draws each rank's mask from the same random stream, so "
                 "the shards reuse one mask pattern for different positions (and heads, under Ulysses) and training "
                 f"is not the single-device run. Set {name}=0.0 for CP training (seed_oss ships residual_dropout="
                 "0.1: its whole-gradient error was 0.56 at P=2 until refused)")

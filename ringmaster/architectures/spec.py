@@ -79,7 +79,8 @@ def register_architecture(spec: ArchitectureSpec, *, override: bool = False) -> 
 
 
 def known_model_types() -> list[str]:
-    return sorted(_REGISTRY)
+    """Registered model types ringmaster wires (refused families are left out)."""
+    return sorted(t for t, spec in _REGISTRY.items() if not spec.refuse)
 
 
 def text_config(config):
