@@ -123,3 +123,14 @@ def test_stablelm_without_refusal_trips_the_accounting(pool):
     first CP forward raises naming the attention module."""
     kind, msg, loss = pool.run(jobs_generic.unrefused_forward, "stablelm")[0]
     assert loss is None and "'model.layers.0.self_attn'" in msg and "**kwargs" in msg, (kind, msg)
+
+
+def _conv(model):
+    import torch.nn as nn
+
+    model.model.layers[0].token_mixer = nn.Conv1d(64, 64, 3, padding=1, groups=64)
+
+
+def test_conv_over_sequence_refused(pool):
+    kind, msg = pool.run(jobs_generic.wire_error, "olmo2", 2, None, _conv)[0]
+    assert kind == "UnsupportedLayerError" and "'model.layers.0.token_mixer'" in msg and "convolves" in msg, msg
