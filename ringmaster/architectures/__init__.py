@@ -7,7 +7,7 @@ for a VLM, where the fused sequence starts. ``rm.wire`` looks the spec up by
 anything stateful it does not know. Importing this package registers the built-in families.
 """
 
-from . import llama, nemotron_h, qwen3_5, vlm  # noqa: F401  (the built-in families register on import)
+from . import llama, nemotron_h, qwen3_5, softcap_mla, vlm  # noqa: F401  (the built-in families register on import)
 from .classify import Classification, STATEFUL_PATTERN, classify_layers, stateful_layers, unsupported_message
 from .spec import (ArchitectureSpec, get_architecture, known_model_types, register_architecture,  # noqa: F401
                    text_config)
