@@ -385,3 +385,26 @@ def test_aten_cuda_mla_traces_on_meta():
         assert out.shape == (2, 4, 16, 16) and lse.shape == (2, 4, 16), name
         dq, dk, dv = AtenKernel().backward(out.to(q.dtype), q, k, v, out, lse, 0.3, mask)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, name
+
+
+def test_hub_kernel_without_softcap_is_refused_by_name():
+    """A flash kernel whose functions take no ``softcap`` is refused (before any collective: the ring
+    calls ``check`` first), naming the kernel and the fix; without a cap it still binds."""
+    from types import SimpleNamespace
+
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            return_softmax):
+        raise AssertionError("not called")
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                             window_size_left, window_size_right, deterministic):
+        raise AssertionError("not called")
+
+    kernel = HfKernelsKernel("org/nocap", module=SimpleNamespace(_flash_attn_forward=_flash_attn_forward,
+                                                                   _flash_attn_backward=_flash_attn_backward))
+    q = torch.randn(1, 2, 4, 8)
+    kernel.check(q, q, None)
+    with pytest.raises(NotImplementedError, match=r"'org/nocap' takes no softcap.*30.0.*ring_impl='math'"):
+        kernel.check(q, q, 30.0)
+    with pytest.raises(NotImplementedError, match="takes no softcap"):
+        kernel.forward(q, q, q, 0.3, None, softcap=30.0)

@@ -37,11 +37,17 @@ DEEPSEEK_V2 = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=Non
                    num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                    moe_intermediate_size=32, n_shared_experts=1, aux_loss_alpha=0.0)
 
+MINICPM3 = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+GLM4_MOE_LITE = dict(DEEPSEEK_V3)
+
 # id, model_type, attn for Ulysses, overrides
 CASES = [("gemma2-softcap", "gemma2", "eager", GEMMA2),
          ("deepseek_v3-mla", "deepseek_v3", "sdpa", DEEPSEEK_V3),
          ("deepseek_v3-mla-eager", "deepseek_v3", "eager", DEEPSEEK_V3),
          ("deepseek_v2-mla", "deepseek_v2", "sdpa", DEEPSEEK_V2)]
+# the other registered MLA families, once each at P=2 (Ulysses sdpa, Ring aten)
+MORE_MLA = [("minicpm3", MINICPM3), ("glm4_moe_lite", GLM4_MOE_LITE)]
 RING_IMPLS = ["math", "aten"]
 
 
@@ -65,6 +71,13 @@ def test_ring_softcap_mla_match_single_device(pool, cid, impl, P):
     results = pool.run(jobs.parity, model_type, P, attn, overrides, backend="ring",
                        cfg_kwargs=dict(ring_impl=impl, rotate_method=rotate, load_balance="head_tail"))
     _check_ring(results, P)
+
+
+@pytest.mark.parametrize("model_type, overrides", MORE_MLA, ids=[m[0] for m in MORE_MLA])
+def test_more_mla_families_match_single_device(pool, model_type, overrides):
+    check(pool.run(jobs.parity, model_type, 2, "sdpa", overrides), 2)
+    _check_ring(pool.run(jobs.parity, model_type, 2, "sdpa", overrides, backend="ring",
+                         cfg_kwargs=dict(ring_impl="aten")), 2)
 
 
 @pytest.mark.parametrize("P", [2, 4])
