@@ -51,3 +51,19 @@ def mutated_parity(ctx, mutation, model_type, P, overrides, cfg_kwargs):
 
     register_mutations()
     return run(ctx, mutation, model_type, P, overrides, backend="ring", cfg_kwargs=cfg_kwargs)
+
+
+def packed_parity(ctx, P, model_type, overrides, attn, impl, backend="ring", **split):
+    """Packed rows (documents crossing shard edges) against each document run alone without CP; for
+    ``impl='hf_kernels'`` the model is named a flash model (document blocks go through the varlen calls)."""
+    from jobs_ring import DOC_LENS, _sdpa_reference, as_flash_model
+
+    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+
+    cfg = rm.RingmasterConfig(size=P, backend=backend, ring_impl="auto" if impl == "hf_kernels" else impl, **split)
+    kwargs = dict(device_mesh=ctx.mesh(P), attn_implementation=attn, batch=packed_batch(128, DOC_LENS),
+                  reference_forward=per_document_forward)
+    if impl == "hf_kernels":
+        kwargs["prepare"] = lambda m: as_flash_model(m)
+        kwargs["reference_forward"] = _sdpa_reference(per_document_forward, attn)
+    return compare(model_type, cfg, **kwargs, **overrides)

@@ -89,6 +89,26 @@ def test_ring_hf_kernels_softcap_mla_match_single_device(pool, cid, P):
     _check_ring(pool.run(jobs_softcap_mla.hub_parity, P, model_type, overrides, attn), P)
 
 
+@pytest.mark.parametrize("impl", ["aten", "hf_kernels"])
+@pytest.mark.parametrize("cid", ["gemma2-softcap", "deepseek_v3-mla"])
+def test_ring_packed_rows_softcap_mla(pool, cid, impl):
+    """Packed documents crossing shard edges (document blocks: aten's tiles, the flash varlen calls)."""
+    _, model_type, attn, overrides = _case(cid)
+    for r in pool.run(jobs_softcap_mla.packed_parity, 2, model_type, overrides, attn, impl):
+        assert r["bytes_sent"] > 0 and r["attention_layers"] == 2, r
+        assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= 1e-4 and not r["missing_grads"], r
+
+
+@pytest.mark.parametrize("cid", ["gemma2-softcap", "deepseek_v3-mla"])
+def test_usp_softcap_mla_match_single_device(pool, cid):
+    """USP 2x2: Ulysses' all-to-all (separate for the narrower value heads) then the Ring with softcap."""
+    _, model_type, attn, overrides = _case(cid)
+    results = pool.run(jobs.parity, model_type, 4, attn, overrides, backend="usp",
+                       cfg_kwargs=dict(ulysses_size=2, ring_size=2, ring_impl="aten"))
+    assert {x["backend"] for x in results} == {"usp"}
+    _check_ring(results, 4)
+
+
 class _Module(torch.nn.Module):
     is_causal = True
 
