@@ -59,7 +59,7 @@ class EqualHeadDims:
         return _pad_to(q, self.width), _pad_to(k, self.width), _pad_to(v, self.width)
 
     def outputs(self, out):
-        """``out [..., width]`` -> ``[..., dv]``; also pads ``out``/``dout`` for a backward (``pad``)."""
+        """``out [..., width]`` -> ``[..., dv]`` (``pad`` widens ``out``/``dout`` back for a backward)."""
         return out if self.equal else out[..., :self.dv]
 
     def pad(self, x):
