@@ -13,7 +13,7 @@ import ringmaster as rm
 # tuning whose floor_scale the test sequence crosses); chunks of 10 cut across the shards of 48 tokens
 LLAMA4 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=10,
               num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], intermediate_size_mlp=128, num_local_experts=2,
-              interleave_moe_layer_step=2, floor_scale=8, attn_scale=0.1)
+              interleave_moe_layer_step=2, floor_scale=4, attn_scale=10.0)
 # gemma3n text, tiny: layers 2-3 reuse the K/V of layers 0-1 (kv_sharing_modes store, store, reuse, reuse)
 GEMMA3N = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4, num_kv_shared_layers=2,
                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -30,12 +30,19 @@ def _padded(vocab: int, S: int):
     return padded_rows(vocab, S)
 
 
-def parity(ctx, model_type, P, backend, seq_len=48, cfg_kwargs=None, attn_implementation="sdpa", overrides=None):
-    from ringmaster.testing.parity import compare
+def parity(ctx, model_type, P, backend, seq_len=48, cfg_kwargs=None, attn_implementation="sdpa", overrides=None,
+           packed=None):
+    """``compare`` for a family of FAMILIES; ``packed``: document lengths of one packed row (position_ids
+    restart per document), the reference being HF's own forward of that row: its chunked mask counts
+    chunks from each document's start, its temperature from the row index."""
+    from ringmaster.testing.parity import compare, packed_batch
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
+    extra = {}
+    if packed is not None:
+        extra = dict(batch=lambda model: packed_batch(model.config.vocab_size, packed))
     r = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), attn_implementation=attn_implementation,
-                **{**FAMILIES[model_type], **(overrides or {})})
+                **extra, **{**FAMILIES[model_type], **(overrides or {})})
     return {k: r[k] for k in _KEYS}
 
 

@@ -34,18 +34,30 @@ def test_llama4_chunked_attention_exact(pool, P, backend):
     _assert_exact(pool.run(jf.parity, "llama4_text", P, backend), backend)
 
 
-@pytest.mark.parametrize("inner", ["eager", "flex_attention"])
-def test_llama4_chunked_other_kernels_exact(pool, inner):
-    """Ulysses with the dense-mask (eager) kernel; flex gets a BlockMask with the chunk documents
-    (flex has no CPU backward: forward only, so only the numbers of a forward are compared)."""
-    if inner == "flex_attention":
-        pytest.skip("flex_attention has no backward on CPU; the BlockMask path is covered by test_flex with documents")
-    _assert_exact(pool.run(jf.parity, "llama4_text", 2, "ulysses", attn_implementation=inner), "ulysses")
+def test_llama4_chunked_eager_exact(pool):
+    """Ulysses with the dense-mask (eager) kernel."""
+    _assert_exact(pool.run(jf.parity, "llama4_text", 2, "ulysses", attn_implementation="eager"), "ulysses")
 
 
-def test_llama4_chunked_packed_ring_exact(pool):
+def test_llama4_chunked_ring_allgather_exact(pool):
     """Ring over head_tail shards, the all-gather rotation."""
     _assert_exact(pool.run(jf.parity, "llama4_text", 2, "ring", cfg_kwargs={"rotate_method": "allgather"}), "ring")
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+def test_llama4_chunked_packed_exact(pool, backend):
+    """One packed row of documents whose lengths are no multiple of the chunk: chunks restart at
+    each document (HF's own forward of the packed row is the reference)."""
+    _assert_exact(pool.run(jf.parity, "llama4_text", 2, backend, packed=[17, 23, 8]), backend)
+
+
+def test_llama4_chunked_flex_forward_exact(pool):
+    """Ulysses over flex_attention: the BlockMask carries the chunk documents (flex has no CPU
+    backward, so loss and gathered logits of a forward, against sdpa without CP)."""
+    import jobs_flex
+
+    for rank, r in enumerate(pool.run(jobs_flex.flex_forward_parity, 2, "llama4_text", jf.LLAMA4, seq_len=48)):
+        assert r["attention_layers"] == 4 and r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r)
 
 
 @pytest.mark.parametrize("P,backend", [(2, "ulysses"), (2, "ring"), (4, "ring")])
