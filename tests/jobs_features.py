@@ -19,7 +19,11 @@ GEMMA3N = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hi
                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, laurel_rank=8,
                altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, intermediate_size=[128] * 4)
-FAMILIES = {"llama4_text": LLAMA4, "gemma3n_text": GEMMA3N}
+GEMMA4 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16, num_hidden_layers=4,
+              num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                   "full_attention"],
+              sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128)
+FAMILIES = {"llama4_text": LLAMA4, "gemma3n_text": GEMMA3N, "gemma4_text": GEMMA4}
 _KEYS = ("backend", "layout", "loss_err", "logits_err", "grad_err", "worst_param", "n_grads", "n_params",
          "attention_layers", "grad_err_total")
 

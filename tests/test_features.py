@@ -60,9 +60,20 @@ def test_llama4_chunked_flex_forward_exact(pool):
         assert r["attention_layers"] == 4 and r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r)
 
 
-@pytest.mark.parametrize("P,backend", [(2, "ulysses"), (2, "ring"), (4, "ring")])
-def test_gemma3n_kv_sharing_exact(pool, P, backend):
-    _assert_exact(pool.run(jf.parity, "gemma3n_text", P, backend), backend)
+@pytest.mark.parametrize("family", ["gemma3n_text", "gemma4_text"])
+@pytest.mark.parametrize("P,backend", [(2, "ulysses"), (2, "ring"), (4, "ulysses"), (4, "ring")])
+def test_kv_sharing_exact(pool, family, P, backend):
+    """Layers 2-3 reuse the K/V layers 0-1 stored (a sliding and a full layer)."""
+    _assert_exact(pool.run(jf.parity, family, P, backend), backend)
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+def test_gemma4_logits_to_keep_refused(pool, backend):
+    """gemma4 slices its inputs to ``logits_to_keep`` before the KV-shared layers: the shard's
+    queries no longer match its keys, refused on every rank before the layer's first collective."""
+    for rank, r in enumerate(pool.run(jf.refusal, "gemma4_text", 2, backend, call_kwargs={"logits_to_keep": 1})):
+        assert r is not None and r[0] == "NotImplementedError", (rank, r)
+        assert "Gemma4TextAttention (layer_idx=2): 1 query tokens against 24 keys" in r[1], (rank, r)
 
 
 @pytest.mark.parametrize("mutation", ["chunks_from_local_positions", "temperature_from_local_positions"])

@@ -66,3 +66,11 @@ GEMMA3N_TEXT = register_architecture(ArchitectureSpec(
     notes="cross-layer KV sharing (kv_sharing_modes): later layers reuse the shard's own K/V, which their "
           "CP attention gets like any other; exact with no extra wiring",
 ))
+
+GEMMA4_TEXT = register_architecture(ArchitectureSpec(
+    name="gemma4_text",
+    model_types=("gemma4_text",),
+    attention_classes=("Gemma4TextAttention",),
+    notes="cross-layer KV sharing as gemma3n; logits_to_keep > 0 (queries sliced before the KV-shared layers) "
+          "is refused",
+))
