@@ -115,3 +115,20 @@ def refusal(ctx, model_type, P, backend, seq_len=48, overrides=None, call_kwargs
     finally:
         rm.unwire(model)
         rm.teardown()
+
+
+def flash_parity(ctx, model_type, P, backend, seq_len=48, ring_impl="auto", flash_name="flash_attention_2"):
+    """``parity`` with the model's attention named a flash kernel (the CPU stand-in, via LOCAL_KERNELS):
+    Ulysses calls its varlen function with the chunk documents as ``cu_seqlens``; Ring's hub provider
+    gets them as block segments. The reference runs sdpa without CP (HF's own chunked mask refuses
+    flash when the sequence is longer than a chunk)."""
+    from jobs_ring import _sdpa_reference, as_flash_model
+
+    from ringmaster.testing.parity import _plain_forward, compare
+
+    extra = {"ring_impl": ring_impl} if backend == "ring" else {}
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **extra)
+    r = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), attn_implementation="sdpa",
+                prepare=lambda m: as_flash_model(m, flash_name), reference_forward=_sdpa_reference(_plain_forward),
+                **FAMILIES[model_type])
+    return {k: r[k] for k in _KEYS}

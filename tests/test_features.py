@@ -51,6 +51,14 @@ def test_llama4_chunked_packed_exact(pool, backend):
     _assert_exact(pool.run(jf.parity, "llama4_text", 2, backend, packed=[17, 23, 8]), backend)
 
 
+@pytest.mark.parametrize("P,backend", [(2, "ulysses"), (4, "ulysses"), (2, "ring")])
+def test_llama4_chunked_flash_exact(pool, P, backend):
+    """A flash-named model (the CPU stand-in of the hub kernels): Ulysses' varlen call and Ring's
+    hub provider get the chunks as documents."""
+    pytest.importorskip("kernels")
+    _assert_exact(pool.run(jf.flash_parity, "llama4_text", P, backend), backend)
+
+
 def test_llama4_chunked_flex_forward_exact(pool):
     """Ulysses over flex_attention: the BlockMask carries the chunk documents (flex has no CPU
     backward, so loss and gathered logits of a forward, against sdpa without CP)."""
