@@ -97,15 +97,15 @@ def mutated_parity(ctx, mutation, model_type, P, backend, **kwargs):
     return {"clean": clean, "mutated": mutated}
 
 
-def refusal(ctx, model_type, P, backend, seq_len=48, overrides=None, call_kwargs=None):
+def refusal(ctx, model_type, P, backend, seq_len=48, overrides=None, call_kwargs=None, cfg_kwargs=None):
     """Run one CP forward expected to raise; ``(type name, message)`` of what it raised, or None."""
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.testing.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type, **{**FAMILIES[model_type], **(overrides or {})})
-    cfg = rm.RingmasterConfig(size=P, backend=backend)
-    rm.wire(model, cfg, device_mesh=ctx.mesh(P))
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     try:
+        rm.wire(model, cfg, device_mesh=ctx.mesh(P))
         batch = tiny_batch(model.config.vocab_size, seq_len)
         with context_parallel_region(batch) as shard:
             model(**shard, **(call_kwargs or {}))

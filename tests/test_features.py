@@ -44,6 +44,19 @@ def test_llama4_chunked_ring_allgather_exact(pool):
     _assert_exact(pool.run(jf.parity, "llama4_text", 2, "ring", cfg_kwargs={"rotate_method": "allgather"}), "ring")
 
 
+def test_llama4_chunked_usp_exact(pool):
+    """USP: Ulysses 2 x Ring 2."""
+    _assert_exact(pool.run(jf.parity, "llama4_text", 4, "usp", cfg_kwargs={"ulysses_size": 2, "ring_size": 2}), "usp")
+
+
+def test_llama4_chunked_distflash_refused_at_wire(pool):
+    """The distflash schedule balances causal full attention only: a model with chunked layers is
+    refused when wired, naming the layers and the load_balance that works."""
+    for rank, r in enumerate(pool.run(jf.refusal, "llama4_text", 2, "ring", cfg_kwargs={"load_balance": "distflash"})):
+        assert r is not None and r[0] == "ValueError", (rank, r)
+        assert "sliding-window/chunked attention layers; use load_balance='none'" in r[1], (rank, r)
+
+
 @pytest.mark.parametrize("backend", ["ulysses", "ring"])
 def test_llama4_chunked_packed_exact(pool, backend):
     """One packed row of documents whose lengths are no multiple of the chunk: chunks restart at
