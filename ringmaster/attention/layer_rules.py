@@ -16,7 +16,7 @@ together and no collective is left waiting.
   shard's *local* index. The query is rescaled here by ``scale(global t) / scale(local t)`` (1 for
   every token until the sequence reaches ``floor_scale``), which makes it the single-device query.
 * **Queries shorter than keys** (gemma4 slicing inputs to ``logits_to_keep`` before its
-  KV-shared layers, or a KV cache): refused; CP trains full sequences.
+  KV-shared layers, a KV cache, cross-attention): refused; CP shards one self-attended sequence.
 * **Cross-layer KV sharing** (gemma3n / gemma4 ``kv_sharing_modes``): needs nothing. The sharing
   layer stores the K/V it computed in a ``KVSharingDict`` *before* its attention call, and the
   reusing layer passes them to its own attention call; under CP those are the shard's own K/V
@@ -86,8 +86,8 @@ def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             f"{_where(module)}: {query.shape[2]} query tokens against {key.shape[2]} keys on this rank. ringmaster CP "
-            "runs full-sequence training forwards: no KV cache (use_cache=False) and no query slicing "
-            "(logits_to_keep=0, e.g. gemma4 slices before its KV-shared layers otherwise)")
+            "runs full-sequence self-attention training forwards: no KV cache (use_cache=False), no query slicing "
+            "(logits_to_keep=0; gemma4 slices before its KV-shared layers otherwise), no cross-attention")
     for name in _REFUSED_BIAS_KWARGS:
         if isinstance(kwargs.get(name), torch.Tensor):
             raise NotImplementedError(
