@@ -14,7 +14,7 @@ from functools import partial
 from ..comm import with_layer_context
 from ..compat import has_module
 from ..sharding.documents import BATCH_KWARG, CPBatch
-from . import ulysses, usp
+from . import layer_rules, ulysses, usp
 from .binding import AttentionBinding
 from .ring import hf as ring_hf
 
@@ -58,6 +58,7 @@ def _call(fn, binding: AttentionBinding, module, query, key, value, attention_ma
     if ledger is not None and ledger.armed:  # the first CP forward only (attention.accounting)
         ledger.record(module, attention_mask)
     cpb = require_batch(kwargs, binding, module)
+    cpb, query = layer_rules.apply(module, query, key, cpb, kwargs)  # chunks, temperature, refusals
     return fn(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
 
 
