@@ -157,7 +157,6 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
     out = _config_hazards(text_config(model.config))
     if registered_architecture(model) is spec:
         return out
-    out += _dropout_hazards(text_config(model.config))
     skip = tuple(spec.vision_modules) + tuple(recurrent_paths)
     for path, module in model.named_modules():
         if any(path == s or path.startswith(s + ".") for s in skip):
@@ -180,7 +179,7 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
                 f"layer {path!r} ({cls}) convolves along the sequence outside attention: each rank would miss "
                 "the neighbouring shard's tokens. Declare the layer as recurrent (a conv halo) in an "
                 "ArchitectureSpec or use a CP size of 1")
-    return out
+    return out + _dropout_hazards(text_config(model.config))  # last: the structural reason names a layer
 
 
 def refuse_if_unsafe(model, spec: ArchitectureSpec, recurrent_paths=()) -> None:
@@ -189,8 +188,9 @@ def refuse_if_unsafe(model, spec: ArchitectureSpec, recurrent_paths=()) -> None:
         raise UnsupportedLayerError(f"family {spec.name!r} is refused under CP: {spec.refuse}")
     hazards = cp_hazards(model, spec, recurrent_paths)
     if hazards:
-        raise UnsupportedLayerError(hazards[0] if len(hazards) == 1 else
-                                    hazards[0] + f" (and {len(hazards) - 1} more: " + "; ".join(hazards[1:]) + ")")
+        more = len(hazards) - 1
+        raise UnsupportedLayerError(hazards[0] if not more else
+                                    hazards[0] + f" (and {more} more, first: {hazards[1]})")
 
 
 def refuse(model_types: tuple[str, ...], reason: str, name: str | None = None) -> ArchitectureSpec:
