@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .attention import flash_kernels, register
+from .attention.accounting import Ledger
 from .attention.binding import AttentionBinding
 from .attention.ring.kernels import get_kernel
 from .attention.ring.select import resolve_ring_impl, resolve_rotate
@@ -160,7 +161,8 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
         rt.ulysses_group = group
         binding = AttentionBinding("ulysses", inner, group, rank, size, ulysses_group=group,
                                    name=register.attention_name("ulysses", inner, serial),
-                                   inner_kernel=flash_kernels.load(inner) if flash_kernels.is_flash(inner) else None)
+                                   inner_kernel=flash_kernels.load(inner) if flash_kernels.is_flash(inner) else None,
+                                   ledger=Ledger())
     else:
         if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
             rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
@@ -174,7 +176,7 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
         binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
                                    ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
                                    rotate=resolve_rotate(cfg.rotate_method), schedule=schedule,
-                                   name=register.attention_name(backend, inner, serial))
+                                   name=register.attention_name(backend, inner, serial), ledger=Ledger())
     rt.binding = binding
     if register.register_attention(binding):
         rt.attn_implementation = binding.name

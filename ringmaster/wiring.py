@@ -1,10 +1,11 @@
 """``rm.wire``: classify once, validate, bind, swap, report; atomic.
 
-One walk over ``named_modules()`` classifies every layer against the family spec (fail closed
-on anything stateful or attention-like the spec does not declare). Everything is validated
+One walk over ``named_modules()`` classifies every layer against the family spec (a registered
+one, or the generic path's for an unregistered model; fail closed on anything stateful or
+attention-like the spec does not declare, on a refusing spec, and on position/MoE hazards). Everything is validated
 before anything changes; then the runtime is set up (its attention function bound to this
 model's groups and kernels), attention is switched, the VLM pre-hook installed, the recurrent
-layers wired and probed. Every change pushes its undo; if any step fails, the undos run in
+layers wired and probed, and the first-forward accounting armed (:mod:`.attention.accounting`). Every change pushes its undo; if any step fails, the undos run in
 reverse and the model is exactly as it was. ``rm.unwire`` runs the same undos.
 """
 
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from . import runtime as _runtime
-from .architectures import classify_layers, get_architecture, stateful_layers, text_config, unsupported_message
+from .architectures import (classify_layers, get_architecture, refuse_if_unsafe, stateful_layers, text_config,
+                            unsupported_message)
+from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
@@ -103,6 +106,22 @@ def _switch_attention(model, spec, name: str, undo: list) -> None:
         model.set_attn_implementation(name)
 
 
+def _refuse_router_logits_kwarg(model, undo: list) -> None:
+    """A MoE model can switch its auxiliary load-balancing loss on per call (``output_router_logits=True``
+    overrides the config, which ``wire`` already checked): refuse that call before its forward runs."""
+    if not hasattr(text_config(model.config), "output_router_logits"):
+        return
+
+    def pre(module, args, kwargs):
+        if kwargs.get("output_router_logits"):
+            raise UnsupportedLayerError(
+                "output_router_logits=True was passed to a CP forward: the MoE auxiliary load-balancing loss is a "
+                "per-sequence statistic that each rank would compute over its shard only; call the model with "
+                "output_router_logits=False under CP")
+
+    undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
+
+
 def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
@@ -117,6 +136,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         cfg = RingmasterConfig(size=size)
     # ---- validate: nothing changes until every check has passed
     spec = _spec(model)
+    if spec.refuse:
+        refuse_if_unsafe(model, spec)
     tcfg = text_config(model.config)
     num_heads = getattr(tcfg, spec.num_heads_attr, None)
     num_kv = getattr(tcfg, spec.num_kv_heads_attr, None) or num_heads
@@ -126,6 +147,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
     recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
+    refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
     if not cfg.normalized:
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
     if cfg.ulysses_size > 1 and num_heads is not None:
@@ -144,6 +166,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
                    num_heads=num_heads)
         rt.multimodal = spec if spec.multimodal else None
         switched = _switch_off_cache(model, undo)
+        _refuse_router_logits_kwarg(model, undo)
         if rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
         if recurrent:
@@ -153,6 +176,10 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
                                use_cache_switched_off=switched)
+        if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
+            modules = dict(model.named_modules())
+            arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention})
+            undo.append(rt.binding.ledger.disarm)
         model._ringmaster_runtime = rt
         undo.append(lambda: model.__dict__.pop("_ringmaster_runtime", None))
     except BaseException:

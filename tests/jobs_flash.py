@@ -11,12 +11,6 @@ import torch
 import ringmaster as rm
 
 
-# gemma2 caps attention logits (softcap), which ringmaster has no family module for: registered here,
-# as a user would (the same spec object each time, so registering again is a no-op)
-GEMMA2 = rm.ArchitectureSpec(name="gemma2", model_types=("gemma2",), attention_classes=("Gemma2Attention",),
-                             notes="attention logit softcapping (test-only registration)")
-
-
 def _reference(attn, base=None):
     """The reference runs the model's own non-flash kernel: the flash name set for CP would make
     transformers look for a library it cannot load here."""
@@ -73,8 +67,6 @@ def flash_parity(ctx, P, inner, model_type="llama", overrides=None, kind="plain"
     def prepare(model):
         model.config._attn_implementation = inner
 
-    if model_type == "gemma2":
-        rm.register_architecture(GEMMA2)
     cfg = rm.RingmasterConfig(size=P, backend="ulysses")
     with applied(mutation):
         r = compare(model_type, cfg, device_mesh=ctx.mesh(P), attn_implementation=reference_attn, batch=batch,

@@ -308,3 +308,103 @@ def test_ring_loop_plans_blocks_without_dense_masks():
         pairs = [p for src in range(P) for p in block_pairs(plan, src, "cpu")]
     assert pairs and all(isinstance(m, BlockMask) and m.dense is None for _, _, m in pairs)
     assert seen.largest < (S // (2 * P)) ** 2, seen.largest
+
+
+# -- Gemma-2 logit softcap and MLA head dims (D_qk != D_v) in every provider ----------------------
+
+@pytest.mark.parametrize("dims", [(8, 8), (12, 8), (8, 12)], ids=["d8-8", "mla-12-8", "mla-8-12"])
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("kid", [k[0] for k in KERNELS])
+def test_block_kernel_softcap_and_head_dims_match_dense(kid, softcap, dims):
+    """Forward and backward against dense fp64 attention with the cap inside the scores and value heads
+    of another width, for every block kind the provider takes (aten CPU runs softcap blocks through the
+    math kernel per tile: aten-tiled checks tiles of 3 rows). The cap is small (1.5) so that it bends
+    most scores: a kernel that drops it is far off."""
+    if softcap is None and dims == (8, 8):
+        pytest.skip("covered by test_block_kernel_forward_backward_match_dense")
+    _, kernel, dense_ok = next(k for k in KERNELS if k[0] == kid)
+    dk, dv = dims
+    gen = torch.Generator().manual_seed(7)
+    tol = dict(rtol=1e-9, atol=1e-9)
+    checked = 0
+    for B, (hq, hkv), sq, sk, _ in SHAPES:
+        for name, mask, dense_only in _masks(B, sq, sk, gen):
+            if dense_only and not dense_ok:
+                continue
+            q = torch.randn(B, hq, sq, dk, generator=gen, dtype=torch.float64) * 2
+            k = torch.randn(B, hkv, sk, dk, generator=gen, dtype=torch.float64)
+            v = torch.randn(B, hkv, sk, dv, generator=gen, dtype=torch.float64)
+            scale = dk ** -0.5
+            kernel.check(q, v, softcap)
+            out, lse = kernel.forward(q, k, v, scale, mask, softcap=softcap)
+            qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+            ref_out, ref_lse = reference_attention(qr, kr, vr, scale, _dense(mask, B, sq, sk), softcap=softcap)
+            where = f"{kid} softcap={softcap} dims={dims} B={B} heads={hq}/{hkv} {sq}x{sk} mask={name}"
+            assert out.shape == ref_out.shape, (where, out.shape)
+            torch.testing.assert_close(out.double(), ref_out, **tol, msg=where)
+            finite = ~torch.isneginf(ref_lse)
+            assert torch.equal(torch.isneginf(lse), ~finite), where
+            torch.testing.assert_close(lse.double()[finite], ref_lse[finite], **tol, msg=where)
+            dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+            (ref_out * dout).sum().backward()
+            dq, dk_, dv_ = kernel.backward(dout, q, k, v, out, lse, scale, mask, softcap=softcap)
+            for got, want, n in ((dq, qr.grad, "dq"), (dk_, kr.grad, "dk"), (dv_, vr.grad, "dv")):
+                assert got.shape == want.shape, (where, n, got.shape)
+                torch.testing.assert_close(got.double(), want, **tol, msg=f"{where} {n}")
+            checked += 1
+    assert checked >= 27, checked
+
+
+def test_softcap_changes_the_result():
+    """The cap is not a no-op at this scale (so the tests above can fail when a kernel drops it)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
+    a, _ = get_kernel(RingImpl.MATH).forward(q, k, v, 0.35, "causal")
+    b, _ = get_kernel(RingImpl.MATH).forward(q, k, v, 0.35, "causal", softcap=1.5)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_aten_cuda_refuses_softcap_with_the_fix():
+    q = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(NotImplementedError, match="ring_impl='hf_kernels'.*ring_impl='math'.*backend='ulysses'"):
+        AtenKernel().check(q, q, 30.0)
+    AtenKernel().check(q, q, None)
+    AtenKernel().check(torch.empty(1, 2, 16, 8), torch.empty(1, 2, 16, 8), 30.0)  # CPU: math per tile
+
+
+def test_aten_cuda_mla_traces_on_meta():
+    """MLA blocks reach aten's CUDA ops padded to one head dim; outputs and grads come back sliced."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.empty(2, 4, 16, 24, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 16, 24, dtype=torch.bfloat16, device="meta")
+    v = torch.empty(2, 2, 16, 16, dtype=torch.bfloat16, device="meta")
+    for name, mask, dense_only in _masks(2, 16, 16, gen):
+        if dense_only:
+            continue
+        out, lse = AtenKernel().forward(q, k, v, 0.3, mask)
+        assert out.shape == (2, 4, 16, 16) and lse.shape == (2, 4, 16), name
+        dq, dk, dv = AtenKernel().backward(out.to(q.dtype), q, k, v, out, lse, 0.3, mask)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, name
+
+
+def test_hub_kernel_without_softcap_is_refused_by_name():
+    """A flash kernel whose functions take no ``softcap`` is refused (before any collective: the ring
+    calls ``check`` first), naming the kernel and the fix; without a cap it still binds."""
+    from types import SimpleNamespace
+
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            return_softmax):
+        raise AssertionError("not called")
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                             window_size_left, window_size_right, deterministic):
+        raise AssertionError("not called")
+
+    kernel = HfKernelsKernel("org/nocap", module=SimpleNamespace(_flash_attn_forward=_flash_attn_forward,
+                                                                   _flash_attn_backward=_flash_attn_backward))
+    q = torch.randn(1, 2, 4, 8)
+    kernel.check(q, q, None)
+    with pytest.raises(NotImplementedError, match=r"'org/nocap' takes no softcap.*30.0.*ring_impl='math'"):
+        kernel.check(q, q, 30.0)
+    with pytest.raises(NotImplementedError, match="takes no softcap"):
+        kernel.forward(q, q, q, 0.3, None, softcap=30.0)

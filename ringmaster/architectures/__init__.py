@@ -4,13 +4,16 @@ A family module is data: an :class:`ArchitectureSpec` naming the attention class
 head counts live in the config, which recurrent layers exist (and the kernels they call), and,
 for a VLM, where the fused sequence starts. ``rm.wire`` looks the spec up by
 ``config.model_type``, classifies every layer once (:mod:`.classify`) and fails closed on
-anything stateful it does not know. Importing this package registers the built-in families.
+anything stateful it does not know; an unregistered model goes through the generic path
+(:mod:`.generic`), and a registered spec may refuse its family with a reason. Importing this package registers the built-in families.
 """
 
-from . import llama, nemotron_h, qwen3_5, vlm  # noqa: F401  (the built-in families register on import)
+from . import llama, nemotron_h, qwen3_5, refused, softcap_mla, vlm  # noqa: F401  (built-in families register on import)
 from .classify import Classification, STATEFUL_PATTERN, classify_layers, stateful_layers, unsupported_message
-from .spec import (ArchitectureSpec, get_architecture, known_model_types, register_architecture,  # noqa: F401
+from .generic import cp_hazards, generic_spec, get_architecture, refuse_if_unsafe
+from .spec import (ArchitectureSpec, known_model_types, register_architecture, registered_architecture,  # noqa: F401
                    text_config)
 
-__all__ = ["ArchitectureSpec", "Classification", "STATEFUL_PATTERN", "classify_layers", "get_architecture",
+__all__ = ["ArchitectureSpec", "Classification", "STATEFUL_PATTERN", "classify_layers", "cp_hazards",
+           "generic_spec", "get_architecture", "refuse_if_unsafe", "registered_architecture",
            "known_model_types", "register_architecture", "stateful_layers", "text_config", "unsupported_message"]

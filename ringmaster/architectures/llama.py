@@ -50,3 +50,27 @@ GPT_OSS = register_architecture(ArchitectureSpec(
     attention_classes=("GptOssAttention",),
     notes="attention sinks: module.sinks sliced to each rank's heads",
 ))
+
+LLAMA4_TEXT = register_architecture(ArchitectureSpec(
+    name="llama4_text",
+    model_types=("llama4_text",),
+    attention_classes=("Llama4TextAttention",),
+    notes="chunked_attention layers (attention_chunk_size) masked as fixed-length documents of global "
+          "positions; NoPE layers' query temperature rescaled to global positions (attention/layer_rules.py)",
+))
+
+GEMMA3N_TEXT = register_architecture(ArchitectureSpec(
+    name="gemma3n_text",
+    model_types=("gemma3n_text",),
+    attention_classes=("Gemma3nTextAttention",),
+    notes="cross-layer KV sharing (kv_sharing_modes): later layers reuse the shard's own K/V, which their "
+          "CP attention gets like any other; exact with no extra wiring",
+))
+
+GEMMA4_TEXT = register_architecture(ArchitectureSpec(
+    name="gemma4_text",
+    model_types=("gemma4_text",),
+    attention_classes=("Gemma4TextAttention",),
+    notes="cross-layer KV sharing as gemma3n; logits_to_keep > 0 (queries sliced before the KV-shared layers) "
+          "is refused",
+))

@@ -20,6 +20,7 @@ class ArchitectureSpec:
     through ``config._attn_implementation`` (these get Ulysses/Ring).
     ``recurrent_classes``: class name -> strategy for state-carrying layers ringmaster handles.
     ``ignore_classes``: class names that match the stateful pattern but carry no state.
+    ``refuse``: non-empty for a family known to be wrong under CP; the reason ``rm.wire`` raises.
     ``recurrent_kernels``: kind -> {role: the module-level kernel name its layers call} (roles
     ``"conv"``, ``"scan"`` and the kind's optional ones; unset roles keep the kind's defaults,
     :mod:`ringmaster.recurrent.registry`); ``wire`` intercepts and probes exactly these.
@@ -40,6 +41,9 @@ class ArchitectureSpec:
     supported_inner: tuple[str, ...] | None = None  # None: every kernel the model itself supports
     recurrent_kernels: dict = field(default_factory=dict)
     notes: str = ""
+    # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
+    # feature and the fix) instead of wiring it, even when the generic path would accept the model
+    refuse: str = ""
     # vision-language models
     language_model: str | None = None
     vision_modules: tuple[str, ...] = ()
@@ -75,23 +79,31 @@ def register_architecture(spec: ArchitectureSpec, *, override: bool = False) -> 
 
 
 def known_model_types() -> list[str]:
-    return sorted(_REGISTRY)
+    """Registered model types ringmaster wires (refused families are left out)."""
+    return sorted(t for t, spec in _REGISTRY.items() if not spec.refuse)
 
 
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def get_architecture(model_or_config) -> ArchitectureSpec:
-    """The spec for a model (or its config), found by ``model_type`` (the text config's for VLMs)."""
+def registered_architecture(model_or_config) -> ArchitectureSpec | None:
+    """The registered spec for a model (or its config), found by ``model_type`` (the text config's for
+    VLMs); None when no family is registered for it."""
     config = getattr(model_or_config, "config", model_or_config)
     for cfg in (config, text_config(config)):
         model_type = getattr(cfg, "model_type", None)
         if model_type in _REGISTRY:
             return _REGISTRY[model_type]
+    return None
+
+
+def unknown_family(model_or_config) -> ValueError:
+    config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    raise ValueError(
-        f"ringmaster does not know model_type {model_type!r}. Known families: {', '.join(known_model_types())}. "
-        "Describe it with rm.register_architecture(rm.ArchitectureSpec(name=..., model_types=(...,), "
-        "attention_classes=('MyAttention',))); see docs/models.md"
+    return ValueError(
+        f"ringmaster does not know model_type {model_type!r} from its config alone. Known families: "
+        f"{', '.join(known_model_types())}. Pass the model itself (the generic path inspects its attention "
+        "modules) or describe it with rm.register_architecture(rm.ArchitectureSpec(name=..., "
+        "model_types=(...,), attention_classes=('MyAttention',))); see docs/models.md"
     )

@@ -22,6 +22,7 @@ class AttentionBinding:
     schedule: str = "ring"             # Ring's block schedule: "ring" (the rotation loop) | "distflash"
     name: str = ""
     inner_kernel: Any = None           # a flash inner's resolved kernel (attention.flash_kernels.FlashKernel)
+    ledger: Any = None                 # the runtime's first-forward accounting (attention.accounting.Ledger)
 
     def layouts(self) -> tuple[str, ...]:
         """Shard layouts this attention is exact for: the Ring loop plans with any layout the batch

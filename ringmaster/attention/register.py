@@ -14,7 +14,7 @@ from functools import partial
 from ..comm import with_layer_context
 from ..compat import has_module
 from ..sharding.documents import BATCH_KWARG, CPBatch
-from . import ulysses, usp
+from . import layer_rules, ulysses, usp
 from .binding import AttentionBinding
 from .ring import hf as ring_hf
 
@@ -26,7 +26,7 @@ def attention_name(backend: str, inner: str, serial: int | None = None) -> str:
     return f"ringmaster_{backend}_{short}" + (f"_{serial}" if serial is not None else "")
 
 
-def require_batch(kwargs: dict, binding: AttentionBinding) -> CPBatch:
+def require_batch(kwargs: dict, binding: AttentionBinding, module=None) -> CPBatch:
     """The per-batch structure a CP attention call needs, checked against what the function is bound
     to, before any collective (fail closed: a batch cut for another group, rank or layout raises)."""
     cpb = kwargs.pop(BATCH_KWARG, None)
@@ -35,6 +35,7 @@ def require_batch(kwargs: dict, binding: AttentionBinding) -> CPBatch:
             f"ringmaster CP attention ({binding.name or binding.backend}) was called without the batch's global "
             "structure: shard batches with ringmaster.adapters.raw.context_parallel_region(batch) or "
             "ContextParallelContextManager, which pass it to the model as the `ringmaster_batch` kwarg"
+            + (binding.ledger.missing_batch(module) if binding.ledger is not None else "")
         )
     if cpb.size != binding.cp_size or cpb.rank != binding.cp_rank:
         raise RuntimeError(
@@ -53,7 +54,11 @@ def require_batch(kwargs: dict, binding: AttentionBinding) -> CPBatch:
 
 
 def _call(fn, binding: AttentionBinding, module, query, key, value, attention_mask, **kwargs):
-    cpb = require_batch(kwargs, binding)
+    ledger = binding.ledger
+    if ledger is not None and ledger.armed:  # the first CP forward only (attention.accounting)
+        ledger.record(module, attention_mask)
+    cpb = require_batch(kwargs, binding, module)
+    cpb, query = layer_rules.apply(module, query, key, cpb, kwargs)  # chunks, temperature, refusals
     return fn(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
 
 

@@ -125,6 +125,10 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     if binding.inner_kernel is not None:
         return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
     inner = binding.inner
+    if inner == "sdpa" and kwargs.get("softcap") is not None:  # HF's sdpa raises too, but after the all-to-all
+        raise NotImplementedError(
+            f"{type(module).__name__}: the model caps attention logits (softcap={kwargs['softcap']}) and sdpa has "
+            "no softcap; load it with attn_implementation='eager' (or 'flex_attention', or a flash kernel)")
     group = binding.ulysses_group
     P = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .binding import AttentionBinding
-from .ring.hf import module_sinks, ring_core
+from .ring.hf import check_call, module_sinks, ring_core
 from .ulysses import head_to_seq, kv_replication, seq_to_head
 
 
@@ -13,6 +13,7 @@ def usp_attention_hf(module, query, key, value, *, binding: AttentionBinding, cp
     """Ulysses all-to-all inside the Ulysses group turns ``[B, H, S/P, D]`` into ``[B, H/u, S/r, D]``
     (the Ulysses group's contiguous span), Ring runs over the ring group on that span, and the
     reverse all-to-all returns ``[B, S/P, H, D]``."""
+    check_call(binding, module, query, value, kwargs)  # refusals come before the all-to-all
     ug = binding.ulysses_group
     u, i = dist.get_world_size(ug), dist.get_rank(ug)
     rep = kv_replication(query.shape[1], key.shape[1], u)

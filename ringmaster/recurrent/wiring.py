@@ -21,7 +21,7 @@ from .registry import get_kind
 def _spec_of(model):
     try:
         return get_architecture(model)
-    except ValueError:
+    except (ValueError, UnsupportedLayerError):
         return None
 
 

@@ -64,6 +64,25 @@ def sequence_length(batch: Mapping[str, Any]) -> int:
     )
 
 
+def refuse_bidirectional_spans(batch: Mapping[str, Any]) -> None:
+    """Gemma-style VLMs (gemma3, paligemma) mark image tokens with ``token_type_ids == 1`` and let each
+    image span attend to itself bidirectionally (HF's ``block_sequence_ids`` OR-ed onto the causal
+    mask). The CP kernels mask with causal/window bands and documents (an AND), which cannot express
+    that OR, so such a batch is refused here, before any collective. Text-only batches are exact."""
+    tt = batch.get("token_type_ids")
+    if not isinstance(tt, torch.Tensor) or not bool((tt == 1).any()):
+        return
+    row = int((tt == 1).any(-1).nonzero()[0])
+    idx = (tt[row] == 1).nonzero().flatten()
+    end = int(idx[0])
+    while end + 1 < tt.shape[-1] and int(tt[row, end + 1]) == 1:
+        end += 1
+    raise NotImplementedError(
+        f"this VLM batch has bidirectional image spans (token_type_ids == 1; row {row}, positions {int(idx[0])}..{end}): "
+        "Gemma-style models let image tokens attend to their whole span, which ringmaster CP's causal/document masks "
+        "do not express. Train text-only batches under CP, or run image batches without CP")
+
+
 def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                          load_balance: str = "contiguous", multimodal: bool = False) -> dict[str, Any]:
     """Return this rank's shard of a full collated batch (no collective runs here).
@@ -89,6 +108,8 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     seq_len = sequence_length(batch)
     balancers.check_divisible(seq_len, cp_size, layout)
     doc_ids = batch_documents(batch, seq_len)
+    if multimodal:
+        refuse_bidirectional_spans(batch)
 
     keep_whole = ("attention_mask",) if multimodal else ()
     full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS or k in keep_whole}

@@ -49,6 +49,22 @@ def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
+def chunk_doc_ids(doc_ids: torch.Tensor | None, seq_len: int, chunk: int, device=None) -> torch.Tensor:
+    """``doc_ids`` refined by fixed-length chunks (llama4's ``attention_chunk_size``): a new id starts
+    where the document changes or where a token's position *inside its document* crosses a multiple
+    of ``chunk``. Computed from the global row, never from a shard's local length. This is HF's rule
+    (``chunked_overlay``): chunks counted from the row start minus left padding, or from each
+    document's start in a packed row (its position_ids restart at 0)."""
+    if chunk < 1:
+        raise ValueError(f"attention_chunk_size must be >= 1, got {chunk}")
+    if doc_ids is None:
+        return (torch.arange(seq_len, device=device) // chunk).unsqueeze(0)
+    pos = positions_from_doc_ids(doc_ids)
+    first = torch.ones_like(doc_ids[:, :1], dtype=torch.bool)
+    new = torch.cat([first, (doc_ids[:, 1:] != doc_ids[:, :-1]) | (pos[:, 1:] // chunk != pos[:, :-1] // chunk)], 1)
+    return new.long().cumsum(-1) - 1
+
+
 def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | None:
     """The batch's ``doc_ids [B, S]``, or None when every row is one unpadded sequence."""
     cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
@@ -84,6 +100,17 @@ class CPBatch:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"))
+
+    def chunked(self, chunk: int) -> "CPBatch":
+        """This batch as chunked-attention layers see it: the same rank, layout and length, with
+        documents cut into ``chunk``-token pieces from global positions (:func:`chunk_doc_ids`).
+        Built once per forward and chunk size; every backend (Ulysses sdpa tiles, flex BlockMask,
+        flash varlen, the Ring block plans) then masks chunks as documents."""
+        key = ("chunked", chunk)
+        if key not in self._cache:
+            docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
+            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs)
+        return self._cache[key]
 
     @property
     def packed(self) -> bool:

@@ -8,7 +8,13 @@ output and LSE back in backward.
   masks and fp32). **Not yet run on a GPU**; its calls are checked against the op schemas on
   ``meta`` tensors (tests/test_ring_kernels.py).
 
-No block falls back to the math kernel.
+MLA (value heads narrower than query/key heads): the fused ops want one head dim, so q/k/v are
+zero-padded to the wider one and the results sliced (:class:`.common.EqualHeadDims`; exact).
+
+Logit soft-capping (Gemma-2 ``softcap``): no fused op here takes it. On CPU a softcap block runs the
+math kernel (:mod:`.math_kernel`) per tile of query rows (O(tile * Sk) temporaries, exact); on CUDA
+it is refused before any collective (:meth:`AtenKernel.check`). No other block falls back to the
+math kernel.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import torch
 
 from ...config import RingImpl
 from . import aten_cuda
-from .common import empty_result, expand_heads, finite_lse, reduce_groups
+from .common import EqualHeadDims, empty_result, expand_heads, finite_lse, reduce_groups
 from .masks import as_block_mask
+from .math_kernel import MathKernel
 from .merge import acc_dtype
 from .tiles import TILE_ROWS, additive, rows_seen, tiles
 
@@ -43,21 +50,72 @@ class AtenKernel:
     def available(device: torch.device) -> bool:
         return torch.device(device).type in ("cpu", "cuda")
 
-    def forward(self, q, k, v, scale, mask):
-        m = as_block_mask(mask, q.shape[-2], k.shape[-2])
-        if q.device.type == "cpu":
-            return _cpu_forward(q, k, v, scale, m, self.tile_rows)
-        if q.device.type in aten_cuda.DEVICES:
-            return aten_cuda.forward(q, k, v, scale, m)
-        raise _unsupported(q.device)
+    def check(self, q, v, softcap=None) -> None:
+        """Refuse, before any collective, what no aten op here runs: softcap on CUDA."""
+        if softcap and q.device.type != "cpu":
+            raise NotImplementedError(
+                f"ring_impl='aten' on {q.device.type}: torch's fused attention ops have no logit soft-capping (the "
+                f"model caps at softcap={softcap}); use ring_impl='hf_kernels' (flash kernels take softcap), "
+                "ring_impl='math', or backend='ulysses' with attn_implementation='eager'")
 
-    def backward(self, dout, q, k, v, out, lse, scale, mask):
+    def forward(self, q, k, v, scale, mask, softcap=None):
         m = as_block_mask(mask, q.shape[-2], k.shape[-2])
+        if softcap:
+            self.check(q, v, softcap)
+            return _math_tiles_forward(q, k, v, scale, m, softcap, self.tile_rows)
+        dims = EqualHeadDims(q, v)
+        q, k, v = dims.inputs(q, k, v)
         if q.device.type == "cpu":
-            return _cpu_backward(dout, q, k, v, out, lse, scale, m, self.tile_rows)
-        if q.device.type in aten_cuda.DEVICES:
-            return aten_cuda.backward(dout, q, k, v, out, lse, scale, m)
-        raise _unsupported(q.device)
+            out, lse = _cpu_forward(q, k, v, scale, m, self.tile_rows)
+        elif q.device.type in aten_cuda.DEVICES:
+            out, lse = aten_cuda.forward(q, k, v, scale, m)
+        else:
+            raise _unsupported(q.device)
+        return dims.outputs(out), lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=None):
+        m = as_block_mask(mask, q.shape[-2], k.shape[-2])
+        if softcap:
+            self.check(q, v, softcap)
+            return _math_tiles_backward(dout, q, k, v, out, lse, scale, m, softcap, self.tile_rows)
+        dims = EqualHeadDims(q, v)
+        q, k, v = dims.inputs(q, k, v)
+        dout, out = dims.pad(dout), dims.pad(out)
+        if q.device.type == "cpu":
+            grads = _cpu_backward(dout, q, k, v, out, lse, scale, m, self.tile_rows)
+        elif q.device.type in aten_cuda.DEVICES:
+            grads = aten_cuda.backward(dout, q, k, v, out, lse, scale, m)
+        else:
+            raise _unsupported(q.device)
+        return dims.grads(*grads)
+
+
+_MATH = MathKernel()
+
+
+def _math_tiles_forward(q, k, v, scale, m, softcap, tile_rows):
+    """A softcap block through the math kernel, one tile of query rows at a time (O(tile * Sk))."""
+    out, lse = empty_result(q, v.shape[-1])
+    for r0, r1, k0, k1, tm in tiles(m, q.device, tile_rows):
+        o, l = _MATH.forward(q[..., r0:r1, :], k[..., k0:k1, :], v[..., k0:k1, :], scale, tm, softcap=softcap)
+        out[..., r0:r1, :] = o
+        lse[..., r0:r1] = l
+    return out, lse
+
+
+def _math_tiles_backward(dout, q, k, v, out, lse, scale, m, softcap, tile_rows):
+    acc = acc_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for r0, r1, k0, k1, tm in tiles(m, q.device, tile_rows):
+        rows, keys = slice(r0, r1), slice(k0, k1)
+        gq, gk, gv = _MATH.backward(dout[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :],
+                                    out[..., rows, :], lse[..., rows], scale, tm, softcap=softcap)
+        dq[..., rows, :] += gq
+        dk[..., keys, :] += gk
+        dv[..., keys, :] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _cpu_forward(q, k, v, scale, m, tile_rows):

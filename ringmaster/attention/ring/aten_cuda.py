@@ -17,7 +17,8 @@ Which op runs a block:
   rows: sliced here, and padded again for the backward.
 
 GQA: flash takes fewer K/V heads natively; memory-efficient attention gets expanded K/V.
-fp64 has no fused CUDA op: refused with the fix (``ring_impl='math'``).
+fp64 has no fused CUDA op: refused with the fix (``ring_impl='math'``). MLA blocks arrive padded to one
+head dim (:class:`.aten.AtenKernel`); softcap is refused there (no op here takes it).
 """
 
 from __future__ import annotations

@@ -19,15 +19,28 @@ def module_sinks(module, kwargs):
     return sinks if isinstance(sinks, torch.Tensor) else None
 
 
-def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
-    """Ring attention over ``group`` for q ``[B, H, n, D]`` in ``layout``; returns ``[B, H, n, D]``."""
+def check_call(binding: AttentionBinding, module, query, value, kwargs) -> None:
+    """Refuse, before any collective (USP calls it before its all-to-all), what the ring cannot run
+    exactly for this call: attention dropout, and softcap / MLA head dims a block kernel or the
+    distflash schedule does not take."""
+    where = type(module).__name__
     if kwargs.get("dropout") and getattr(module, "training", False):
         raise NotImplementedError(
-            f"ring attention is exact only without attention dropout (got {kwargs['dropout']}); "
+            f"{where}: ring attention is exact only without attention dropout (got {kwargs['dropout']}); "
             "set attention_dropout=0 in the model config"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("ring attention does not implement logit soft-capping; use backend='ulysses'")
+    softcap = kwargs.get("softcap")
+    if binding.schedule == "distflash" and (softcap or query.shape[-1] != value.shape[-1]):
+        what = f"softcap={softcap}" if softcap else f"query/key head dim {query.shape[-1]} != value head dim " \
+                                                      f"{value.shape[-1]} (MLA)"
+        raise NotImplementedError(f"{where}: the distflash ring schedule does not implement {what}; "
+                                  "use load_balance='head_tail' (or 'none')")
+    binding.ring_kernel.check(query, value, softcap)
+
+
+def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
+    """Ring attention over ``group`` for q ``[B, H, n, D]`` in ``layout``; returns ``[B, H, n, D_v]``."""
+    check_call(binding, module, query, value, kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     if binding.schedule == "distflash":
         distflash.check_call(causal, kwargs.get("sliding_window"), cpb.seq_len)
@@ -39,14 +52,15 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device))
     return ring_attention(query, key, value, group, plan, binding.ring_kernel, rotate=binding.rotate,
-                          scale=kwargs.get("scaling"), sinks=sinks)
+                          scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"))
 
 
 def ring_attention_hf(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
     """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]``, the shard cut in ``cpb.layout``.
 
     Masks come from global positions (the layout's chunks), not from HF's per-shard mask;
-    the sliding window from the ``sliding_window`` kwarg; sinks from ``s_aux`` / ``module.sinks``.
+    the sliding window from the ``sliding_window`` kwarg; sinks from ``s_aux`` / ``module.sinks``;
+    Gemma-2's logit cap from ``softcap``. v may have a narrower head dim than q/k (MLA).
     """
     out = ring_core(binding, cpb, module, query, key, value, binding.ring_group, cpb.layout, kwargs,
                     module_sinks(module, kwargs))

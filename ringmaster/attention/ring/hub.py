@@ -16,12 +16,18 @@ The interface is read from the functions' signatures once, when the runtime bind
 a ``window_size`` tuple). Blocks map to calls as in :mod:`.flash_blocks`: causal and window
 aligned bottom-right, documents through ``cu_seqlens``.
 
+Logit soft-capping goes to the kernel's own ``softcap`` argument, forward and backward (refused before
+any collective when its functions have none); MLA's narrower value heads are zero-padded to the
+query/key head dim and the results sliced (:class:`.common.EqualHeadDims`, as transformers' flash
+path pads them).
+
 The real kernels are GPU-only and **not yet run on a GPU** here; CI runs this provider against
 ringmaster's CPU stand-in (``ringmaster.testing.flash_standin``) loaded through ``LOCAL_KERNELS``.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -29,6 +35,7 @@ import torch
 from ...config import RingImpl
 from .. import flash_kernels
 from . import flash_blocks
+from .common import EqualHeadDims
 from .masks import as_block_mask
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -111,6 +118,7 @@ class _HubOps:
 
     def __init__(self, module, label: str):
         self.label = label
+        self.softcap = None  # the model's logit cap on a per-call copy (:meth:`capped`), else None
         if hasattr(module, "_flash_attn_fwd"):                      # FA4
             fwd = _Fn(module, "_flash_attn_fwd", none_window=True)
             bwd = _Fn(module, "_flash_attn_bwd", none_window=True)
@@ -131,10 +139,25 @@ class _HubOps:
                 f"ring_impl='hf_kernels': the kernel {label!r} has neither _flash_attn_forward (FA2/FA3) nor "
                 "_flash_attn_fwd (FA4); use ring_impl='aten'")
 
+    def takes_softcap(self) -> bool:
+        fns = [self._fwd, self._bwd] + ([self._vfwd, self._vbwd] if self._vfwd is not None else [])
+        return all(fn.has("softcap") for fn in fns if fn is not None)
+
+    def capped(self, softcap):
+        """These ops calling the kernel with ``softcap`` (a shallow copy: the bound instance never changes)."""
+        if not softcap:
+            return self
+        ops = copy.copy(self)
+        ops.softcap = softcap
+        return ops
+
+    def _cap(self) -> dict:
+        return {"softcap": float(self.softcap)} if self.softcap else {}
+
     def dense_fwd(self, q, k, v, scale, left, right):
         causal, window = flash_flags(left, right)
         res = self._fwd(window, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), softmax_scale=scale,
-                        causal=causal, return_lse=True)
+                        causal=causal, return_lse=True, **self._cap())
         return res[0], res[1]
 
     def varlen_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right):
@@ -143,7 +166,7 @@ class _HubOps:
                                       "use ring_impl='aten'")
         causal, window = flash_flags(left, right)
         res = self._vfwd(window, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                         max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True)
+                         max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True, **self._cap())
         return res[0], res[1]
 
     def _backward(self, fn, dout, q, k, v, out, lse, scale, left, right, **varlen):
@@ -151,7 +174,7 @@ class _HubOps:
         q, k, v, dout, out = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous(), out.contiguous()
         grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
         res = fn(window, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), softmax_scale=scale,
-                 causal=causal, **varlen, **{n: g for n, g in grads.items() if fn.has(n)})
+                 causal=causal, **varlen, **self._cap(), **{n: g for n, g in grads.items() if fn.has(n)})
         if all(fn.has(n) for n in grads) and self.flavor != "fa4":
             return grads["dq"], grads["dk"], grads["dv"]   # FA2/FA3 write the gradients in place
         return res[0], res[1], res[2]
@@ -177,7 +200,15 @@ class HfKernelsKernel:
         self.inner = inner
         self.ops = _HubOps(module if module is not None else load_flash_kernel(inner), inner)
 
-    def forward(self, q, k, v, scale, mask):
+    def check(self, q, v, softcap=None) -> None:
+        """Refuse, before any collective, a softcap this kernel's functions cannot take."""
+        if softcap and not self.ops.takes_softcap():
+            raise NotImplementedError(
+                f"ring_impl='hf_kernels': the flash kernel {self.inner!r} takes no softcap (the model caps logits at "
+                f"{softcap}); use ring_impl='math' or a kernel with softcap (flash-attn2/3)")
+
+    def forward(self, q, k, v, scale, mask, softcap=None):
+        self.check(q, v, softcap)
         if not hub_dtype_ok(q.device, q.dtype):  # rm.setup callers (axolotl) skip wire's check_dtype
             raise ValueError(f"ring_impl='hf_kernels' (flash attention) runs fp16/bf16 on GPU, the activations are "
                              f"{q.dtype} on {q.device}; use ring_impl='aten' (fp32 through memory-efficient "
@@ -186,10 +217,14 @@ class HfKernelsKernel:
         if m.dense is not None:
             raise NotImplementedError("ring_impl='hf_kernels' runs band and document blocks (what the ring plans); "
                                       "an arbitrary dense mask needs ring_impl='aten'")
-        return flash_blocks.forward(self.ops, q, k, v, scale, m)
+        dims = EqualHeadDims(q, v)
+        out, lse = flash_blocks.forward(self.ops.capped(softcap), *dims.inputs(q, k, v), scale, m)
+        return dims.outputs(out), lse
 
-    def backward(self, dout, q, k, v, out, lse, scale, mask):
+    def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=None):
         m = as_block_mask(mask, q.shape[-2], k.shape[-2])
         if m.dense is not None:
             raise NotImplementedError("ring_impl='hf_kernels' runs band and document blocks; use ring_impl='aten'")
-        return flash_blocks.backward(self.ops, dout, q, k, v, out, lse, scale, m)
+        dims = EqualHeadDims(q, v)
+        grads = flash_blocks.backward(self.ops.capped(softcap), dims.pad(dout), *dims.inputs(q, k, v), dims.pad(out), lse, scale, m)
+        return dims.grads(*grads)

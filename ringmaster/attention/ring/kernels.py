@@ -2,8 +2,12 @@
 
 Every provider has the same interface, forward and backward:
 
-    forward(q, k, v, scale, mask)                       -> out [B,H,Sq,D], lse [B,H,Sq] (fp32)
-    backward(dout, q, k, v, out, lse, scale, mask)      -> dq, dk, dv
+    forward(q, k, v, scale, mask, softcap=None)                   -> out [B,H,Sq,D_v], lse [B,H,Sq] (fp32)
+    backward(dout, q, k, v, out, lse, scale, mask, softcap=None)  -> dq, dk, dv
+    check(q, v, softcap)    raises, before any collective, what the provider cannot run
+
+``softcap`` (Gemma-2) caps every score at ``softcap * tanh(s / softcap)`` inside the block, forward and
+backward; the LSE merge is unchanged by it. v's head dim ``D_v`` may differ from q/k's (MLA).
 
 ``mask`` is ``None`` (every key visible), ``"causal"`` (a square diagonal block), a bool
 ``[Sq, Sk]`` / ``[B, 1, Sq, Sk]`` tensor (True = attend), or a structured

@@ -8,6 +8,11 @@ Rotation ``allgather``: K/V are gathered once (O(S) resident); backward reduce-s
 Blocks are planned per chunk pair from global positions (the layout's chunks), so causal,
 sliding-window and head_tail layouts share one code path; pairs that are fully masked are
 skipped, never computed.
+
+K and V travel as one buffer: stacked (``[2, B, H, S, D]``) when their head dims agree, concatenated
+along the head dim (``[B, H, S, D_qk + D_v]``) for MLA, where value heads are narrower. Gemma-2's
+logit ``softcap`` is applied inside every block's scores by the kernel (forward and backward); the
+LSE merge is unchanged by it.
 """
 
 from __future__ import annotations
@@ -92,6 +97,23 @@ def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, BlockM
     return pairs
 
 
+@dataclass(frozen=True)
+class _KV:
+    """How K and V share one buffer: stacked when their head dims agree, else side by side (MLA)."""
+
+    dk: int
+    dv: int
+
+    def pack(self, k, v):
+        return torch.stack([k, v]).contiguous() if self.dk == self.dv else torch.cat([k, v], dim=-1).contiguous()
+
+    def k(self, kv):
+        return kv[0] if self.dk == self.dv else kv[..., :self.dk]
+
+    def v(self, kv):
+        return kv[1] if self.dk == self.dv else kv[..., self.dk:]
+
+
 def _sl(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
     return x[..., i * c:(i + 1) * c, :]
 
@@ -120,28 +142,31 @@ class _Ring:
         return recv
 
 
-def _forward_block(kernel, plan, q, kv, src, scale, acc):
+def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap):
     c = plan.chunk
+    k, v = lay.k(kv), lay.v(kv)
     for qi, kj, mask in block_pairs(plan, src, q.device):
-        o, lse = kernel.forward(_sl(q, qi, c), _sl(kv[0], kj, c), _sl(kv[1], kj, c), scale, mask)
+        o, lse = kernel.forward(_sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c), scale, mask, softcap=softcap)
         acc[qi] = merge(*(acc[qi] or (None, None)), o, lse)
 
 
-def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv):
+def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv, lay: _KV, softcap):
     c = plan.chunk
+    k, v, dk, dv = lay.k(kv), lay.v(kv), lay.k(dkv), lay.v(dkv)
     for qi, kj, mask in block_pairs(plan, src, q.device):
-        dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(kv[0], kj, c), _sl(kv[1], kj, c),
-                                           _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask)
+        dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c),
+                                           _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask,
+                                           softcap=softcap)
         _sl(dq, qi, c).add_(dq_i.to(dq.dtype))
-        _sl(dkv[0], kj, c).add_(dk_j.to(dkv.dtype))
-        _sl(dkv[1], kj, c).add_(dv_j.to(dkv.dtype))
+        _sl(dk, kj, c).add_(dk_j.to(dkv.dtype))
+        _sl(dv, kj, c).add_(dv_j.to(dkv.dtype))
 
 
-def _finish(acc, q, sinks):
+def _finish(acc, q, sinks, dv: int):
     parts_out, parts_lse = [], []
     for item, qc in zip(acc, q.split(q.shape[-2] // len(acc), dim=-2)):
         if item is None:  # no visible key at all (cannot happen for causal: the diagonal is always seen)
-            item = (qc.new_zeros(qc.shape, dtype=acc_dtype(qc)),
+            item = (qc.new_zeros((*qc.shape[:-1], dv), dtype=acc_dtype(qc)),
                     qc.new_full(qc.shape[:-1], float("-inf"), dtype=acc_dtype(qc)))
         parts_out.append(item[0])
         parts_lse.append(item[1])
@@ -153,33 +178,35 @@ def _finish(acc, q, sinks):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: RingPlan, group, kernel, rotate: str, scale: float):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan, group, kernel, rotate: str, scale: float, softcap):
         P = plan.size
-        kv = torch.stack([k, v]).contiguous()
+        lay = _KV(k.shape[-1], v.shape[-1])
+        kv = lay.pack(k, v)
         acc = [None] * len(plan.chunks(plan.rank))
         if rotate == "allgather":
             kv_all = _all_gather(kv, group, "forward", "ring_kv")
             for src in range(P):
-                _forward_block(kernel, plan, q, kv_all[src], src, scale, acc)
+                _forward_block(kernel, plan, q, kv_all[src], src, scale, acc, lay, softcap)
         else:
             ring, cur, kv_all = _Ring(group), kv, None
             for step in range(P):
                 pending = ring.start(cur, "forward", "ring_kv") if step < P - 1 else None
-                _forward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, acc)
+                _forward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, acc, lay, softcap)
                 if pending is not None:
                     cur = ring.wait(pending)
-        out, lse = _finish(acc, q, sinks)
+        out, lse = _finish(acc, q, sinks, v.shape[-1])
         saved = [q, k, v, out, lse] + ([sinks] if sinks is not None else []) + ([kv_all] if kv_all is not None else [])
         ctx.save_for_backward(*saved)
         ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.rotate, ctx.scale = (
             sinks is not None, plan, group, kernel, rotate, scale)
+        ctx.lay, ctx.softcap = lay, softcap
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         sinks = rest.pop(0) if ctx.has_sinks else None
-        plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
+        plan, group, kernel, scale, lay, softcap = ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.lay, ctx.softcap
         P = plan.size
         acc = acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -187,15 +214,17 @@ class RingAttention(torch.autograd.Function):
             kv_all = rest[0]
             dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
             for src in range(P):
-                _backward_block(kernel, plan, q, kv_all[src], src, scale, dout, out, lse, dq, dkv_all[src])
+                _backward_block(kernel, plan, q, kv_all[src], src, scale, dout, out, lse, dq, dkv_all[src], lay,
+                                softcap)
             dkv = _reduce_scatter(dkv_all, group, "backward", "ring_dkv")
         else:
             ring = _Ring(group)
-            cur = torch.stack([k, v]).contiguous()
+            cur = lay.pack(k, v)
             dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
             for step in range(P):
                 pending = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
-                _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv)
+                _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv, lay,
+                                softcap)
                 # the accumulated dK/dV travel with their block; after P hops they are home
                 dkv = ring.wait(ring.start(dkv, "backward", "ring_dkv", channel=1))
                 if pending is not None:
@@ -205,17 +234,21 @@ class RingAttention(torch.autograd.Function):
             delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
             p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
             dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
+        return (dq.to(q.dtype), lay.k(dkv).to(k.dtype), lay.v(dkv).to(v.dtype), dsinks,
+                None, None, None, None, None, None)
 
 
 def ring_attention(q, k, v, group, plan: RingPlan, kernel, rotate: str = "alltoall", scale: float | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sharded sequence.
 
     q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` in the layout of ``plan``; returns
-    ``[B, Hq, S/P, D]``. ``sinks`` (``[Hq]``) adds gpt-oss style attention sinks.
+    ``[B, Hq, S/P, D_v]``. ``sinks`` (``[Hq]``) adds gpt-oss style attention sinks; ``softcap`` caps
+    every score at ``softcap * tanh(s / softcap)`` (Gemma-2). v's head dim may be narrower than
+    q/k's (MLA). A kernel that cannot run the call refuses here, before any collective.
     """
     if rotate not in ("alltoall", "allgather"):
         raise ValueError(f"rotate={rotate!r}: use 'alltoall' (p2p) or 'allgather'")
+    kernel.check(q, v, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, sinks, plan, group, kernel, rotate, scale)
+    return RingAttention.apply(q, k, v, sinks, plan, group, kernel, rotate, scale, softcap)

@@ -42,12 +42,16 @@ def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
     return out * _weight(lse, total).unsqueeze(-1), total
 
 
-def reference_attention(q, k, v, scale: float, mask: torch.Tensor | None = None, sink: torch.Tensor | None = None):
-    """Dense softmax attention over the concatenation (fp32), for tests: returns ``(out, lse)``."""
+def reference_attention(q, k, v, scale: float, mask: torch.Tensor | None = None, sink: torch.Tensor | None = None,
+                        softcap: float | None = None):
+    """Dense softmax attention over the concatenation (fp32), for tests: returns ``(out, lse)``;
+    ``softcap`` caps the scores at ``softcap * tanh(s / softcap)`` (Gemma-2)."""
     g = q.shape[1] // k.shape[1]
     dt = acc_dtype(q)
     k, v = k.repeat_interleave(g, dim=1).to(dt), v.repeat_interleave(g, dim=1).to(dt)
     s = torch.matmul(q.to(dt), k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, NEG_INF)
     if sink is not None:

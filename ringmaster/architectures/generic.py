@@ -1,0 +1,199 @@
+"""The generic path: a model no family registers, accepted when ringmaster can see it is safe.
+
+A decoder needs no registration when (1) every attention module picks its kernel through
+transformers' attention interface (its ``forward`` reads ``ALL_ATTENTION_FUNCTIONS``: that is
+where ``rm.wire`` swaps in the CP function; ``_supports_attention_backend`` is not reliable in
+transformers 5.24: bamba, jamba, biogpt dispatch without it), (2) no layer carries state along
+the sequence (:mod:`.classify` fails closed), and (3) nothing else depends on where a token
+sits in the *local* shard: learned absolute position embeddings, convolutions over the
+sequence, per-sequence MoE statistics, dropout (:func:`cp_hazards`). The spec (attention classes, the
+config's head attributes) is derived from the model itself.
+
+A registered spec wins over the generic path (hybrids, VLMs, overrides), and a registered spec
+with ``refuse`` set stops ``rm.wire`` with its reason. What the wiring cannot see statically
+(a decoder layer that drops the ``ringmaster_batch`` kwarg, an attention called twice) the
+first-forward accounting catches (:mod:`ringmaster.attention.accounting`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from functools import lru_cache
+
+import torch.nn as nn
+
+from ..errors import UnsupportedLayerError
+from .classify import _ATTENTION_LIKE, stateful_layers, unsupported_message
+from .spec import ArchitectureSpec, register_architecture, registered_architecture, text_config, unknown_family
+
+_DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS",)
+# nn.Embedding modules indexed by a token's position: if the model builds those positions from the local
+# input length (arange(seq_len), cache_position) every rank embeds positions 0..S/P-1
+_POSITION_EMBEDDING = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings?|pos_embed(ding)?s?|embed_pos|"
+                                 r"positional_embeddings?)$")
+_POSITION_CLASS = re.compile(r"Positional?Embedding", re.I)
+_HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "n_kv_heads")
+
+
+@lru_cache(maxsize=None)
+def dispatches(cls: type) -> bool:
+    """Whether instances of ``cls`` pick their attention kernel through transformers' interface
+    (read from the source of the class's own ``forward``; cached per class)."""
+    forward = cls.__dict__.get("forward")
+    if forward is None:
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _DISPATCH_MARKERS)
+
+
+def _has_linear_child(module) -> bool:
+    return any(isinstance(child, nn.Linear) for child in module.children())
+
+
+def generic_spec(model) -> ArchitectureSpec:
+    """Derive a spec for an unregistered model, or raise :class:`UnsupportedLayerError` naming the
+    layer that makes the generic path unsafe and the fix."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    found = stateful_layers(model)
+    if found:
+        raise UnsupportedLayerError(unsupported_message(*found[0], model_type))
+    modules = dict(model.named_modules())
+    dispatching = [path for path, m in modules.items() if dispatches(type(m))]
+
+    def inside(path: str, roots: list[str]) -> bool:
+        return any(path == r or path.startswith(r + ".") or r.startswith(path + ".") for r in roots)
+
+    for path, module in modules.items():
+        cls = type(module).__name__
+        if (_ATTENTION_LIKE.search(cls) and _has_linear_child(module) and not dispatches(type(module))
+                and not inside(path, dispatching)):
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({cls}) looks like attention but computes it itself instead of through "
+                f"transformers' attention interface (its forward never reads ALL_ATTENTION_FUNCTIONS), so "
+                f"ringmaster cannot put the CP attention there; model_type {model_type!r} is not supported "
+                "generically. Register the family with rm.register_architecture(ArchitectureSpec(..., "
+                "refuse=...)) or use a CP size of 1")
+    if not dispatching:
+        raise UnsupportedLayerError(
+            f"no module of {type(model).__name__} (model_type {model_type!r}) dispatches attention through "
+            "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), so ringmaster has nowhere to put the "
+            "CP attention; use a CP size of 1 for this model")
+    tcfg = text_config(model.config)
+    heads = next((a for a in _HEAD_ATTRS if isinstance(getattr(tcfg, a, None), int)), None)
+    if heads is None:
+        raise UnsupportedLayerError(
+            f"model_type {model_type!r}: found no head count in its config (looked for {_HEAD_ATTRS}); register "
+            "the family with rm.register_architecture(ArchitectureSpec(..., num_heads_attr=...))")
+    kv = next((a for a in _KV_HEAD_ATTRS if isinstance(getattr(tcfg, a, None), int)), heads)
+    num_heads, num_kv = getattr(tcfg, heads), getattr(tcfg, kv)
+    for path in dispatching:
+        groups = getattr(modules[path], "num_key_value_groups", None)
+        if isinstance(groups, int) and groups * num_kv != num_heads:
+            raise UnsupportedLayerError(
+                f"layer {path!r} has num_key_value_groups={groups}, but its config says {heads}={num_heads} and "
+                f"{kv}={num_kv}; ringmaster cannot tell its head split: register the family with an "
+                "ArchitectureSpec naming num_heads_attr/num_kv_heads_attr")
+    classes = tuple(dict.fromkeys(type(modules[p]).__name__ for p in dispatching))
+    return ArchitectureSpec(name=f"{model_type} (generic)", model_types=(model_type,), attention_classes=classes,
+                            num_heads_attr=heads, num_kv_heads_attr=kv, notes="derived by the generic path")
+
+
+def get_architecture(model_or_config) -> ArchitectureSpec:
+    """The spec for a model (or its config): the registered family by ``model_type`` (the text
+    config's for VLMs), else, for a model, the one the generic path derives from its modules
+    (raises :class:`UnsupportedLayerError` naming what makes it unsafe). A config alone of an
+    unregistered family raises ``ValueError``. A refusing spec is returned as is; ``rm.wire``
+    raises its reason."""
+    spec = registered_architecture(model_or_config)
+    if spec is not None:
+        return spec
+    if isinstance(model_or_config, nn.Module):
+        return generic_spec(model_or_config)
+    raise unknown_family(model_or_config)
+
+
+_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate|jitter_noise)")
+
+
+def _dropout_hazards(config) -> list[str]:
+    out = []
+    for name, value in sorted(vars(config).items()):
+        if _DROPOUT.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out.append(
+                f"config.{name}={value}: dropout (or router jitter) under CP draws each rank's mask from the same random stream, so "
+                "the shards reuse one mask pattern for different positions (and heads, under Ulysses) and training "
+                f"is not the single-device run. Set {name}=0.0 for CP training (seed_oss ships residual_dropout="
+                "0.1: its whole-gradient error was 0.56 at P=2 until refused)")
+    return out
+
+
+def _config_hazards(config) -> list[str]:
+    out = []
+    if getattr(config, "output_router_logits", False):
+        out.append(
+            "config.output_router_logits=True: the MoE auxiliary load-balancing loss is a per-sequence statistic "
+            "(each expert's token fraction times its mean router probability over the whole sequence); under CP "
+            "each rank would compute it over its shard only, which is not the single-device loss. Set "
+            "output_router_logits=False (router_aux_loss_coef then has no effect) or use a CP size of 1")
+    for name, value in sorted(vars(config).items()):
+        if "capacity" in name and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out.append(
+                f"config.{name}={value}: MoE expert capacity drops tokens by their rank within the sequence; "
+                "under CP each rank would count capacity over its shard. Set it to 0/None or use a CP size of 1")
+    return out
+
+
+def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
+    """What would make the wired model silently wrong beyond its attention: learned/absolute position
+    embeddings (positions from the local length), convolutions over the sequence outside declared
+    recurrent layers, per-sequence MoE statistics, dropout (each rank draws the same mask stream).
+    Registered families are vouched for by their
+    parity tests (only the MoE config check applies to them); the generic path gets every check."""
+    out = _config_hazards(text_config(model.config))
+    if registered_architecture(model) is spec:
+        return out
+    skip = tuple(spec.vision_modules) + tuple(recurrent_paths)
+    for path, module in model.named_modules():
+        if any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        cls = type(module).__name__
+        if (isinstance(module, nn.Embedding) and _POSITION_EMBEDDING.search(path)) or (
+                _POSITION_CLASS.search(cls) and "Rotary" not in cls):
+            out.append(
+                f"layer {path!r} ({cls}) is an absolute position embedding: the model indexes it with positions "
+                "it builds from the local input length, so every CP rank would embed positions 0..S/P-1. "
+                "ringmaster supports rotary (and no) position encodings generically; register this family "
+                "explicitly only if its embedding reads the global position_ids ringmaster passes, else use a CP "
+                "size of 1")
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            out.append(
+                f"layer {path!r} ({cls}) drops with p={module.p}: each CP rank draws its mask from the same random "
+                "stream, so the shards reuse one mask pattern; set the model's dropout to 0.0 for CP training")
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
+            out.append(
+                f"layer {path!r} ({cls}) convolves along the sequence outside attention: each rank would miss "
+                "the neighbouring shard's tokens. Declare the layer as recurrent (a conv halo) in an "
+                "ArchitectureSpec or use a CP size of 1")
+    return out + _dropout_hazards(text_config(model.config))  # last: the structural reason names a layer
+
+
+def refuse_if_unsafe(model, spec: ArchitectureSpec, recurrent_paths=()) -> None:
+    """Raise before anything changes: the spec's own refusal, else the first hazard."""
+    if spec.refuse:
+        raise UnsupportedLayerError(f"family {spec.name!r} is refused under CP: {spec.refuse}")
+    hazards = cp_hazards(model, spec, recurrent_paths)
+    if hazards:
+        more = len(hazards) - 1
+        raise UnsupportedLayerError(hazards[0] if not more else
+                                    hazards[0] + f" (and {more} more, first: {hazards[1]})")
+
+
+def refuse(model_types: tuple[str, ...], reason: str, name: str | None = None) -> ArchitectureSpec:
+    """Register a refusal: ``rm.wire`` on these model types raises ``reason``."""
+    return register_architecture(ArchitectureSpec(name=name or model_types[0], model_types=model_types,
+                                                  attention_classes=(), refuse=reason))

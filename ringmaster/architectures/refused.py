@@ -1,0 +1,24 @@
+"""Families refused under CP, each with the reason (found by running them through the generic path).
+
+The generic path would accept these models (their attention dispatches through transformers'
+interface), but they are wrong under CP or cannot be made exact by ringmaster as they are
+written in transformers 5.24. ``rm.wire`` raises the reason before anything changes; a user who
+fixes the cause registers a spec with ``override=True``.
+"""
+
+from .generic import refuse
+
+_DROPS_KWARGS = ("its decoder layer calls self_attn without **kwargs (transformers 5.24), so the batch's global "
+                 "structure (`ringmaster_batch`) never reaches the attention and the first CP forward would fail; "
+                 "a layer that forwards **kwargs can be registered with rm.register_architecture(spec, "
+                 "override=True)")
+
+STABLELM = refuse(("stablelm",), "StableLmDecoderLayer: " + _DROPS_KWARGS)
+NEMOTRON = refuse(("nemotron",), "NemotronDecoderLayer: " + _DROPS_KWARGS)
+PHIMOE = refuse(("phimoe",), (
+    "PhimoeSparseMoeBlock's sparsemixer router samples experts at random in training (torch.rand per token): "
+    "every CP rank draws the same random stream for different tokens, so routing is not the single-device run "
+    "(measured: logits 0.14, whole gradient 0.13 off at P=2). Use a CP size of 1 for PhiMoE training"))
+DIFFLLAMA = refuse(("diffllama",), (
+    "DiffLlamaAttention (differential attention) calls the attention kernel twice per layer on split values; "
+    "ringmaster has not checked that exact. Use a CP size of 1"))

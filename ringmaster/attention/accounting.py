@@ -1,0 +1,112 @@
+"""First-forward accounting: prove, once, that every attention module went through CP attention.
+
+What ``rm.wire`` cannot see statically it checks on the first CP forward of a wired model: every
+attention module must call the runtime's CP attention function exactly once, with the batch's
+global structure (``ringmaster_batch``) and without a mask the model built itself. A decoder
+layer that drops ``**kwargs`` (the batch never reaches the attention), an attention computed
+outside the interface (never called), one called twice (differential attention), or a mask
+built from the local ``cache_position`` (which the CP kernels would ignore) all raise right
+after that forward, before any loss is backpropagated, naming the module and the fix.
+
+The ledger is bound at wire time to the runtime (the attention function is closed over it
+through its :class:`~ringmaster.attention.binding.AttentionBinding`); nothing is a process
+global. After the first forward passes, the hooks are removed and the CP function pays one
+attribute read per call.
+"""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedLayerError
+from ..sharding.documents import BATCH_KWARG
+
+
+class Ledger:
+    """Per-runtime record of which attention modules called the CP function in the current forward."""
+
+    def __init__(self):
+        self.armed = False
+        self.paths: dict[int, str] = {}      # id(module) -> path, for the wired attention modules
+        self.calls: dict[int, int] = {}
+        self.masks: dict[int, str] = {}     # id(module) -> what it passed as attention_mask
+        self.handles: list = []
+        self.unexpected: list[str] = []
+
+    # ---- called by the CP attention function (only while armed)
+    def record(self, module, attention_mask) -> None:
+        key = id(module)
+        if key not in self.paths:
+            self.unexpected.append(type(module).__name__)
+            return
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if attention_mask is not None:
+            self.masks[key] = type(attention_mask).__name__
+
+    def name(self, module) -> str:
+        path = self.paths.get(id(module))
+        return f"attention module {path!r} ({type(module).__name__})" if path else type(module).__name__
+
+    # ---- the model's hooks
+    def begin(self) -> None:
+        self.calls.clear()
+        self.masks.clear()
+        self.unexpected.clear()
+
+    def finish(self) -> None:
+        """Raise naming every module that broke the contract; on success, disarm and drop the hooks."""
+        problems = []
+        for key, path in self.paths.items():
+            n = self.calls.get(key, 0)
+            if n == 0:
+                problems.append(
+                    f"{path!r} never called ringmaster's CP attention function: its attention is computed outside "
+                    "transformers' attention interface, or the layer was skipped")
+            elif n > 1:
+                problems.append(
+                    f"{path!r} called the CP attention function {n} times in one forward (e.g. differential "
+                    "attention or a second attention pass), which ringmaster has not checked to be exact")
+            if key in self.masks:
+                problems.append(
+                    f"{path!r} passed its own attention mask ({self.masks[key]}) instead of one from transformers' "
+                    "mask interface (e.g. built from the local cache_position); ringmaster builds masks from global "
+                    "positions and would ignore it")
+        if self.unexpected:
+            problems.append(f"CP attention was called by modules rm.wire did not classify as attention: "
+                            f"{sorted(set(self.unexpected))}")
+        if problems:
+            self.begin()
+            raise UnsupportedLayerError(
+                "ringmaster's first-forward accounting failed (raised before backward, the model's loss must not be "
+                "used): " + "; ".join(problems) + ". Fix: register the family with an ArchitectureSpec that matches "
+                "its attention (rm.register_architecture(spec, override=True)) or refuse it "
+                "(ArchitectureSpec(refuse=...)); a decoder layer must pass **kwargs down to its attention")
+        self.disarm()
+
+    def disarm(self) -> None:
+        self.armed = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def missing_batch(self, module) -> str:
+        if not self.armed:
+            return ""
+        return (f" ({self.name(module)} got no `ringmaster_batch`: if the batch was sharded by ringmaster, its decoder "
+                "layer does not pass **kwargs down to the attention; register the family with an override or refuse "
+                "it)")
+
+
+def arm(ledger: Ledger, model, attention: dict[str, object]) -> None:
+    """Bind ``ledger`` to ``model``'s attention modules (path -> module) and hook its first CP forward."""
+    ledger.paths = {id(m): p for p, m in attention.items()}
+    ledger.begin()
+
+    def pre(module, args, kwargs):
+        ledger.begin()
+
+    def post(module, args, kwargs, output):
+        if ledger.armed and (ledger.calls or BATCH_KWARG in kwargs or ledger.unexpected):
+            ledger.finish()
+
+    ledger.handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+                      model.register_forward_hook(post, with_kwargs=True)]
+    ledger.armed = True
