@@ -95,13 +95,14 @@ def seq_to_head(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
-    """``[B, S, H/P, D]`` -> ``[B, S/P, H, D]``."""
+    """``[B, S, H/P, D]`` -> ``[B, S/P, H, D]``, contiguous as HF's kernels return it: with one head
+    per rank the reshape is a strided view, and a model that ``.view``s the output (afmoe) breaks."""
     P = dist.get_world_size(group)
     B, S_full, h, D = out.shape
     S = S_full // P
     x = out.reshape(B, P, S, h, D).transpose(0, 1)
     y = all_to_all(x, group, tag="ulysses_out")  # [P (source = head group), B, S, h, D]
-    return y.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
+    return y.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D).contiguous()
 
 
 def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwargs: dict):

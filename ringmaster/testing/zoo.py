@@ -192,7 +192,7 @@ def reference_step(model, batch) -> None:
 def _ringmaster_frame(tb) -> bool:
     """Was the exception raised by ringmaster's own code (a clean refusal), not inside a model?"""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = traceback.extract_tb(tb)
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.endswith("parity.py")]  # keep_fp64's mode
     if not frames:
         return False
     last = os.path.abspath(frames[-1].filename)
@@ -213,7 +213,10 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
             isinstance(exc, (ValueError, NotImplementedError, RuntimeError, TypeError))
             and _ringmaster_frame(exc.__traceback__) and msg):
         return "refused", msg
-    return "crash", f"{type(exc).__name__}: {msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.endswith("parity.py")]
+    where = f" (raised in {'/'.join(frames[-1].filename.split(os.sep)[-2:])}:{frames[-1].lineno} {frames[-1].name})" \
+        if frames else ""
+    return "crash", f"{type(exc).__name__}: {short(msg, 200)}{where}"
 
 
 def parity_case(ctx, model_type: str, base, batch, backend: str, P: int) -> dict[str, Any]:
