@@ -35,7 +35,9 @@ def _cases(rows):
 
 
 def test_never_wrong_never_a_hang(swept):
-    bad = [(f, k, c["verdict"], c["reason"]) for f, k, c in _cases(swept.rows) if c["verdict"] in ("WRONG", "hang")]
+    """Exact or a clean refusal: a crash inside the model (not a refusal ringmaster raised) counts as bad too."""
+    bad = [(f, k, c["verdict"], c["reason"]) for f, k, c in _cases(swept.rows)
+           if c["verdict"] in ("WRONG", "hang", "crash")]
     assert not bad, bad
 
 

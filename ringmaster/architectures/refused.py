@@ -22,3 +22,7 @@ PHIMOE = refuse(("phimoe",), (
 DIFFLLAMA = refuse(("diffllama",), (
     "DiffLlamaAttention (differential attention) calls the attention kernel twice per layer on split values; "
     "ringmaster has not checked that exact. Use a CP size of 1"))
+HY_V4 = refuse(("hy_v4",), (
+    "HYV4Attention's DSA indexer (HYV4Indexer) picks each query's top-k keys from the layer's own attention "
+    "mask and hidden states, outside the attention interface: under CP it would see only the shard (and gets "
+    "no mask at all), so the selection cannot be the single-device one. Use a CP size of 1 for HY-V4"))
