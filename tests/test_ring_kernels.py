@@ -312,16 +312,18 @@ def test_ring_loop_plans_blocks_without_dense_masks():
 
 # -- Gemma-2 logit softcap and MLA head dims (D_qk != D_v) in every provider ----------------------
 
-@pytest.mark.parametrize("dims", [(8, 8), (12, 8), (8, 12)], ids=["d8-8", "mla-12-8", "mla-8-12"])
-@pytest.mark.parametrize("softcap", [None, 1.5], ids=["nocap", "softcap"])
+# (no cap, equal dims) is test_block_kernel_forward_backward_match_dense's case: not repeated here
+CAP_DIMS = [(cap, dims) for cap in (None, 1.5) for dims in ((8, 8), (12, 8), (8, 12)) if cap or dims != (8, 8)]
+
+
+@pytest.mark.parametrize("softcap, dims", CAP_DIMS,
+                         ids=[f"{'softcap' if c else 'nocap'}-d{d[0]}-{d[1]}" for c, d in CAP_DIMS])
 @pytest.mark.parametrize("kid", [k[0] for k in KERNELS])
 def test_block_kernel_softcap_and_head_dims_match_dense(kid, softcap, dims):
     """Forward and backward against dense fp64 attention with the cap inside the scores and value heads
     of another width, for every block kind the provider takes (aten CPU runs softcap blocks through the
     math kernel per tile: aten-tiled checks tiles of 3 rows). The cap is small (1.5) so that it bends
     most scores: a kernel that drops it is far off."""
-    if softcap is None and dims == (8, 8):
-        pytest.skip("covered by test_block_kernel_forward_backward_match_dense")
     _, kernel, dense_ok = next(k for k in KERNELS if k[0] == kid)
     dk, dv = dims
     gen = torch.Generator().manual_seed(7)
