@@ -23,37 +23,15 @@ def _reference(attn, base=None):
     return forward
 
 
-def _padded_reference(model, batch):
-    """Each row's real tokens run alone at their global positions; padding logits stay 0 (the CP
-    logits there are masked out below)."""
-    from types import SimpleNamespace
-
-    from ringmaster.sharding.batch import global_num_items, shift_labels
-
-    total = global_num_items(batch)
-    loss, logits = 0.0, None
-    for row in range(batch["input_ids"].shape[0]):
-        real = batch["attention_mask"][row].nonzero().squeeze(-1)
-        a, b = int(real[0]), int(real[-1]) + 1
-        lab = batch["labels"][row:row + 1, a:b]
-        out = model(input_ids=batch["input_ids"][row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
-                    position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
-        if logits is None:
-            logits = out.logits.new_zeros(*batch["input_ids"].shape, out.logits.shape[-1])
-        logits[row, a:b] = out.logits[0]
-        loss = loss + out.loss
-    return SimpleNamespace(loss=loss, logits=logits)
-
-
 def _batch(kind, vocab=128, seq_len=64):
-    from ringmaster.testing.parity import packed_batch, padded_rows, per_document_forward, tiny_batch
+    from ringmaster.testing.parity import packed_batch, padded_rows, per_document_forward, per_row_forward, tiny_batch
 
     if kind == "plain":
         return tiny_batch(vocab, seq_len), None
     if kind == "packed":  # documents crossing every shard edge at P=2 and P=4, one shorter than the window
         return packed_batch(vocab, [20, 30, 14]), per_document_forward
     if kind == "padded":  # B=2, row 1 padded on both sides: each padding token its own document
-        return padded_rows(vocab, seq_len), _padded_reference
+        return padded_rows(vocab, seq_len), per_row_forward
     raise ValueError(kind)
 
 
@@ -83,12 +61,12 @@ def flash_padded_logits_ok(ctx, P, inner):
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import group_mean_grad_errors, padded_rows, rel_err, tiny_model
+    from ringmaster.testing.parity import group_mean_grad_errors, padded_rows, per_row_forward, rel_err, tiny_model
 
     model = tiny_model("llama", "sdpa", num_attention_heads=8, num_key_value_heads=2)
     reference = copy.deepcopy(model)
     batch = padded_rows(model.config.vocab_size, 64)
-    ref = _padded_reference(reference, batch)
+    ref = per_row_forward(reference, batch)
     ref.loss.backward()
     model.config._attn_implementation = inner
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))

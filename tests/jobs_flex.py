@@ -16,28 +16,6 @@ def _padded_rows(vocab: int, S: int) -> dict[str, torch.Tensor]:
     return padded_rows(vocab, S)
 
 
-def _padded_reference(model, batch):
-    """Each row's real tokens run alone (global positions), losses weighted by the global count;
-    padding logits are left at 0 and not compared."""
-    from types import SimpleNamespace
-
-    from ringmaster.sharding.batch import global_num_items, shift_labels
-
-    total = global_num_items(batch)
-    loss, logits = 0.0, None
-    for row in range(batch["input_ids"].shape[0]):
-        real = batch["attention_mask"][row].nonzero().squeeze(-1)
-        a, b = int(real[0]), int(real[-1]) + 1
-        lab = batch["labels"][row:row + 1, a:b]
-        out = model(input_ids=batch["input_ids"][row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
-                    position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
-        if logits is None:
-            logits = out.logits.new_zeros(*batch["input_ids"].shape, out.logits.shape[-1])
-        logits[row, a:b] = out.logits[0]
-        loss = loss + out.loss
-    return SimpleNamespace(loss=loss, logits=logits)
-
-
 def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain", seq_len=64):
     """Ulysses(flex_attention) at CP size P vs the same weights with sdpa and no CP: loss and
     gathered logits, under no_grad. ``kind``: "plain" (one causal row), "packed" (documents of
@@ -45,7 +23,8 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import _plain_forward, packed_batch, per_document_forward, rel_err, tiny_batch, tiny_model
+    from ringmaster.testing.parity import (_plain_forward, packed_batch, per_document_forward, per_row_forward,
+                                           rel_err, tiny_batch, tiny_model)
 
     model = tiny_model(model_type, "flex_attention", **(overrides or {})).eval()
     reference = copy.deepcopy(model)
@@ -56,7 +35,7 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
     elif kind == "packed":
         batch, ref_fwd = packed_batch(vocab, [20, 30, 14]), per_document_forward
     elif kind == "padded":
-        batch, ref_fwd = _padded_rows(vocab, seq_len), _padded_reference
+        batch, ref_fwd = _padded_rows(vocab, seq_len), per_row_forward
     else:
         raise ValueError(kind)
     with torch.no_grad():

@@ -247,6 +247,29 @@ def padded_rows(vocab: int, S: int, left: int = 3, real: int = 41) -> dict[str, 
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def per_row_forward(model, batch):
+    """Each row's real tokens (``attention_mask`` == 1, one contiguous run) run alone at their global
+    positions, losses weighted by the global token count; padding logits stay 0 (compare only the
+    real positions)."""
+    from types import SimpleNamespace
+
+    from ringmaster.sharding.batch import global_num_items, shift_labels
+
+    total = global_num_items(batch)
+    loss, logits = 0.0, None
+    for row in range(batch["input_ids"].shape[0]):
+        real = batch["attention_mask"][row].nonzero().squeeze(-1)
+        a, b = int(real[0]), int(real[-1]) + 1
+        lab = batch["labels"][row:row + 1, a:b]
+        out = model(input_ids=batch["input_ids"][row:row + 1, a:b], labels=lab, shift_labels=shift_labels(lab),
+                    position_ids=torch.arange(a, b)[None], num_items_in_batch=total, use_cache=False)
+        if logits is None:
+            logits = out.logits.new_zeros(*batch["input_ids"].shape, out.logits.shape[-1])
+        logits[row, a:b] = out.logits[0]
+        loss = loss + out.loss
+    return SimpleNamespace(loss=loss, logits=logits)
+
+
 def per_document_forward(model, batch):
     """Reference for a packed row: every document run alone (positions from 0), losses weighted by
     the global token count, logits concatenated back into the row."""

@@ -308,5 +308,18 @@ def default_scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
+def refuse_set(**extras):
+    """Refuse every keyword the caller set (not None): arguments the stand-in does not implement."""
+    for name, value in extras.items():
+        if value is not None:
+            refuse(name, "<set>")
+
+
+def flash_mask(causal, left, right, softcap) -> "Mask":
+    """The :class:`Mask` of a flash call's ``causal``/``window_size_left/right`` (None = unbounded)/``softcap``."""
+    return Mask(causal=bool(causal), left=-1 if left is None else left,
+                right=-1 if right is None else right, softcap=softcap or 0.0)
+
+
 def refuse(name: str, value, why: str = "the CPU flash stand-in does not implement it"):
     raise NotImplementedError(f"{name}={value!r}: {why}")

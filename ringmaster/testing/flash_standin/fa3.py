@@ -25,17 +25,6 @@ from . import core
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "_flash_attn_forward", "_flash_attn_backward"]
 
 
-def _refuse_extras(**extras):
-    for name, value in extras.items():
-        if value is not None:
-            core.refuse(name, "<set>")
-
-
-def _mask(causal, left, right, softcap):
-    return core.Mask(causal=bool(causal), left=-1 if left is None else left,
-                     right=-1 if right is None else right, softcap=softcap or 0.0)
-
-
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, mask, s_aux=None):
     scale = core.default_scale(q, softmax_scale)
     if cu_seqlens_q is None:
@@ -72,14 +61,14 @@ def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_
                         softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
                         pack_gqa=None, sm_margin=0):
     """-> (out, softmax_lse, out_accum, softmax_lse_accum); lse ``[B,H,Sq]`` or ``[H,Tq]``."""
-    _refuse_extras(k_new=k_new, v_new=v_new, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,
+    core.refuse_set(k_new=k_new, v_new=v_new, qv=qv, cu_seqlens_k_new=cu_seqlens_k_new,
                    seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
                    kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary_cos=rotary_cos,
                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if attention_chunk:
         core.refuse("attention_chunk", attention_chunk)
     out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                    _mask(causal, window_size_left, window_size_right, softcap))
+                    core.flash_mask(causal, window_size_left, window_size_right, softcap))
     if out_ is not None:
         out_.copy_(out)
         out = out_
@@ -92,22 +81,22 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_
                          window_size_left=-1, window_size_right=-1, softcap=0.0,
                          deterministic=False, sm_margin=0):
     """Writes dq/dk/dv in place; returns softmax_d."""
-    _refuse_extras(sequed_q=sequed_q, sequed_k=sequed_k)
+    core.refuse_set(sequed_q=sequed_q, sequed_k=sequed_k)
     return _bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, softmax_scale,
-                _mask(is_causal, window_size_left, window_size_right, softcap))[3]
+                core.flash_mask(is_causal, window_size_left, window_size_right, softcap))[3]
 
 
 def _apply(q, k, v, s_aux, cu_q, cu_k, softmax_scale, causal, window_size, softcap, sink_grad):
     left, right = (-1, -1) if window_size is None else window_size
     return core.Attention.apply(q, k, v, s_aux, cu_q, cu_k, core.default_scale(q, softmax_scale),
-                                _mask(causal, left, right, softcap), None, sink_grad)
+                                core.flash_mask(causal, left, right, softcap), None, sink_grad)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
                     k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                     return_attn_probs=False):
-    _refuse_extras(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    core.refuse_set(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     out, lse = _apply(q, k, v, None, None, None, softmax_scale, causal, window_size, softcap, True)
     return (out, lse) if return_attn_probs else out
 
@@ -117,7 +106,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1),
                            attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
                            deterministic=False, sm_margin=0, return_attn_probs=False):
-    _refuse_extras(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale)
+    core.refuse_set(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale)
     out, lse = _apply(q, k, v, None, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
                       softcap, True)
     return (out, lse) if return_attn_probs else out
@@ -136,14 +125,14 @@ class VLLM:
                             scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0,
                             s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
                             batch_invariant=False):
-        _refuse_extras(k_new=k_new, v_new=v_new, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k,
+        core.refuse_set(k_new=k_new, v_new=v_new, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k,
                        page_table=page_table, leftpad_k=leftpad_k, rotary_cos=rotary_cos,
                        q_descale=q_descale, cp_tot_seqused_k=cp_tot_seqused_k)
         if cp_world_size != 1:
             core.refuse("cp_world_size", cp_world_size)
         left, right = (-1, -1) if window_size is None else window_size
         o, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                      _mask(causal, left, right, softcap), s_aux)
+                      core.flash_mask(causal, left, right, softcap), s_aux)
         if out is not None:
             out.copy_(o)
             o = out
@@ -154,10 +143,10 @@ class VLLM:
                              sequed_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal,
                              window_size=(-1, -1), softcap=0.0, deterministic=False, sm_margin=0):
         """-> (dq, dk, dv, softmax_d). No s_aux argument: the sink only enters through the LSE."""
-        _refuse_extras(sequed_q=sequed_q, sequed_k=sequed_k)
+        core.refuse_set(sequed_q=sequed_q, sequed_k=sequed_k)
         left, right = (-1, -1) if window_size is None else window_size
         return _bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
-                    softmax_scale, _mask(causal, left, right, softcap))
+                    softmax_scale, core.flash_mask(causal, left, right, softcap))
 
     @staticmethod
     def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
@@ -165,7 +154,7 @@ class VLLM:
                         num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0, s_aux=None,
                         cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None):
         """-> (out, softmax_lse); no gradient reaches ``s_aux`` (as in the real kernel)."""
-        _refuse_extras(qv=qv, q_descale=q_descale, cp_tot_seqused_k=cp_tot_seqused_k)
+        core.refuse_set(qv=qv, q_descale=q_descale, cp_tot_seqused_k=cp_tot_seqused_k)
         return _apply(q, k, v, s_aux, None, None, softmax_scale, causal, window_size, softcap, False)
 
     @staticmethod
@@ -176,6 +165,6 @@ class VLLM:
                                deterministic=False, sm_margin=0, s_aux=None, cp_world_size=1,
                                cp_rank=0, cp_tot_seqused_k=None):
         """-> (out, softmax_lse ``[H,Tq]``); no gradient reaches ``s_aux``."""
-        _refuse_extras(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale)
+        core.refuse_set(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale)
         return _apply(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
                       softcap, False)

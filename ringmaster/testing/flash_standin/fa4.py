@@ -27,17 +27,6 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "_flash_attn_fwd", "_fla
 EMPTY_LSE = -math.inf
 
 
-def _refuse(**extras):
-    for name, value in extras.items():
-        if value is not None:
-            core.refuse(name, "<set>")
-
-
-def _mask(causal, left, right, softcap):
-    return core.Mask(causal=bool(causal), left=-1 if left is None else left,
-                     right=-1 if right is None else right, softcap=softcap or 0.0)
-
-
 def _empty_to(lse):
     return torch.where(lse == math.inf, torch.full_like(lse, EMPTY_LSE), lse)
 
@@ -51,11 +40,11 @@ def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, sequ
                     aux_scalars=None, q_descale=None, k_descale=None, v_descale=None, gather_kv_indices=None,
                     scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False):
     """-> (out, lse ``[B,H,Sq]`` / ``[H,Tq]`` fp32, None, None)."""
-    _refuse(qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, score_mod=score_mod,
+    core.refuse_set(qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, score_mod=score_mod,
             mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, q_descale=q_descale,
             gather_kv_indices=gather_kv_indices)
     scale = core.default_scale(q, softmax_scale)
-    m = _mask(causal, window_size_left, window_size_right, softcap)
+    m = core.flash_mask(causal, window_size_left, window_size_right, softcap)
     if cu_seqlens_q is None:
         o, l = core.forward_batched(q, k, v, scale, m, None, learnable_sink)
     else:
@@ -79,10 +68,10 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
                     score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
                     block_sparse_tensors=None, dlse=None, learnable_sink=None):
     """-> (dq, dk, dv), or (dq, dk, dv, dsink) with ``learnable_sink``."""
-    _refuse(seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod, mask_mod=mask_mod,
+    core.refuse_set(seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod, mask_mod=mask_mod,
             block_sparse_tensors=block_sparse_tensors)
     scale = core.default_scale(q, softmax_scale)
-    m = _mask(causal, window_size_left, window_size_right, softcap)
+    m = core.flash_mask(causal, window_size_left, window_size_right, softcap)
     if cu_seqlens_q is None:
         gq, gk, gv, ds = core.backward_batched(dout, q, k, v, out, lse, scale, m, None, learnable_sink, dlse)
     else:
@@ -98,7 +87,7 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
 def _apply(q, k, v, cu_q, cu_k, softmax_scale, causal, window_size, learnable_sink, softcap, return_lse):
     left, right = (None, None) if window_size is None else window_size
     return core.Attention.apply(q, k, v, learnable_sink, cu_q, cu_k, core.default_scale(q, softmax_scale),
-                                _mask(causal, left, right, softcap), None, True, bool(return_lse), EMPTY_LSE)
+                                core.flash_mask(causal, left, right, softcap), None, True, bool(return_lse), EMPTY_LSE)
 
 
 def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False,
@@ -107,7 +96,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
                     aux_scalars=None, block_sparse_tensors=None, block_sparse_tensors_bwd=None,
                     return_lse=False):
     """q ``[B,Sq,H,D]`` -> (out, lse ``[B,H,Sq]``)."""
-    _refuse(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, mask_mod=mask_mod,
+    core.refuse_set(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod, mask_mod=mask_mod,
             block_sparse_tensors=block_sparse_tensors)
     return _apply(q, k, v, None, None, softmax_scale, causal, window_size, learnable_sink, softcap, return_lse)
 
@@ -120,7 +109,7 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
                            block_sparse_tensors=None, aux_tensors=None, aux_scalars=None, return_lse=False,
                            scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False):
     """Packed q ``[Tq,H,D]`` -> (out, lse ``[H,Tq]``)."""
-    _refuse(qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, gather_kv_indices=gather_kv_indices,
+    core.refuse_set(qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, gather_kv_indices=gather_kv_indices,
             page_table=page_table, score_mod=score_mod, mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors)
     if cu_seqlens_q is None:
         core.refuse("cu_seqlens_q", None, "flash_attn_varlen_func needs cu_seqlens_q/k")
