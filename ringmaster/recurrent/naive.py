@@ -120,3 +120,18 @@ def chunk_gated_delta_rule_ref(query, key, value, g, beta, chunk_size=None, init
 def causal_conv1d_ref(hidden_states, weight, bias=None, activation=None, **kwargs):
     """:func:`causal_conv1d` behind the ``causal_conv1d_fn`` signature."""
     return causal_conv1d(hidden_states, weight, bias, activation)
+
+
+def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+                         initial_state: torch.Tensor | None = None):
+    """MiniMax lightning attention, one token at a time. ``q, k, v [b, l, h, d]``, ``slope [h]`` (> 0).
+    State ``[b, h, d, d]``: ``S_t = exp(-slope) S_{t-1} + k_t^T v_t``; ``o_t = q_t S_t``.
+    Returns ``(o [b, l, h, d], final_state)``."""
+    b, l, h, d = q.shape
+    decay = torch.exp(-slope.reshape(-1))[None, :, None, None]
+    state = q.new_zeros(b, h, d, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for t in range(l):
+        state = decay * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], state))
+    return torch.stack(outs, dim=1), state

@@ -108,19 +108,21 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                probe_layer(module, ctx, _required(spec, kind), hidden)
+                probe_layer(module, ctx, _required(spec, kind), hidden, kwargs=get_kind(kind).probe_kwargs)
     except BaseException:
         wiring.restore()
         raise
     return wiring
 
 
-def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int = 8) -> None:
+def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int = 8,
+                kwargs: Callable | None = None) -> None:
     """Prove the interception on one wired layer with a tiny forward (no grad, its own RNG): every
     intercepted kernel must be reached, and a random non-zero incoming state (conv halo, scan state)
     given to each must change the layer's output. If a transformers release changes the layer
     (another kernel name, a path that bypasses the kernels, a state that no longer reaches the
-    output) this fails closed, naming the layer."""
+    output) this fails closed, naming the layer. ``kwargs(x)``: the extra arguments the layer's forward
+    needs besides the hidden states (:attr:`RecurrentKind.probe_kwargs`)."""
     param = next(module.parameters(), None)
     if hidden is None or param is None or param.device.type == "meta" or _is_dtensor(param):
         # nothing local to run on (deferred init, or FSDP2 already sharded the weights: wire before
@@ -133,7 +135,7 @@ def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, le
         ctx.probe = Probe(inject=inject, seed=17)
         try:
             with torch.no_grad():
-                out = module(x)
+                out = module(x, **(kwargs(x) if kwargs is not None else {}))
         finally:
             called, ctx.probe = ctx.probe.called, None
         out = out[0] if isinstance(out, (tuple, list)) else out

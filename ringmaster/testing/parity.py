@@ -54,6 +54,11 @@ TINY: dict[str, dict[str, Any]] = {
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=32),
+    # lightning attention (scalar decay per head; a block of 12 that does not divide the shards; the last
+    # linear layer's slope is ~0: its state never decays) around one softmax attention layer
+    "minimax": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=12,
+                    num_local_experts=4, num_experts_per_tok=2),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,

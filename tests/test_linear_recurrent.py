@@ -1,0 +1,149 @@
+"""Linear-recurrence kinds beyond Mamba2 / gated DeltaNet, exact under CP at model level: MiniMax
+lightning attention (scalar decay per head), Kimi Delta Attention (per-channel gated delta rule),
+Recurrent Gemma's RG-LRU (diagonal gated recurrence + conv1d).
+
+Per family: fp64 end to end (HF's torch kernels kept in fp64) every parameter within 1e-5 at P=2
+and P=4, Ulysses and Ring, scan and sequential; fp32 loss / logits / whole gradient; packed rows
+against every document alone; a padded batch; and a mutation (the incoming state dropped, or the
+conv halo) that the same fp64 check catches by a wide margin. Function-level checks of each
+kind's Segment against its float64 token-by-token reference are in test_recurrent_unit.py style
+below (single process).
+"""
+
+import jobs_linear_recurrent as jl
+import pytest
+import torch
+
+from ringmaster.recurrent import naive
+from ringmaster.recurrent.documents import DocumentSegment
+from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+
+FP64_PARAM_TOL = 1e-5   # every parameter, fp64
+FP64_TOL = 1e-10        # fp64 loss and gathered logits
+TOL = 1e-4              # fp32 loss and gathered logits
+TOTAL_TOL = 2e-4        # fp32 whole gradient
+MARGIN = 100            # a mutation must break the fp64 bound by this factor
+
+# --------------------------------------------------------------------------- function level (single process)
+
+SPLITS = {"whole": [0, 24], "equal4": [0, 6, 12, 18, 24], "uneven": [0, 1, 2, 9, 24],
+          "head_tail4": [0, 3, 6, 9, 12, 15, 18, 21, 24]}
+
+
+def _lightning_inputs(b=2, l=24, h=3, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, l, h, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    return dict(q=q, k=k, v=v), torch.tensor([1e-4, 0.05, 1.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_lightning_state_passing_exact_float64(split, strategy):
+    from ringmaster.recurrent.lightning import LightningSegment
+
+    inputs, slope = _lightning_inputs()
+    ref, _ = naive.lightning_recurrence(inputs["q"], inputs["k"], inputs["v"], slope)
+    W = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    ref_grads = torch.autograd.grad((ref * W).sum(), list(inputs.values()))
+    b = SPLITS[split]
+    segs = [LightningSegment(*(t[:, x:y] for t in inputs.values()), slope[:, None, None], 5) for x, y in zip(b, b[1:])]
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+    grads = torch.autograd.grad((y * W).sum(), list(inputs.values()))
+    assert (y - ref).abs().max() <= 1e-11 * ref.abs().max()
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-11 * r.abs().max()
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+def test_lightning_resets_at_document_starts(strategy):
+    from ringmaster.recurrent.lightning import LightningSegment
+
+    inputs, slope = _lightning_inputs(b=1)
+    lens = [2, 15, 7]
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))[None]
+    ref, start = [], 0
+    for n in lens:
+        ref.append(naive.lightning_recurrence(*(t[:, start:start + n] for t in inputs.values()), slope)[0])
+        start += n
+    ref = torch.cat(ref, dim=1)
+    b = SPLITS["head_tail4"]
+    segs = [DocumentSegment(LightningSegment(*(t[:, x:y] for t in inputs.values()), slope[:, None, None], 5),
+                            docs[:, x:y], docs[:, x - 1] if x else None) for x, y in zip(b, b[1:])]
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+    assert (y - ref).abs().max() <= 1e-11 * ref.abs().max()
+
+
+# --------------------------------------------------------------------------- model level
+
+
+def check(results, P, fp64, needed=()):
+    for rank, r in enumerate(results):
+        assert r["cp_size"] == P and r["recurrent_layers"] >= 1 and r["attention_layers"] >= 1, r
+        assert not r["missing_grads"] and r["n_grads"] == r["n_params"], r["missing_grads"]
+        for name in needed:
+            assert any(name in k for k in r["grad_errs"]), (name, sorted(r["grad_errs"]))
+        if fp64:
+            assert r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r["loss_err"], r["logits_err"])
+            worst = {k: v for k, v in r["grad_errs"].items() if v > FP64_PARAM_TOL}
+        else:
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r["loss_err"], r["logits_err"])
+            assert r["grad_err_total"] <= TOTAL_TOL, (rank, r["grad_err_total"])
+            worst = {}
+        assert not worst, (rank, worst)
+
+
+# family -> parameters whose gradient only the recurrent state passing gets right
+NEEDED = {"minimax": ("qkv_proj.weight",)}
+FAMILIES = ["minimax"]
+GRID = [(backend, P, strategy) for backend in ("ulysses", "ring") for P in (2, 4)
+        for strategy in ("scan", "sequential")]
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c[0]}-P{c[1]}-{c[2]}")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_exact_fp64_per_parameter(pool, model_type, case):
+    backend, P, strategy = case
+    check(pool.run(jl.parity, model_type, P, strategy, backend, fp64=True), P, True, NEEDED[model_type])
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_fp32_loss_and_whole_gradient(pool, model_type):
+    check(pool.run(jl.parity, model_type, 4, "scan", "ulysses"), 4, False)
+
+
+PACKED = [("ulysses", 4, "scan", None), ("ring", 2, "sequential", dict(load_balance="head_tail")),
+          ("ring", 4, "scan", dict(load_balance="head_tail")), ("ulysses", 2, "sequential", None)]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: f"{c[0]}-P{c[1]}-{c[2]}{'-ht' if c[3] else ''}")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_rows_match_documents_alone(pool, model_type, case):
+    backend, P, strategy, cfg_kwargs = case
+    check(pool.run(jl.packed_parity, model_type, P, strategy, backend, cfg_kwargs, fp64=True), P, True)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_padded_rows(pool, model_type):
+    for r in pool.run(jl.padded_parity, model_type, 4, "scan"):
+        assert not r["nan"], r
+        assert r["loss_err"] <= TOL and r["logits_err"] <= TOL and r["grad_err_total"] <= TOTAL_TOL, r
+
+
+MUTATIONS = [("lightning_state_dropped", "minimax", 4, "scan", "qkv_proj.weight"),
+             ("lightning_state_dropped", "minimax", 2, "sequential", "qkv_proj.weight")]
+
+
+@pytest.mark.parametrize("case", MUTATIONS, ids=lambda c: f"{c[0]}-{c[1]}-P{c[2]}-{c[3]}")
+def test_mutation_fails_fp64_parity(pool, case):
+    mutation, model_type, P, strategy, param = case
+    for rank, out in enumerate(pool.run(jl.mutated_parity, mutation, model_type, P, strategy)):
+        assert "raised" not in out, out["raised"]   # the parity check must catch it, not a refusal
+        r = out["mutated"]
+        errs = {k: v for k, v in r["grad_errs"].items() if param in k}
+        print(f"{mutation} {model_type} P={P} {strategy} rank {rank}: worst {r['worst_param']} {r['grad_err']:.2e}, "
+              f"logits {r['logits_err']:.2e}")
+        assert errs and max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
+        clean = out["clean"]
+        assert max(clean["grad_errs"].values()) <= FP64_PARAM_TOL, (rank, clean["worst_param"])
