@@ -95,8 +95,26 @@ def drop_lightning_state():
     return _drop_passed_state(lightning)
 
 
+def drop_kda_state():
+    """``ringmaster.recurrent.gated_deltanet.pass_state`` (KDA runs gated DeltaNet's segment): the incoming
+    state ignored."""
+    from ringmaster.recurrent import gated_deltanet
+
+    return _drop_passed_state(gated_deltanet)
+
+
+def drop_conv_halo():
+    """``ringmaster.recurrent.conv.exchange_halos``: the previous shard's conv inputs replaced by zeros."""
+    from ringmaster.recurrent import conv
+
+    exchange = conv.exchange_halos
+    return _patch(conv, "exchange_halos", lambda *a, **k: [h * 0 for h in exchange(*a, **k)])
+
+
 MUTATIONS: dict[str, Callable[[], Callable[[], None]]] = {
     "lightning_state_dropped": drop_lightning_state,
+    "kda_state_dropped": drop_kda_state,
+    "kda_conv_halo_dropped": drop_conv_halo,
 }
 
 

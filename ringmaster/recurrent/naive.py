@@ -135,3 +135,31 @@ def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slop
         state = decay * state + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], state))
     return torch.stack(outs, dim=1), state
+
+
+def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True):
+    """Kimi Delta Attention, one token at a time: the gated delta rule with a decay per key channel.
+    ``q, k [b, l, h, dk]``, ``v [b, l, h, dv]``, ``g [b, l, h, dk]`` log decays, ``beta [b, l, h]``. State
+    ``[b, h, dk, dv]``: ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T q_t / sqrt(dk)``. Returns ``(o [b, l, h, dv], final_state)``."""
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    b, l, h, dk = k.shape
+    state = v.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(v.dtype)
+    outs = []
+    for t in range(l):
+        state = state * torch.exp(g[:, t])[..., None]
+        kt = k[:, t]
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, kt)) * beta[:, t, :, None]
+        state = state + kt[..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1), state
+
+
+def chunk_kda_ref(query, key, value, g, beta, chunk_size=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+    """:func:`kda_recurrence` behind the ``chunk_kimi_delta_attention`` signature (any dtype)."""
+    out, final = kda_recurrence(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return out, (final if output_final_state else None)

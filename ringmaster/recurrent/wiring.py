@@ -185,11 +185,12 @@ def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
 
 def recurrent_plan(models, size: int):
     """``(gated_deltanet_mixers, kda_mixers, mamba2_mixers)`` that need state passing at CP ``size``
-    (lists of modules; all empty at size 1). Raises on a stateful layer ringmaster cannot pass."""
+    (lists of modules; all empty at size 1; every other kind is listed with the Mamba2 mixers: axolotl
+    reads the first two as flash-linear-attention layers). Raises on a stateful layer ringmaster cannot pass."""
     gdn, kda, mamba = [], [], []
     if size <= 1:
         return gdn, kda, mamba
     for model in models:
         for path, module, kind in check_recurrent_layers(model):
-            (mamba if kind == "mamba2" else gdn).append(module)
+            (gdn if kind == "gated_deltanet" else kda if kind == "kda" else mamba).append(module)
     return gdn, kda, mamba

@@ -59,6 +59,12 @@ TINY: dict[str, dict[str, Any]] = {
     "minimax": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
                     layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=12,
                     num_local_experts=4, num_experts_per_tok=2),
+    # Kimi Delta Attention (4 heads of 8 channels, a decay per channel) before one MLA attention layer
+    "kimi_linear": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse"], linear_head_dim=8, linear_num_heads=4,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=32),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,

@@ -55,6 +55,8 @@ MAX_PARAMS = 3_000_000
 # per-family fixes where the generic shrink is not a valid config (data, not code)
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(head_dim=16),
+    # the default KDA width (32 heads x 128 channels) alone is 4.5M parameters
+    "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
