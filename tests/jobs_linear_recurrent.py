@@ -111,10 +111,19 @@ def drop_conv_halo():
     return _patch(conv, "exchange_halos", lambda *a, **k: [h * 0 for h in exchange(*a, **k)])
 
 
+def drop_rglru_state():
+    """``ringmaster.recurrent.rglru.pass_state``: the RG-LRU's incoming state ignored."""
+    from ringmaster.recurrent import rglru
+
+    return _drop_passed_state(rglru)
+
+
 MUTATIONS: dict[str, Callable[[], Callable[[], None]]] = {
     "lightning_state_dropped": drop_lightning_state,
     "kda_state_dropped": drop_kda_state,
     "kda_conv_halo_dropped": drop_conv_halo,
+    "conv_halo_dropped": drop_conv_halo,
+    "rglru_state_dropped": drop_rglru_state,
 }
 
 

@@ -95,8 +95,9 @@ def check(results, P, fp64, needed=()):
 
 
 # family -> parameters whose gradient only the recurrent state passing gets right
-NEEDED = {"minimax": ("qkv_proj.weight",), "kimi_linear": ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")}
-FAMILIES = ["minimax", "kimi_linear"]
+NEEDED = {"minimax": ("qkv_proj.weight",), "kimi_linear": ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight"),
+          "recurrent_gemma": ("rg_lru.recurrent_param", "rg_lru.recurrent_gate_weight", "conv_1d.weight")}
+FAMILIES = ["minimax", "kimi_linear", "recurrent_gemma"]
 FULL_GRID = [(backend, P, strategy) for backend in ("ulysses", "ring") for P in (2, 4)
              for strategy in ("scan", "sequential")]
 # transformers' torch KDA kernel loops over its 64-token chunk rows in Python (slow on CPU): one strategy per
@@ -137,7 +138,10 @@ def test_padded_rows(pool, model_type):
 MUTATIONS = [("lightning_state_dropped", "minimax", 4, "scan", "qkv_proj.weight"),
              ("lightning_state_dropped", "minimax", 2, "sequential", "qkv_proj.weight"),
              ("kda_state_dropped", "kimi_linear", 4, "sequential", "forget_gate.A_log"),
-             ("kda_conv_halo_dropped", "kimi_linear", 2, "scan", "conv1d.weight")]
+             ("kda_conv_halo_dropped", "kimi_linear", 2, "scan", "conv1d.weight"),
+             ("rglru_state_dropped", "recurrent_gemma", 4, "scan", "rg_lru.recurrent_param"),
+             ("rglru_state_dropped", "recurrent_gemma", 2, "sequential", "rg_lru.recurrent_param"),
+             ("conv_halo_dropped", "recurrent_gemma", 4, "sequential", "conv_1d.weight")]
 
 
 @pytest.mark.parametrize("case", MUTATIONS, ids=lambda c: f"{c[0]}-{c[1]}-P{c[2]}-{c[3]}")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedLayerError
-from . import gated_deltanet, kda, lightning, mamba2
+from . import gated_deltanet, kda, lightning, mamba2, rglru
 from .kind import RecurrentKind
 
 _KINDS: dict[str, RecurrentKind] = {}
@@ -33,3 +33,4 @@ register_kind(mamba2.KIND)
 register_kind(gated_deltanet.KIND)
 register_kind(lightning.KIND)
 register_kind(kda.KIND)
+register_kind(rglru.KIND)

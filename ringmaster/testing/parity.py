@@ -65,6 +65,9 @@ TINY: dict[str, dict[str, Any]] = {
                         mlp_layer_types=["dense", "sparse", "sparse"], linear_head_dim=8, linear_num_heads=4,
                         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         num_experts=4, num_experts_per_token=2, moe_intermediate_size=32),
+    # Griffin: two recurrent blocks (conv1d + RG-LRU, 64 channels in 4 gate blocks) and a local attention layer
+    "recurrent_gemma": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                            lru_width=64, attention_window_size=16, conv1d_width=4),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,
