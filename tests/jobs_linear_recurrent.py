@@ -23,6 +23,7 @@ def wide_decays(model) -> None:
 
 
 PREPARE = {"minimax": wide_decays}
+ATTN = {"rwkv": "eager"}   # attention-free: transformers refuses sdpa for it
 
 
 def parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None):
@@ -30,7 +31,7 @@ def parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=Fal
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), fp64=fp64,
-                   prepare=PREPARE.get(model_type))
+                   prepare=PREPARE.get(model_type), attn_implementation=ATTN.get(model_type, "sdpa"))
 
 
 def packed_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14),
@@ -40,6 +41,7 @@ def packed_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=No
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), fp64=fp64, prepare=PREPARE.get(model_type),
+                   attn_implementation=ATTN.get(model_type, "sdpa"),
                    batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
                    reference_forward=per_document_forward)
 
@@ -48,7 +50,7 @@ def padded_parity(ctx, model_type, P, strategy, backend="ulysses"):
     from jobs import padded_parity as padded
 
     return padded(ctx, P, backend, {"recurrent": strategy}, model_type=model_type, S=64, left=7, real=41,
-                  prepare=PREPARE.get(model_type))
+                  prepare=PREPARE.get(model_type), **({"attn_implementation": ATTN[model_type]} if model_type in ATTN else {}))
 
 
 # --------------------------------------------------------------------------- mutations
@@ -118,12 +120,20 @@ def drop_rglru_state():
     return _drop_passed_state(rglru)
 
 
+def drop_rwkv_state():
+    """``ringmaster.recurrent.rwkv.pass_state``: the WKV's incoming (stabilised) state ignored."""
+    from ringmaster.recurrent import rwkv
+
+    return _drop_passed_state(rwkv)
+
+
 MUTATIONS: dict[str, Callable[[], Callable[[], None]]] = {
     "lightning_state_dropped": drop_lightning_state,
     "kda_state_dropped": drop_kda_state,
     "kda_conv_halo_dropped": drop_conv_halo,
     "conv_halo_dropped": drop_conv_halo,
     "rglru_state_dropped": drop_rglru_state,
+    "rwkv_state_dropped": drop_rwkv_state,
 }
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedLayerError
-from . import gated_deltanet, kda, lightning, mamba2, rglru
+from . import gated_deltanet, kda, lightning, mamba2, rglru, rwkv
 from .kind import RecurrentKind
 
 _KINDS: dict[str, RecurrentKind] = {}
@@ -34,3 +34,5 @@ register_kind(gated_deltanet.KIND)
 register_kind(lightning.KIND)
 register_kind(kda.KIND)
 register_kind(rglru.KIND)
+register_kind(rwkv.KIND)
+register_kind(rwkv.CHANNEL_MIX)

@@ -104,7 +104,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
         for path, module, kind in layers:
             ctx = LayerContext(path, group, strategy)
             wiring._restores.append(get_kind(kind).wire(module, ctx, kernel_names(spec, kind)))
-            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx))
+            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx, always=False))
+            wiring._restores.append(_batch_hook(model, ctx))
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
@@ -163,15 +164,19 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
-def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
-    """An instance-local forward pre-hook on the module enclosing a wired layer (its decoder layer)
-    that records the call's ``ringmaster_batch`` in ``ctx``: the document ids then reach the layer's
-    kernels even when the decoder layer calls the mixer without forwarding its kwargs. Set on every
-    call (None when absent), so no batch outlives the forward that brought it (gradient checkpointing
-    replays the decoder layer, hook included)."""
+def _batch_hook(parent, ctx: LayerContext, always: bool = True) -> Callable[[], None]:
+    """An instance-local forward pre-hook that records the call's ``ringmaster_batch`` in ``ctx``: the
+    document ids then reach the layer's kernels even when the module around it calls it without
+    forwarding its kwargs. Two per layer: one on the model itself (``always``: set on every call, None
+    when absent, so no batch outlives the forward that brought it) and one on the module enclosing the
+    layer (its decoder layer: set when the call carries the batch, e.g. a VLM's language model gets it
+    from its own pre-hook; gradient checkpointing replays the decoder layer, hook included). RWKV's
+    blocks are called with no kwargs at all: only the model sees the batch."""
 
     def hook(module, args, kwargs):
-        ctx.batch = kwargs.get(BATCH_KWARG)
+        batch = kwargs.get(BATCH_KWARG)
+        if always or batch is not None:
+            ctx.batch = batch
         return None
 
     handle = parent.register_forward_pre_hook(hook, with_kwargs=True)

@@ -68,6 +68,8 @@ TINY: dict[str, dict[str, Any]] = {
     # Griffin: two recurrent blocks (conv1d + RG-LRU, 64 channels in 4 gate blocks) and a local attention layer
     "recurrent_gemma": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
                             lru_width=64, attention_window_size=16, conv1d_width=4),
+    # attention-free: token shifts + WKV (time mixing), token shift + MLP (channel mixing)
+    "rwkv": dict(attention_hidden_size=64, intermediate_size=128, num_hidden_layers=2, context_length=1024),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,

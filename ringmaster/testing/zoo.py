@@ -59,6 +59,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
     # the default RG-LRU width (2560) is 6.6M parameters; 3 layers reach the first attention block
     "recurrent_gemma": dict(lru_width=64, num_hidden_layers=3),
+    # the default config pins attention_hidden_size to 4096
+    "rwkv": dict(attention_hidden_size=64),
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
