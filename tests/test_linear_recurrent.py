@@ -163,3 +163,107 @@ def test_mutation_fails_fp64_parity(pool, case):
         assert errs and max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
         clean = out["clean"]
         assert max(clean["grad_errs"].values()) <= FP64_PARAM_TOL, (rank, clean["worst_param"])
+
+
+# --------------------------------------------------------------------------- function level: KDA, RG-LRU, WKV
+
+
+def _run(segs, strategy):
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _check_grads(y, ref, leaves, tol):
+    W = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    g_ref = torch.autograd.grad((ref * W).sum(), leaves, retain_graph=True)
+    g = torch.autograd.grad((y * W).sum(), leaves)
+    assert _rel(y, ref) <= tol, _rel(y, ref)
+    for a, b in zip(g, g_ref):
+        assert _rel(a, b) <= tol, _rel(a, b)
+
+
+def _kda_inputs(b=2, l=24, h=3, dk=4, dv=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    rate = torch.logspace(-4, 0, dk, dtype=dtype)                 # per channel: from ~no decay to fast
+    return dict(q=torch.randn(b, l, h, dk, generator=g, dtype=dtype), k=torch.randn(b, l, h, dk, generator=g, dtype=dtype),
+                v=torch.randn(b, l, h, dv, generator=g, dtype=dtype),
+                g=-rate * torch.rand(b, l, h, dk, generator=g, dtype=dtype),
+                beta=torch.rand(b, l, h, generator=g, dtype=dtype))
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+@pytest.mark.parametrize("kernel", ["ref", "hf"])
+def test_kda_state_passing_exact(kernel, split, strategy):
+    """Per-channel decays through gated DeltaNet's segment: float64 reference kernel exact to rounding,
+    transformers' torch KDA kernel (fp32, 64-token chunks) to fp32 rounding."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+
+    dtype = torch.float64 if kernel == "ref" else torch.float32
+    fn = naive.chunk_kda_ref if kernel == "ref" else chunk_kimi_delta_attention
+    inputs = {k: v.requires_grad_(True) for k, v in _kda_inputs(dtype=dtype).items()}
+    ref = naive.kda_recurrence(*(t.double() for t in inputs.values()))[0]
+    b = SPLITS[split]
+    segs = [GatedDeltaSegment(fn, *(t[:, x:y] for t in inputs.values()), kwargs=dict(use_qk_l2norm_in_kernel=True))
+            for x, y in zip(b, b[1:])]
+    y = _run(segs, strategy).double()
+    if kernel == "ref":
+        _check_grads(y, ref, list(inputs.values()), 1e-11)
+    else:
+        assert _rel(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+def test_rglru_state_passing_exact_float64(split, strategy):
+    """transformers' own ``_rnn_scan`` per chunk (kept in float64), resets at position 0 inside a chunk."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from ringmaster.recurrent.rglru import RglruSegment
+    from ringmaster.testing.parity import keep_fp64
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    a = (1 - torch.logspace(-4, -0.3, 6, dtype=torch.float64) * torch.rand(2, 24, 6, generator=g, dtype=torch.float64))
+    a = a.requires_grad_(True)
+    reset = torch.zeros(2, 24, 1, dtype=torch.bool)
+    reset[1, 13] = True                                  # a document starts inside a chunk of row 1
+
+    def kernel(**kw):
+        return RecurrentGemmaRglru._rnn_scan(None, **kw)
+
+    with keep_fp64():
+        ref = naive.rglru_recurrence(x, a, reset)[0]
+        b = SPLITS[split]
+        y = _run([RglruSegment(kernel, x[:, s:e], a[:, s:e], reset[:, s:e]) for s, e in zip(b, b[1:])], strategy)
+        _check_grads(y, ref, [x, a], 1e-11)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+@pytest.mark.parametrize("keys", [1.0, 30.0])
+def test_wkv_state_passing_exact_float64(keys, split, strategy):
+    """transformers' stabilised WKV loop per chunk, composed by the log-sum-exp merge, against the
+    unstabilised float64 recurrence; ``keys=30``: the chunks' running maxima differ by e^30 and more."""
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    from ringmaster.recurrent.rwkv import WkvSegment
+    from ringmaster.testing.parity import keep_fp64
+
+    g = torch.Generator().manual_seed(0)
+    k = (keys * torch.randn(2, 24, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    v = torch.randn(2, 24, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    decay = torch.linspace(-6, 1, 5, dtype=torch.float64).requires_grad_(True)     # e^w from ~1 to ~0.07
+    first = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    with keep_fp64():
+        ref = naive.wkv_recurrence(decay, first, k, v)[0]
+        b = SPLITS[split]
+        y = _run([WkvSegment(rwkv_linear_attention_cpu, decay, first, k[:, s:e], v[:, s:e]) for s, e in zip(b, b[1:])],
+                 strategy)
+        _check_grads(y, ref, [k, v, decay, first], 1e-10)

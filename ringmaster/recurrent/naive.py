@@ -163,3 +163,32 @@ def chunk_kda_ref(query, key, value, g, beta, chunk_size=None, initial_state=Non
     """:func:`kda_recurrence` behind the ``chunk_kimi_delta_attention`` signature (any dtype)."""
     out, final = kda_recurrence(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
     return out, (final if output_final_state else None)
+
+
+def rglru_recurrence(x: torch.Tensor, a: torch.Tensor, reset: torch.Tensor | None = None,
+                     initial_state: torch.Tensor | None = None):
+    """The RG-LRU's linear recurrence, one token at a time: ``h_t = a_t (1 - reset_t) h_{t-1} + x_t``.
+    ``x, a [b, l, w]`` (``x`` already gated and normalised), ``reset [b, l, 1]`` bool. Returns ``(h, final)``."""
+    h = x.new_zeros(x.shape[0], x.shape[-1]) if initial_state is None else initial_state.to(x.dtype)
+    keep = torch.ones_like(a) if reset is None else (~reset).to(a.dtype)
+    outs = []
+    for t in range(x.shape[1]):
+        h = a[:, t] * keep[:, t] * h + x[:, t]
+        outs.append(h)
+    return torch.stack(outs, dim=1), h
+
+
+def wkv_recurrence(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   initial_state: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """RWKV-4's WKV without the max stabiliser (float64, moderate keys): ``w = -exp(time_decay)``,
+    ``out_t = (num + e^{u+k_t} v_t) / (den + e^{u+k_t})``, then ``num = e^w num + e^{k_t} v_t``,
+    ``den = e^w den + e^{k_t}``. ``key, value [b, l, c]``. Returns ``(out, (num, den))``."""
+    w, u = -torch.exp(time_decay), time_first
+    num, den = ((key.new_zeros(key.shape[0], key.shape[-1]),) * 2 if initial_state is None else initial_state)
+    outs = []
+    for t in range(key.shape[1]):
+        e = torch.exp(u + key[:, t])
+        outs.append((num + e * value[:, t]) / (den + e))
+        num = torch.exp(w) * num + torch.exp(key[:, t]) * value[:, t]
+        den = torch.exp(w) * den + torch.exp(key[:, t])
+    return torch.stack(outs, dim=1), (num, den)
