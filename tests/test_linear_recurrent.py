@@ -116,6 +116,15 @@ def test_exact_fp64_per_parameter(pool, case):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
+def test_head_tail_dense_fp64(pool, model_type):
+    """Ring with the head_tail layout (2 chunks a rank, composed in sequence order), one dense row."""
+    results = pool.run(jl.parity, model_type, 4, "sequential", "ring", fp64=True,
+                       cfg_kwargs=dict(load_balance="head_tail"))
+    assert all(r["layout"] == "head_tail" for r in results)
+    check(results, 4, True, NEEDED[model_type], model_type)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_fp32_loss_and_whole_gradient(pool, model_type):
     check(pool.run(jl.parity, model_type, 4, "scan", "ulysses"), 4, False, model_type=model_type)
 
