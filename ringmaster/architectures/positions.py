@@ -132,16 +132,24 @@ def position_convention(model, spec: ArchitectureSpec, skip=()) -> PositionConve
     device = module0.weight.device
     dense, padded, mask, given = _probe_inputs(config, device)
 
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]   # restored one by one (frozen parts may be in eval)
     model.eval()
     try:
         with torch.no_grad():
-            embeds = model.get_input_embeddings()(padded)
-
             def run(**kw):
-                with _Lookups(weights) as lookups:
-                    out = model(**kw, use_cache=False)
+                try:
+                    with _Lookups(weights) as lookups:
+                        out = model(**kw, use_cache=False)
+                except Exception as exc:  # noqa: BLE001 - any failure of the probe is a refusal naming the table
+                    raise _refuse(path0, module0, f"the probe forward ({sorted(kw)}) failed: {type(exc).__name__}: "
+                                                  f"{exc}") from exc
                 return lookups.seen, _output(out)
+
+            try:
+                embeds = model.get_input_embeddings()(padded)
+            except Exception as exc:  # noqa: BLE001
+                raise _refuse(path0, module0, f"its input embeddings cannot be probed ({type(exc).__name__}: {exc})"
+                              ) from exc
 
             runs = {"dense": (dict(input_ids=dense), (dense, None)),
                     "padded": (dict(input_ids=padded, attention_mask=mask), (padded, mask)),
@@ -185,7 +193,8 @@ def position_convention(model, spec: ArchitectureSpec, skip=()) -> PositionConve
                                                   f"model's output ({name} probe): something besides the table reads "
                                                   "position_ids")
     finally:
-        model.train(was_training)
+        for module, mode in modes:
+            module.training = mode
     return PositionConvention(rule, pad if rule == "pad_cumsum" else None,
                               tuple((path, offsets[path]) for path, _ in tables))
 
