@@ -66,6 +66,8 @@ BAILING_HYBRID = register_architecture(ArchitectureSpec(
     model_types=("bailing_hybrid",),
     attention_classes=("BailingHybridAttention",),
     recurrent_classes={"BailingHybridDeltaAttention": "gated_deltanet"},
+    # holds the decay's A_log / dt_bias but computes a per-token gate: no state along the sequence
+    ignore_classes=("BailingHybridForgetGate",),
     recurrent_kernels=KDA_KERNELS,
     notes="linear_attention layers are Kimi delta attention (per-channel decay); full_attention layers are MLA",
 ))
