@@ -1,0 +1,116 @@
+"""Short convolutions and the other gated-DeltaNet hybrids under CP, against the same model without CP.
+
+Short convolutions (``short_conv`` kind: LFM2, LFM2-MoE, LFM3): the conv halo of the previous shard,
+no tap across a document start; the attention layers run under Ulysses and Ring. Gated-DeltaNet
+variants (``gated_deltanet`` kind with the family's kernel names): Lara-mini and OLMo-hybrid (Qwen3.5's
+rule), Bailing-hybrid (Kimi delta attention: a per-channel decay), under ``scan`` and ``sequential``.
+
+Every case checks the loss, the gathered logits and every parameter's gradient against its own norm
+(float64 end to end under keep_fp64, bound 1e-5; see tests/test_hybrid_parity.py for why fp64), dense
+rows, packed rows (each document run alone is the reference) and padded rows; fp32 runs check the loss
+and the whole gradient. Mutations (the halo dropped, the carried state dropped, the document ids kept
+from the short conv) must make the model-level check fail.
+"""
+
+import jobs_recurrent_variants as jv
+import pytest
+from test_hybrid_parity import FP64_PARAM_TOL, FP64_TOL, PARAM_TOL, TOL, TOTAL_TOL
+
+SHORT_CONV = ["lfm2", "lfm2_moe", "lfm3"]
+GDN = ["lara_mini", "olmo_hybrid", "bailing_hybrid"]
+NEEDED = {"lfm2": ("conv.conv.weight", "conv.in_proj.weight"), "lfm2_moe": ("conv.conv.weight",),
+          "lfm3": ("conv.conv.weight",), "lara_mini": ("A_log", "dt_bias", "conv1d.weight"),
+          "olmo_hybrid": ("A_log", "dt_bias", "conv1d.weight"),
+          "bailing_hybrid": ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")}
+MARGIN = 100
+
+
+def check(results, model_type, P, fp64=True):
+    for rank, r in enumerate(results):
+        assert r["cp_size"] == P and r["recurrent_layers"] >= 1 and r["attention_layers"] >= 1, r
+        assert not r["missing_grads"] and r["n_grads"] == r["n_params"], r["missing_grads"]
+        for needed in NEEDED[model_type]:
+            assert any(needed in k for k in r["grad_errs"]), (needed, sorted(r["grad_errs"]))
+        if fp64:
+            assert r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r["loss_err"], r["logits_err"])
+            worst = {k: v for k, v in r["grad_errs"].items() if v > FP64_PARAM_TOL}
+        else:
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r["loss_err"], r["logits_err"])
+            assert r["grad_err_total"] <= TOTAL_TOL, (rank, r["grad_err_total"])
+            worst = {k: v for k, v in r["grad_errs"].items() if v > PARAM_TOL}
+        assert not worst, (rank, worst)
+
+
+def test_wired_kinds(pool):
+    """Every conv / linear-attention layer of each family is wired, as the kind its spec names."""
+    want = {"lfm2": "short_conv", "lfm3": "short_conv", "lara_mini": "gated_deltanet",
+            "bailing_hybrid": "gated_deltanet"}
+    for model_type, kind in want.items():
+        layers = pool.run(jv.wired_kinds, model_type)[0]
+        assert layers and {k for _, k in layers} == {kind}, (model_type, layers)
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("model_type", SHORT_CONV)
+def test_short_conv_fp64(pool, model_type, P, backend):
+    check(pool.run(jv.parity, model_type, P, "scan", backend), model_type, P)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("model_type", GDN)
+def test_gated_delta_variants_fp64(pool, model_type, P, strategy):
+    check(pool.run(jv.parity, model_type, P, strategy, "ulysses"), model_type, P)
+
+
+@pytest.mark.parametrize("model_type", GDN)
+def test_gated_delta_variants_ring_fp64(pool, model_type):
+    check(pool.run(jv.parity, model_type, 4, "scan", "ring"), model_type, 4)
+
+
+@pytest.mark.parametrize("model_type", SHORT_CONV + GDN)
+def test_fp32_loss_and_whole_gradient(pool, model_type):
+    check(pool.run(jv.parity, model_type, 4, "sequential", "ulysses", 96, False), model_type, 4, fp64=False)
+
+
+@pytest.mark.parametrize("case", [(2, "ulysses", "sequential"), (4, "ring", "scan")], ids=["P2-ulysses", "P4-ring"])
+@pytest.mark.parametrize("model_type", SHORT_CONV + GDN)
+def test_packed_rows_fp64(pool, model_type, case):
+    """Documents start mid-shard and on the P=2 / P=4 shard edges (32, 16, 48 of 64 tokens)."""
+    P, backend, strategy = case
+    check(pool.run(jv.packed_parity, model_type, P, strategy, backend), model_type, P)
+
+
+@pytest.mark.parametrize("model_type,P", [("lfm2", 4), ("lara_mini", 2)])
+def test_padded_rows_fp64(pool, model_type, P):
+    for rank, r in enumerate(pool.run(jv.padded_parity, model_type, P)):
+        print(model_type, P, rank, r)
+        assert not r["nan"] and r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r)
+        assert r["grad_err"] <= FP64_PARAM_TOL, (rank, r)   # the worst parameter, each against its own norm
+
+
+MUTATIONS = [
+    # mutation, job, args, parameter that must show the error
+    ("conv_halo_dropped", "parity", ("lfm3", 4, "scan", "ulysses"), "conv.conv.weight"),
+    ("conv_halo_dropped", "parity", ("lfm2", 2, "scan", "ring"), "conv.conv.weight"),
+    ("short_conv_documents_dropped", "packed_parity", ("lfm2", 4, "scan", "ulysses"), "conv.conv.weight"),
+    ("gated_delta_state_dropped", "parity", ("bailing_hybrid", 4, "scan", "ulysses"), "forget_gate.A_log"),
+    ("gated_delta_state_dropped", "parity", ("lara_mini", 2, "sequential", "ulysses"), "linear_attn.A_log"),
+]
+
+
+@pytest.mark.parametrize("case", MUTATIONS, ids=[f"{c[0]}-{c[2][0]}-P{c[2][1]}" for c in MUTATIONS])
+def test_mutation_fails_fp64_parity(pool, case):
+    mutation, job, args, param = case
+    results = pool.run(jv.mutated, mutation, job, *args)
+    for rank, out in enumerate(results):
+        if "raised" in out:
+            continue
+        r = out["mutated"]
+        errs = {k: v for k, v in r["grad_errs"].items() if param in k}
+        assert errs, (param, sorted(r["grad_errs"]))
+        print(f"{mutation} {args} rank {rank}: worst {r['worst_param']} {r['grad_err']:.2e}, {param} "
+              f"{max(errs.values()):.2e}, logits {r['logits_err']:.2e}")
+        assert max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
+    check([out["clean"] for out in results], args[0], args[1])
