@@ -52,11 +52,40 @@ def drop_short_conv_documents():
     return jm._patch(short_conv, "conv_documents", lambda *args: None)
 
 
+def drop_gated_delta_scan_state():
+    """``ringmaster.recurrent.gated_deltanet.GatedDeltaSegment.finish`` only (the ``scan`` strategy's
+    outputs): the prefix state ignored. ``run`` (what ``wire``'s probe calls) is untouched, so the
+    wiring passes and the model-level check must catch it."""
+    from ringmaster.recurrent import gated_deltanet
+
+    cls = gated_deltanet.GatedDeltaSegment
+    finish = cls.finish
+    return jm._patch(cls, "finish", lambda self, aux, state_in: finish(self, aux,
+                                                                        None if state_in is None else state_in * 0))
+
+
+def drop_received_state():
+    """``ringmaster.recurrent.scan._Recv`` (the ``sequential`` strategy's hand-over): the state received
+    from the previous rank zeroed (kept in the graph, so the backward send still runs)."""
+    from ringmaster.recurrent import scan
+
+    recv = scan._Recv
+
+    class Dropped:
+        @staticmethod
+        def apply(*args):
+            state, token = recv.apply(*args)
+            return state * 0, token
+
+    return jm._patch(scan, "_Recv", Dropped)
+
+
 def _summary(r: dict) -> dict:
     return {**jm._summary(r), "attention_layers": r["attention_layers"]}
 
 
-MUTATIONS = {**jm.MUTATIONS, "short_conv_documents_dropped": drop_short_conv_documents}
+MUTATIONS = {**jm.MUTATIONS, "short_conv_documents_dropped": drop_short_conv_documents,
+             "gated_delta_scan_state_dropped": drop_gated_delta_scan_state, "received_state_dropped": drop_received_state}
 
 
 def mutated(ctx, mutation, job, *args, **kwargs):
