@@ -113,3 +113,80 @@ def wired_kinds(ctx, model_type, P=2):
     finally:
         rm.unwire(model)
         rm.teardown()
+
+
+def short_conv_layers(ctx, model_type, P, layout="contiguous", doc_lens=None, S=32):
+    """Every declared short-conv layer of ``model_type``'s tiny model (float64), on its own: wired through
+    the ``short_conv`` kind (``wire``'s probe included), run on this rank's positions of a random input
+    with the batch's global structure, against the unwired layer on the whole input (``doc_lens``: one
+    packed row per batch row, each document run alone). ``{path: {out, grad_x, grad_<param>}}``: relative
+    errors, gradients summed over the group (the input's covers the whole sequence, halos included).
+    Used where the model as a whole is refused (Inkling: its attention), so its convs are still checked."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ringmaster.architectures import get_architecture
+    from ringmaster.recurrent.context import LayerContext
+    from ringmaster.recurrent.short_conv import KERNELS, probe_width, wire_short_conv_layer
+    from ringmaster.recurrent.wiring import probe_layer
+    from ringmaster.sharding import balancers
+    from ringmaster.sharding.documents import CPBatch
+    from ringmaster.testing.parity import keep_fp64
+    from ringmaster.testing.zoo import build_tiny
+
+    group = ctx.mesh(P)["cp"].get_group()
+    rank = dist.get_rank(group)
+    pos = balancers.shard_positions(S, P, rank, layout)
+    docs = None
+    if doc_lens is not None:
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))[None].expand(2, -1)
+    out = {}
+    with keep_fp64():
+        model = build_tiny(model_type)
+        classes = get_architecture(model).recurrent_classes
+        hidden = model.config.get_text_config().hidden_size
+        for path, module in model.named_modules():
+            if classes.get(type(module).__name__) != "short_conv":
+                continue
+            ref, cp = copy.deepcopy(module).double(), copy.deepcopy(module).double()
+            C = probe_width(module, hidden)
+            g = torch.Generator().manual_seed(len(out))
+            x = torch.randn(2, S, C, generator=g, dtype=torch.float64)
+            W = torch.randn(2, S, C, generator=g, dtype=torch.float64)
+            xr = x.clone().requires_grad_()
+            if docs is None:
+                y_ref = ref(xr)
+            else:
+                bounds = [0, *torch.tensor(doc_lens).cumsum(0).tolist()]
+                y_ref = torch.cat([ref(xr[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+            (y_ref * W).sum().backward()
+            lctx = LayerContext(path, group, "auto")
+            undo = wire_short_conv_layer(cp, lctx)
+            try:
+                probe_layer(cp, lctx, KERNELS, C)
+                lctx.batch = CPBatch(rank, P, layout, S, docs)
+                xl = x[:, pos].clone().requires_grad_()
+                y = cp(xl)
+                (y * W[:, pos]).sum().backward()
+            finally:
+                undo()
+            gx = torch.zeros_like(x)
+            gx[:, pos] = xl.grad
+            dist.all_reduce(gx, group=group)
+            errs = {"out": jr.rel(y, y_ref[:, pos]), "grad_x": jr.rel(gx, xr.grad)}
+            for (name, p), (_, q) in zip(cp.named_parameters(), ref.named_parameters()):
+                gp = p.grad.clone()
+                dist.all_reduce(gp, group=group)
+                errs[f"grad_{name}"] = jr.rel(gp, q.grad)
+            out[path] = errs
+    return out
+
+
+def short_conv_layers_mutated(ctx, mutation, *args, **kwargs):
+    """:func:`short_conv_layers` with ``mutation`` applied on this rank."""
+    undo = MUTATIONS[mutation]()
+    try:
+        return short_conv_layers(ctx, *args, **kwargs)
+    finally:
+        undo()

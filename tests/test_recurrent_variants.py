@@ -115,3 +115,32 @@ def test_mutation_fails_fp64_parity(pool, case):
               f"{max(errs.values()):.2e}, logits {r['logits_err']:.2e}")
         assert max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
     check([out["clean"] for out in results], args[0], args[1])
+
+
+INKLING = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
+
+
+@pytest.mark.parametrize("case", [(2, "head_tail", None), (4, "contiguous", None), (4, "contiguous", (5, 3, 16, 8))],
+                         ids=["P2-head_tail", "P4", "P4-packed"])
+@pytest.mark.parametrize("model_type", INKLING)
+def test_inkling_short_convs_layer_by_layer(pool, model_type, case):
+    """The Inkling families are refused (their attention's relative position bias), but their short convs
+    (k/v projections: narrower than the hidden size; the residual-stream ones) are exact on their own:
+    every declared layer, output and every gradient, float64. Documents start mid-shard and on the P=4
+    edge 8 (packed: no tap crosses a start)."""
+    P, layout, docs = case
+    for rank, layers in enumerate(pool.run(jv.short_conv_layers, model_type, P, layout, docs)):
+        assert len(layers) >= 2, layers
+        assert any(".sconv" in p or "k_sconv" in p for p in layers), sorted(layers)
+        for path, errs in layers.items():
+            assert max(errs.values()) <= 1e-12, (rank, path, errs)
+
+
+@pytest.mark.parametrize("mutation,docs", [("conv_halo_dropped", None), ("short_conv_documents_dropped", (5, 3, 16, 8))])
+def test_inkling_layer_check_catches_mutations(pool, mutation, docs):
+    """Control of the layer-by-layer check: without the halo (or the document ids) every layer is wrong."""
+    for rank, layers in enumerate(pool.run(jv.short_conv_layers_mutated, mutation, "inkling2_text", 4, "contiguous",
+                                           docs)):
+        worst = {p: max(e.values()) for p, e in layers.items()}
+        print(mutation, rank, worst)
+        assert min(worst.values()) >= 1e-3, (rank, worst)
