@@ -12,21 +12,22 @@ import torch
 import ringmaster as rm
 
 
-def parity(ctx, model_type, P, strategy="scan", backend="ulysses", seq_len=64, fp64=True, **overrides):
+def parity(ctx, model_type, P, strategy="scan", backend="ulysses", seq_len=64, fp64=True, load_balance="auto",
+           **overrides):
     """Dense rows: ``compare`` with slow decays (where the layer has A_log)."""
     from ringmaster.testing.parity import compare
 
-    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy)
+    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, load_balance=load_balance)
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=jr.slow_decay, fp64=fp64,
                    **overrides)
 
 
 def packed_parity(ctx, model_type, P, strategy="scan", backend="ulysses", doc_lens=(5, 27, 2, 30), fp64=True,
-                  **overrides):
+                  load_balance="auto", **overrides):
     """One packed row (documents start mid-shard and on shard edges) against every document run alone."""
     from ringmaster.testing.parity import compare, packed_batch, per_document_forward
 
-    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy)
+    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, load_balance=load_balance)
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=jr.slow_decay, fp64=fp64,
                    batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
                    reference_forward=per_document_forward, **overrides)

@@ -69,6 +69,18 @@ def test_gated_delta_variants_ring_fp64(pool, model_type):
     check(pool.run(jv.parity, model_type, 4, "scan", "ring"), model_type, 4)
 
 
+@pytest.mark.parametrize("case", [(2, "scan", False), (4, "sequential", True)], ids=["P2-scan", "P4-sequential-packed"])
+@pytest.mark.parametrize("model_type", ["lfm3", "bailing_hybrid", "lara_mini"])
+def test_ring_head_tail_fp64(pool, model_type, case):
+    """Ring with the balanced ``head_tail`` layout (2P chunks, rank r holds r and 2P-1-r): the halo and
+    the state of every chunk come from the chunk before it in sequence order, on another rank."""
+    P, strategy, packed = case
+    job = jv.packed_parity if packed else jv.parity
+    results = pool.run(job, model_type, P, strategy, "ring", load_balance="head_tail")
+    assert all(r["layout"] == "head_tail" for r in results), [r["layout"] for r in results]
+    check(results, model_type, P)
+
+
 @pytest.mark.parametrize("model_type", SHORT_CONV + GDN)
 def test_fp32_loss_and_whole_gradient(pool, model_type):
     check(pool.run(jv.parity, model_type, 4, "sequential", "ulysses", 96, False), model_type, 4, fp64=False)
