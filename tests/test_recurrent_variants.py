@@ -81,6 +81,11 @@ def test_ring_head_tail_fp64(pool, model_type, case):
     check(results, model_type, P)
 
 
+@pytest.mark.parametrize("model_type", ["lfm3", "lara_mini"])
+def test_usp_fp64(pool, model_type):
+    check(pool.run(jv.parity, model_type, 4, "scan", "usp"), model_type, 4)
+
+
 @pytest.mark.parametrize("model_type", SHORT_CONV + GDN)
 def test_fp32_loss_and_whole_gradient(pool, model_type):
     check(pool.run(jv.parity, model_type, 4, "sequential", "ulysses", 96, False), model_type, 4, fp64=False)
