@@ -161,3 +161,34 @@ def test_inkling_layer_check_catches_mutations(pool, mutation, docs):
         worst = {p: max(e.values()) for p, e in layers.items()}
         print(mutation, rank, worst)
         assert min(worst.values()) >= 1e-3, (rank, worst)
+
+
+def test_short_conv_guard_and_probe_width():
+    """The per-call guard binds by the layer's own signature (Inkling2's short conv takes ``dynamic_input``
+    second, where LFM's takes the cache): a cache under CP and a padding mask not cut like the shard raise;
+    the probe's input width is the conv's for a layer without projections, else the hidden size."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2ShortConvolution
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    from ringmaster.recurrent.short_conv import _call_guard, probe_width
+    from ringmaster.testing.parity import tiny_model
+
+    ctx = SimpleNamespace(size=2, path="layer")
+    lfm, ink = _call_guard(ctx, Lfm2ShortConv.forward), _call_guard(ctx, Inkling2ShortConvolution.forward)
+    x = torch.zeros(1, 8, 16)
+    ink((x, x), {"cache": None, "conv_mask": torch.ones(1, 8)})        # dynamic_input is not a cache
+    lfm((x,), {"cache": None, "attention_mask": torch.ones(1, 8)})
+    with pytest.raises(RuntimeError, match="cache under CP"):
+        lfm((x, object()), {})
+    with pytest.raises(RuntimeError, match="cache under CP"):
+        ink((x, x), {"past_key_values": object()})
+    with pytest.raises(ValueError, match="conv_mask"):
+        ink((x,), {"conv_mask": torch.ones(1, 16)})
+    with pytest.raises(ValueError, match="attention_mask"):
+        lfm((x, None, torch.ones(1, 16)), {})
+    assert probe_width(Inkling2ShortConvolution(24, 4, 0, 0), 64) == 24
+    model = tiny_model("lfm2")
+    assert probe_width(model.model.layers[0].conv, 64) == 64
