@@ -43,11 +43,16 @@ def check(results, model_type, P, fp64=True):
 
 def test_wired_kinds(pool):
     """Every conv / linear-attention layer of each family is wired, as the kind its spec names."""
-    want = {"lfm2": "short_conv", "lfm3": "short_conv", "lara_mini": "gated_deltanet",
-            "bailing_hybrid": "gated_deltanet"}
-    for model_type, kind in want.items():
+    want = {"lfm2": ("short_conv", ["model.layers.0.conv", "model.layers.2.conv"]),
+            "lfm3": ("short_conv", ["model.layers.0.conv"]),
+            "lara_mini": ("gated_deltanet", ["model.layers.0.linear_attn"]),
+            "bailing_hybrid": ("gated_deltanet", ["model.layers.0.self_attn", "model.layers.2.self_attn"]),
+            # the decoder layer (OlmoHybridLinearAttentionDecoderLayer) matches the stateful-name pattern too:
+            # only the innermost stateful module is judged, the container is not refused
+            "olmo_hybrid": ("gated_deltanet", ["model.layers.0.linear_attn", "model.layers.2.linear_attn"])}
+    for model_type, (kind, paths) in want.items():
         layers = pool.run(jv.wired_kinds, model_type)[0]
-        assert layers and {k for _, k in layers} == {kind}, (model_type, layers)
+        assert layers == [(p, kind) for p in paths], (model_type, layers)
 
 
 @pytest.mark.parametrize("backend", ["ulysses", "ring"])
