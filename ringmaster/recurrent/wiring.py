@@ -109,7 +109,9 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                probe_layer(module, ctx, _required(spec, kind), hidden, kwargs=get_kind(kind).probe_kwargs)
+                width = get_kind(kind).probe_width
+                probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
+                            kwargs=get_kind(kind).probe_kwargs)
     except BaseException:
         wiring.restore()
         raise
