@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, refuse_if_unsafe, stateful_layers, text_config,
                             unsupported_message)
+from .architectures.heads import common_split, head_splits
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -146,12 +147,22 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
+    # each attention layer's own split (per-layer head counts, MQA, tiled KV): architectures/heads.py
+    splits = head_splits(model, layers.attention, tcfg, spec.num_heads_attr, spec.num_kv_heads_attr)
+    if splits:
+        num_heads, num_kv = common_split(splits)
     recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
     refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
     if not cfg.normalized:
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
-    if cfg.ulysses_size > 1 and num_heads is not None:
-        kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
+    if cfg.ulysses_size > 1:
+        for path, (hq, hk) in (splits or {"": (num_heads, num_kv)}).items():
+            if hq is None:
+                continue
+            try:
+                kv_replication(hq, hk, cfg.ulysses_size)  # raises with the splits that work
+            except ValueError as e:
+                raise ValueError(f"{e} (layer {path!r})" if path else str(e)) from None
     if cfg.ring_size > 1:
         param = next(model.parameters())
         check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype, inner)
