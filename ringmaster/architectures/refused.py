@@ -19,9 +19,6 @@ PHIMOE = refuse(("phimoe",), (
     "PhimoeSparseMoeBlock's sparsemixer router samples experts at random in training (torch.rand per token): "
     "every CP rank draws the same random stream for different tokens, so routing is not the single-device run "
     "(measured: logits 0.14, whole gradient 0.13 off at P=2). Use a CP size of 1 for PhiMoE training"))
-DIFFLLAMA = refuse(("diffllama",), (
-    "DiffLlamaAttention (differential attention) calls the attention kernel twice per layer on split values; "
-    "ringmaster has not checked that exact. Use a CP size of 1"))
 HY_V4 = refuse(("hy_v4",), (
     "HYV4Attention's DSA indexer (HYV4Indexer) picks each query's top-k keys from the layer's own attention "
     "mask and hidden states, outside the attention interface: under CP it would see only the shard (and gets "
