@@ -20,6 +20,7 @@ from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, refuse_if_unsafe, stateful_layers, text_config,
                             unsupported_message)
 from .architectures.heads import common_split, head_splits
+from .attention import bridge
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -43,11 +44,14 @@ class WireReport:
     attention: list[str] = field(default_factory=list)
     recurrent: list[tuple[str, str]] = field(default_factory=list)
     use_cache_switched_off: bool = False
+    bridged: list[str] = field(default_factory=list)  # attention layers whose decoder layer drops **kwargs
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
                  f"  {len(self.attention)} attention layers" + (f": {self.attention[0]} ..." if self.attention else "")]
         lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
+        if self.bridged:
+            lines.append(f"  ringmaster_batch carried past {len(self.bridged)} decoder layers that drop **kwargs")
         if self.use_cache_switched_off:
             lines.append("  use_cache switched off while wired")
         return "\n".join(lines)
@@ -178,15 +182,18 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt.multimodal = spec if spec.multimodal else None
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
+        bridged = []
         if rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
+            bridged, handles = bridge.install(model, layers.attention)
+            undo.extend(handle.remove for handle in handles)
         if recurrent:
             wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)
             undo.append(wiring.restore)
             rt.recurrent_wiring = wiring
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
-                               use_cache_switched_off=switched)
+                               use_cache_switched_off=switched, bridged=bridged)
         if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
             modules = dict(model.named_modules())
             arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention})

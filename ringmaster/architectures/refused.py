@@ -8,13 +8,6 @@ fixes the cause registers a spec with ``override=True``.
 
 from .generic import refuse
 
-_DROPS_KWARGS = ("its decoder layer calls self_attn without **kwargs (transformers 5.24), so the batch's global "
-                 "structure (`ringmaster_batch`) never reaches the attention and the first CP forward would fail; "
-                 "a layer that forwards **kwargs can be registered with rm.register_architecture(spec, "
-                 "override=True)")
-
-STABLELM = refuse(("stablelm",), "StableLmDecoderLayer: " + _DROPS_KWARGS)
-NEMOTRON = refuse(("nemotron",), "NemotronDecoderLayer: " + _DROPS_KWARGS)
 PHIMOE = refuse(("phimoe",), (
     "PhimoeSparseMoeBlock's sparsemixer router samples experts at random in training (torch.rand per token): "
     "every CP rank draws the same random stream for different tokens, so routing is not the single-device run "

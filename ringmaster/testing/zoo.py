@@ -55,6 +55,7 @@ MAX_PARAMS = 3_000_000
 # per-family fixes where the generic shrink is not a valid config (data, not code)
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(head_dim=16),
+    "nemotron": dict(num_key_value_heads=2),  # its default is None, which NemotronAttention cannot build
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
