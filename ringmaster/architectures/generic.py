@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..errors import UnsupportedLayerError
 from .classify import _ATTENTION_LIKE, stateful_layers, unsupported_message
 from .heads import head_splits
+from .towers import tower_spec
 from .spec import ArchitectureSpec, register_architecture, registered_architecture, text_config, unknown_family
 
 _DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS",)
@@ -110,6 +111,8 @@ def get_architecture(model_or_config) -> ArchitectureSpec:
     raises its reason."""
     spec = registered_architecture(model_or_config)
     if spec is not None:
+        if isinstance(model_or_config, nn.Module):  # a text family inside a multimodal model: its towers
+            return tower_spec(model_or_config, spec) or spec
         return spec
     if isinstance(model_or_config, nn.Module):
         return generic_spec(model_or_config)
