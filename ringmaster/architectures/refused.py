@@ -16,3 +16,8 @@ HY_V4 = refuse(("hy_v4",), (
     "HYV4Attention's DSA indexer (HYV4Indexer) picks each query's top-k keys from the layer's own attention "
     "mask and hidden states, outside the attention interface: under CP it would see only the shard (and gets "
     "no mask at all), so the selection cannot be the single-device one. Use a CP size of 1 for HY-V4"))
+DOGE = refuse(("doge",), (
+    "DogeAttention (dynamic mask attention) builds its attention mask from its own value states (dt_proj: an "
+    "additive bias per key, and a top-k over the keys once they exceed keep_window_size) and passes it to the "
+    "kernel: under CP that mask covers only the rank's shard of keys while the CP kernels mask from global "
+    "positions, so the layer cannot be the single-device one. Use a CP size of 1 for Doge"))

@@ -1,0 +1,135 @@
+"""Jobs for tests/test_misc_families.py (run on every rank of the pool): the zoo families made exact by
+the per-layer head split, repeated attention calls, the batch bridge and derived VLM towers, and the
+mutations that show each mechanism is load-bearing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ringmaster as rm
+from ringmaster.testing import zoo
+
+# tiny configs on top of the zoo's shrink (zoo.tiny_config): fewer layers where the default is slow
+OVERRIDES = {
+    "hrm_text": dict(num_layers_per_stack=1, H_cycles=2, L_cycles=2, num_hidden_layers=6),
+    "deepseek_v4": dict(layer_types=["sliding_attention"] * 3),   # the CSA/HCA compressors are refused
+}
+
+
+def config_for(family: str, extra=None):
+    return zoo.tiny_config(family, **{**OVERRIDES.get(family, {}), **(extra or {})})
+
+
+def parity(ctx, family: str, cases, extra=None):
+    """The zoo's verdicts for ``family`` (``{"ulysses2": {...}, ...}``) on this tiny config."""
+    row = zoo.zoo_job(ctx, [family], tuple(cases), configs={family: config_for(family, extra)})[family]
+    assert row["status"] == "scored", row
+    return {k: v for k, v in row.items() if isinstance(v, dict) and "verdict" in v}
+
+
+def _forward(ctx, model, P, backend="ulysses"):
+    """One CP forward of a wired model: (error type, message, loss or None)."""
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import keep_fp64
+
+    batch = zoo.zoo_batch(model.config.get_text_config().vocab_size, 32)
+    try:
+        with keep_fp64(), context_parallel_region(batch) as shard:
+            out = model(**shard)
+        return None, "forward returned", out.loss.item()
+    except Exception as exc:  # the test asserts on type and message
+        return type(exc).__name__, str(exc), None
+
+
+def wire_error(ctx, family: str, P=2, backend="ulysses", extra=None):
+    model = zoo.build_tiny(family, config_for(family, extra))
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=P, backend=backend), device_mesh=ctx.mesh(P))
+    except Exception as exc:  # the test asserts on type and message
+        return type(exc).__name__, str(exc)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return None
+
+
+def repeated_calls(ctx, family: str, P=2):
+    """The ledger's per-module call counts after the first CP forward (modules called more than once)."""
+    model = zoo.build_tiny(family, config_for(family))
+    rt = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+    try:
+        kind, msg, loss = _forward(ctx, model, P)
+        return kind, msg, dict(rt.binding.ledger.repeated)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+
+
+def without_bridge(ctx, family: str = "stablelm", P=2, backend="ulysses"):
+    """Mutation: wire with the batch bridge switched off; the first CP forward must raise (before backward)."""
+    from unittest import mock
+
+    import ringmaster.wiring as wiring
+
+    model = zoo.build_tiny(family, config_for(family))
+    try:
+        with mock.patch.object(wiring.bridge, "install", lambda model, paths: ([], [])):
+            rm.wire(model, rm.RingmasterConfig(size=P, backend=backend), device_mesh=ctx.mesh(P))
+        return _forward(ctx, model, P, backend)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+
+
+def bridged_report(ctx, family: str = "stablelm", P=2):
+    model = zoo.build_tiny(family, config_for(family))
+    try:
+        rt = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+        bridged = list(rt.report.bridged)
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    left = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return bridged, left
+
+
+def tower_after_text(ctx, P=2):
+    """Mutation: declare a module that runs *after* the language model (lm_head) as a tower of
+    moss_transcribe_diarize; the forward must raise naming it."""
+    from ringmaster.architectures.spec import _REGISTRY
+
+    family = "moss_transcribe_diarize"
+    model = zoo.build_tiny(family, config_for(family))
+    spec = rm.get_architecture(model)
+    bad = dataclasses.replace(spec, vision_modules=spec.vision_modules + ("lm_head",))
+    saved = _REGISTRY.get(family)
+    rm.register_architecture(bad, override=True)
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+        return _forward(ctx, model, P)
+    finally:
+        _REGISTRY.pop(family, None)
+        if saved is not None:
+            _REGISTRY[family] = saved
+        rm.unwire(model)
+        rm.teardown()
+
+
+def mqa_parity(ctx, cases):
+    """gpt_bigcode's multi-query attention (one KV head for every query head) under CP. The generic path
+    refuses the family for its learned position table (``wpe``); it reads the global ``position_ids``
+    ringmaster passes, so a spec registered for this test vouches for it and the head split is what is
+    checked. Restores the registry afterwards."""
+    from ringmaster.architectures.spec import _REGISTRY
+
+    family = "gpt_bigcode"
+    spec = rm.ArchitectureSpec(name="gpt_bigcode (test)", model_types=(family,),
+                               attention_classes=("GPTBigCodeAttention",))
+    saved = _REGISTRY.get(family)
+    rm.register_architecture(spec, override=True)
+    try:
+        return parity(ctx, family, cases)
+    finally:
+        _REGISTRY.pop(family, None)
+        if saved is not None:
+            _REGISTRY[family] = saved
