@@ -133,3 +133,42 @@ def mqa_parity(ctx, cases):
         _REGISTRY.pop(family, None)
         if saved is not None:
             _REGISTRY[family] = saved
+
+
+# ---- batches that run the towers: an image (gemma3) / an audio clip (moss) whose 4 tokens straddle the
+# P=4 shard edge at position 8 of 32
+TOWER_CONFIGS = {
+    "gemma3": dict(vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      image_size=32, patch_size=8), mm_tokens_per_image=4),
+    "moss_transcribe_diarize": dict(audio_token_id=125, audio_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_mel_bins=80,
+        max_source_positions=16)),   # Whisper-style: mel features of exactly 2 * 16 frames
+}
+
+
+def tower_batch(family: str, config, bidirectional: bool = False):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 110, (1, 32), generator=g)
+    if family == "gemma3":
+        ids[0, 6:10] = config.image_token_index       # out of vocabulary: gemma3 embeds it as PAD
+        extra = {"pixel_values": torch.randn(1, 3, 32, 32, generator=g, dtype=torch.float64)}
+        if bidirectional:
+            extra["token_type_ids"] = (ids == config.image_token_index).long()
+    else:
+        ids[0, 6:10] = config.audio_token_id
+        extra = {"input_features": torch.randn(1, 80, 32, generator=g, dtype=torch.float64),
+                 "input_features_mask": torch.ones(1, 32, dtype=torch.long),
+                 "padding_mask": torch.ones(1, 32, dtype=torch.long)}
+    labels = ids.clone()
+    labels[ids >= 120] = -100
+    return {"input_ids": ids, "labels": labels, **extra}
+
+
+def tower_parity(ctx, family: str, cases, bidirectional: bool = False):
+    """The zoo's verdicts with the tower running on a real input (its gradients compared too)."""
+    config = config_for(family, TOWER_CONFIGS[family])
+    base = zoo.build_tiny(family, config)
+    batch = tower_batch(family, config, bidirectional)
+    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases}

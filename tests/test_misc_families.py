@@ -112,6 +112,19 @@ def test_tower_spec_derived():
         assert spec.language_model == "model.language_model" and spec.vision_modules == towers, spec
 
 
+@pytest.mark.parametrize("family", ["gemma3", "moss_transcribe_diarize"])
+def test_tower_batch_exact(pool, family):
+    """An image / audio clip encoded by the tower on every rank, its 4 tokens straddling a P=4 shard edge:
+    exact, the tower's gradients included."""
+    exact(pool.run(jobs.tower_parity, family, P2 + P4)[0], 4)
+
+
+def test_gemma3_bidirectional_image_span_refused(pool):
+    verdicts = pool.run(jobs.tower_parity, "gemma3", P2, True)[0]
+    for case, v in verdicts.items():
+        assert v["verdict"] == "refused" and "bidirectional image spans" in v["reason"], (case, v)
+
+
 def test_tower_running_after_the_text_model_refused(pool):
     """Mutation target: multimodal.TowerOrder. A module declared as a tower that runs on the language
     model's (sharded) output raises in the forward, naming it."""
