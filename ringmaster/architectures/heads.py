@@ -7,10 +7,12 @@ reliable source: gpt_bigcode's ``multi_query`` means one KV head whatever
 ``num_key_value_heads`` says, laguna has a head count per layer
 (``num_attention_heads_per_layer``), mimo_v2_flash doubles the KV heads of its sliding layers,
 jetmoe's mixture-of-attention tiles its KV heads ``top_k`` times before the call, deepseek_v4
-shares one KV head. What every such layer does set is what HF's own kernels read: its query
-head count (``num_heads`` or its ``q_proj`` width) and ``num_key_value_groups`` (eager's
-``repeat_kv`` factor, so the call's KV heads are ``num_heads // num_key_value_groups``). The
-config is only the last resort, for a layer that states neither.
+shares one KV head. What every such layer does set is what HF's own kernels read:
+``num_key_value_groups`` (eager's ``repeat_kv`` factor, so the call's KV heads are the query heads
+divided by it) and, where the query heads differ from the config, ``num_heads``. So the query
+heads are the layer's ``num_heads``, else the config's, else the ``q_proj`` width (not first: a
+gated ``q_proj``, qwen3_next's, is twice the heads wide); the KV heads follow from the groups,
+else from the layer's KV attribute, its ``k_proj`` width or the config.
 
 The CP kernels themselves take the split from the tensors of each call (Ulysses and Ring read
 ``query.shape[1]`` / ``key.shape[1]``); this module is what ``rm.wire`` validates and sizes the
@@ -49,9 +51,10 @@ def head_split(path: str, module, config=None, heads_attr: str = "num_attention_
                kv_attr: str = "num_key_value_heads") -> tuple[int, int] | None:
     """``(query heads, KV heads)`` of one attention call of ``module``; None when neither the layer
     nor ``config`` says. Raises when the layer's own numbers contradict each other."""
-    q = _int_attr(module, _Q_ATTRS) or _proj_heads(module, "q_proj")
-    if q is None and config is not None:
+    q = _int_attr(module, _Q_ATTRS)
+    if q is None and config is not None:  # before q_proj: a gated q_proj (qwen3_next) is twice the heads wide
         q = getattr(config, heads_attr, None) if isinstance(getattr(config, heads_attr, None), int) else None
+    q = q or _proj_heads(module, "q_proj")
     if q is None:
         return None
     groups = _int_attr(module, ("num_key_value_groups",))
