@@ -3,7 +3,8 @@
 1. Per-layer bytes one rank sends (analytic, real model shapes, bf16 activations, fp32 states):
    Ulysses all-to-all of one attention layer vs the state passing of one recurrent layer
    (scan: all-gather of the maps; sequential: one state per hop) and the conv halo.
-2. Measured bytes per layer on tiny hybrid models (gloo pool, forward + backward).
+2. Measured bytes per layer on tiny hybrid models (gloo pool, forward + backward); the short-conv
+   layers (LFM2) send only their halo, for either strategy.
 3. Extra compute of scan vs sequential: one rank's recurrent kernel work for its shard
    (transformers torch kernels, CPU, fwd+bwd), P = 2 and 4. Timings are printed, never asserted.
 
@@ -28,6 +29,8 @@ MODELS = {
     "Qwen3-Next-80B (GDN)": dict(kind="gdn", hk=16, hv=32, dk=128, dv=128, conv=4, hq=16, hkv=2, hd=256),
     "Qwen3.5-27B-ish (GDN)": dict(kind="gdn", hk=16, hv=48, dk=128, dv=128, conv=4, hq=24, hkv=4, hd=256),
     "Nemotron-H-8B (Mamba2)": dict(kind="mamba", h=128, p=64, n=128, g=8, conv=4, hq=32, hkv=8, hd=128),
+    # short conv: no scan state, only the halo (conv_L_cache - 1 inputs of the hidden size)
+    "LFM2-2.6B (short conv)": dict(kind="short_conv", hidden=2048, conv=3, hq=32, hkv=8, hd=64),
 }
 
 
@@ -38,7 +41,10 @@ def analytic(seq: int) -> None:
     for name, m in MODELS.items():
         for P in (2, 4, 8):
             attn = seq // P * (2 * m["hq"] + 2 * m["hkv"]) * m["hd"] * BF16 * (P - 1) // P  # q,k,v out, o back
-            if m["kind"] == "gdn":
+            if m["kind"] == "short_conv":
+                state = maps = 0
+                conv_dim = m["hidden"]
+            elif m["kind"] == "gdn":
                 state = m["hv"] * m["dk"] * m["dv"] * F32
                 maps = m["hv"] * m["dk"] * (m["dv"] + m["dk"]) * F32
                 conv_dim = 2 * m["hk"] * m["dk"] + m["hv"] * m["dv"]
@@ -55,7 +61,7 @@ def analytic(seq: int) -> None:
 def measured(pool) -> None:
     print("\n## 2. measured bytes per layer, tiny models (gloo, fwd+bwd, S=96, rank 0)")
     print(f"{'model':<14} {'P':>2} {'strategy':<10} {'a2a/attn layer':>15} {'state+halo/rec layer':>21}")
-    for model_type in ("qwen3_5_text", "nemotron_h"):
+    for model_type in ("qwen3_5_text", "nemotron_h", "lfm2"):
         for P in (2, 4):
             for strategy in ("scan", "sequential"):
                 r = pool.run(_bytes_job, model_type, P, strategy)[0]

@@ -20,3 +20,6 @@ class RecurrentKind:
     optional: dict = field(default_factory=dict)
     document_aware: bool = True
     description: str = ""
+    # ``probe_width(module, hidden) -> int``: the input width of ``wire``'s probe forward for a layer
+    # whose input is not the model's hidden size (Inkling's k/v short convs); None: the hidden size
+    probe_width: Callable | None = None

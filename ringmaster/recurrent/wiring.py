@@ -108,7 +108,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                probe_layer(module, ctx, _required(spec, kind), hidden)
+                width = get_kind(kind).probe_width
+                probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden))
     except BaseException:
         wiring.restore()
         raise
