@@ -115,26 +115,6 @@ def tower_after_text(ctx, P=2):
         rm.teardown()
 
 
-def mqa_parity(ctx, cases):
-    """gpt_bigcode's multi-query attention (one KV head for every query head) under CP. The generic path
-    refuses the family for its learned position table (``wpe``); it reads the global ``position_ids``
-    ringmaster passes, so a spec registered for this test vouches for it and the head split is what is
-    checked. Restores the registry afterwards."""
-    from ringmaster.architectures.spec import _REGISTRY
-
-    family = "gpt_bigcode"
-    spec = rm.ArchitectureSpec(name="gpt_bigcode (test)", model_types=(family,),
-                               attention_classes=("GPTBigCodeAttention",))
-    saved = _REGISTRY.get(family)
-    rm.register_architecture(spec, override=True)
-    try:
-        return parity(ctx, family, cases)
-    finally:
-        _REGISTRY.pop(family, None)
-        if saved is not None:
-            _REGISTRY[family] = saved
-
-
 # ---- batches that run the towers: an image (gemma3) / an audio clip (moss) whose 4 tokens straddle the
 # P=4 shard edge at position 8 of 32
 TOWER_CONFIGS = {

@@ -32,14 +32,10 @@ def test_family_exact_p2(pool, family):
     exact(pool.run(jobs.parity, family, P2)[0], 2)
 
 
-@pytest.mark.parametrize("family", ["mimo_v2_flash", "diffllama", "stablelm", "moss_transcribe_diarize"])
+# gpt_bigcode: one KV head (multi_query) for four query heads, which Ulysses replicates to every rank
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "gpt_bigcode", "diffllama", "stablelm", "moss_transcribe_diarize"])
 def test_family_exact_p2_p4(pool, family):
     exact(pool.run(jobs.parity, family, P2 + P4)[0], 4)
-
-
-def test_gpt_bigcode_multi_query_exact(pool):
-    """One KV head for four query heads: Ulysses replicates it to every rank at P=2 and P=4."""
-    exact(pool.run(jobs.mqa_parity, P2 + P4)[0], 4)
 
 
 # ---- the head split of each layer
