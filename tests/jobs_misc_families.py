@@ -152,3 +152,13 @@ def tower_parity(ctx, family: str, cases, bidirectional: bool = False):
     base = zoo.build_tiny(family, config)
     batch = tower_batch(family, config, bidirectional)
     return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases}
+
+
+def checkpointed_parity(ctx, family: str, cases):
+    """The zoo's verdicts with gradient checkpointing on: the recomputed decoder layers run their hooks
+    again (the bridge must carry the batch on recomputation too)."""
+    config = config_for(family)
+    base = zoo.build_tiny(family, config)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = zoo.zoo_batch(config.vocab_size, 32)
+    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases}

@@ -97,6 +97,10 @@ def test_without_bridge_the_accounting_trips(pool, backend):
     assert "'model.layers.0.self_attn'" in msg and "**kwargs" in msg, msg
 
 
+def test_bridge_under_gradient_checkpointing(pool):
+    exact(pool.run(jobs.checkpointed_parity, "stablelm", P2)[0], 2)
+
+
 # ---- towers
 def test_tower_spec_derived():
     import ringmaster as rm

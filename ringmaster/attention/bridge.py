@@ -6,24 +6,43 @@ then call their attention with an explicit argument list (stablelm, nemotron in 
 5.24: ``self.self_attn(hidden_states=..., position_embeddings=...)``), so the kwarg stops there
 although the attention's own forward would pass it on to the kernel.
 
-For such a layer ``rm.wire`` installs a bridge: the layer's forward pre-hook keeps the
-``ringmaster_batch`` of *this call* (a stack local to the layer, popped by its post-hook, which
-also runs when the forward raises), and the attention module's pre-hook adds it to its kwargs when
-the call did not carry one. Nothing is process-global: each bridge is bound to one layer of one
-wired model, holds the batch only while that layer's forward runs, and is removed by ``rm.unwire``.
-Gradient checkpointing replays the layer through its ``__call__``, so the hooks run again on
-recomputation. A layer is bridged only when its source shows the drop (:func:`drops_kwargs`); the
-first-forward accounting still proves every attention call got the batch.
+For such a layer ``rm.wire`` installs a bridge: a forward pre-hook on the attention module that,
+when a call carries no ``ringmaster_batch``, takes the one of the decoder layer's call it is
+running in, read from that call's own frame (the frame of the layer's ``forward``, matched by its
+code object and its ``self``; its ``**kwargs`` dict holds the batch). Nothing is stored anywhere:
+no process global, no per-layer slot, so a recomputation by gradient checkpointing, which in
+transformers 5.24 re-runs the layer's ``forward`` *inside* the checkpoint without its module hooks,
+finds the batch of exactly the forward it recomputes. A layer is bridged only when its source shows
+the drop (:func:`drops_kwargs`); the first-forward accounting still proves every attention call got
+the batch. Not meant for ``torch.compile``d layers (the frame walk is Python-level).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
 from functools import lru_cache
 
 from ..sharding.documents import BATCH_KWARG
+
+
+_MAX_DEPTH = 12   # frames from the attention's pre-hook up to its caller's forward (module __call__ machinery)
+
+
+def _forward_function(parent_cls: type):
+    """The layer's own ``forward`` function under its decorators (``functools.wraps`` chains)."""
+    return inspect.unwrap(getattr(parent_cls, "forward"))
+
+
+def _kwargs_name(parent_cls: type) -> str | None:
+    """The name of the ``**kwargs`` parameter of ``parent_cls.forward`` (None if it has none)."""
+    try:
+        params = inspect.signature(_forward_function(parent_cls)).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
 
 
 @lru_cache(maxsize=None)
@@ -52,22 +71,31 @@ def _accepts_kwargs(module) -> bool:
 
 
 class Bridge:
-    """The ``ringmaster_batch`` of the bridged layer's calls in progress (innermost last)."""
+    """One bridged attention module: finds the ``ringmaster_batch`` of the parent layer's call it runs in."""
 
-    def __init__(self):
-        self.stack: list = []
+    def __init__(self, parent):
+        self.parent = parent
+        self.code = _forward_function(type(parent)).__code__
+        self.kwargs_name = _kwargs_name(type(parent))
 
-    def layer_pre(self, module, args, kwargs):
-        self.stack.append(kwargs.get(BATCH_KWARG))
-
-    def layer_post(self, module, args, kwargs, output):
-        if self.stack:
-            self.stack.pop()
+    def caller_batch(self):
+        frame = sys._getframe(2)  # above attention_pre and this method
+        for _ in range(_MAX_DEPTH):
+            if frame is None:
+                return None
+            if frame.f_code is self.code and frame.f_locals.get("self") is self.parent:
+                extra = frame.f_locals.get(self.kwargs_name)
+                return extra.get(BATCH_KWARG) if isinstance(extra, dict) else None
+            frame = frame.f_back
+        return None
 
     def attention_pre(self, module, args, kwargs):
-        if BATCH_KWARG in kwargs or not self.stack or self.stack[-1] is None:
+        if BATCH_KWARG in kwargs:
             return None
-        return args, {**kwargs, BATCH_KWARG: self.stack[-1]}
+        cpb = self.caller_batch()
+        if cpb is None:
+            return None
+        return args, {**kwargs, BATCH_KWARG: cpb}
 
 
 def bridge_paths(model, attention_paths) -> list[str]:
@@ -89,9 +117,6 @@ def install(model, attention_paths) -> tuple[list[str], list]:
     paths = bridge_paths(model, attention_paths)
     handles = []
     for path in paths:
-        bridge = Bridge()
-        parent = modules[path.rpartition(".")[0]]
-        handles.append(parent.register_forward_pre_hook(bridge.layer_pre, with_kwargs=True))
-        handles.append(parent.register_forward_hook(bridge.layer_post, with_kwargs=True, always_call=True))
+        bridge = Bridge(modules[path.rpartition(".")[0]])
         handles.append(modules[path].register_forward_pre_hook(bridge.attention_pre, with_kwargs=True))
     return paths, handles
