@@ -61,6 +61,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "recurrent_gemma": dict(lru_width=64, num_hidden_layers=3),
     # the default config pins attention_hidden_size to 4096
     "rwkv": dict(attention_hidden_size=64),
+    "nemotron": dict(num_key_value_heads=2),  # its default is None, which NemotronAttention cannot build
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
