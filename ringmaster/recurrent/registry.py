@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedLayerError
-from . import gated_deltanet, mamba2
+from . import gated_deltanet, mamba1, mamba2
 from .kind import RecurrentKind
 
 _KINDS: dict[str, RecurrentKind] = {}
@@ -31,3 +31,4 @@ def known_kinds() -> list[str]:
 
 register_kind(mamba2.KIND)
 register_kind(gated_deltanet.KIND)
+register_kind(mamba1.KIND)

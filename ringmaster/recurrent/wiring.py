@@ -100,9 +100,13 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     wiring = RecurrentWiring()
     modules = dict(model.named_modules())
     hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+    contexts: list[LayerContext] = []
     try:
+        if layers:
+            wiring._restores.append(_model_batch_hook(model, contexts))
         for path, module, kind in layers:
             ctx = LayerContext(path, group, strategy)
+            contexts.append(ctx)
             wiring._restores.append(get_kind(kind).wire(module, ctx, kernel_names(spec, kind)))
             wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx))
             wiring.layers.append(path)
@@ -181,6 +185,29 @@ def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
     return restore
 
 
+def _model_batch_hook(model, contexts: list[LayerContext]) -> Callable[[], None]:
+    """A forward pre-hook on the wired model itself that records its call's ``ringmaster_batch`` in every
+    wired layer's context (``model_batch``): some causal-LM heads call their backbone without their
+    kwargs (Mamba, FalconMamba, Mamba2), so neither the mixer nor its block ever sees the batch. Set on
+    every model call (None when absent). It is kept after the forward so that gradient checkpointing,
+    which replays a block without kwargs during backward, finds the batch of the forward it replays."""
+
+    def hook(module, args, kwargs):
+        batch = kwargs.get(BATCH_KWARG)
+        for ctx in contexts:
+            ctx.model_batch = batch
+        return None
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def restore() -> None:
+        handle.remove()
+        for ctx in contexts:
+            ctx.model_batch = None
+
+    return restore
+
+
 def recurrent_plan(models, size: int):
     """``(gated_deltanet_mixers, kda_mixers, mamba2_mixers)`` that need state passing at CP ``size``
     (lists of modules; all empty at size 1). Raises on a stateful layer ringmaster cannot pass."""
@@ -189,5 +216,5 @@ def recurrent_plan(models, size: int):
         return gdn, kda, mamba
     for model in models:
         for path, module, kind in check_recurrent_layers(model):
-            (mamba if kind == "mamba2" else gdn).append(module)
+            (mamba if kind in ("mamba2", "mamba1") else gdn).append(module)
     return gdn, kda, mamba

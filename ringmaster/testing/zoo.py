@@ -55,6 +55,8 @@ MAX_PARAMS = 3_000_000
 # per-family fixes where the generic shrink is not a valid config (data, not code)
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(head_dim=16),
+    # Mamba2Config checks hidden_size * expand == num_heads * head_dim (64 * 2 = 8 * 16)
+    "mamba2": dict(num_heads=8, head_dim=16),
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
