@@ -54,3 +54,22 @@ MAMBA2 = register_architecture(ArchitectureSpec(
     recurrent_kernels=MAMBA2_KERNELS,
     notes="no attention layer; Mamba2ForCausalLM calls its backbone without kwargs",
 ))
+
+ZAMBA = register_architecture(ArchitectureSpec(
+    name="zamba",
+    model_types=("zamba",),
+    attention_classes=("ZambaAttention",),
+    recurrent_classes={"ZambaMambaMixer": "mamba1"},
+    recurrent_kernels=MAMBA1_KERNELS,
+    notes="Mamba1 mixers (one selective scan per mamba head) and a shared attention block whose weights are tied "
+          "across the hybrid layers",
+))
+
+ZAMBA2 = register_architecture(ArchitectureSpec(
+    name="zamba2",
+    model_types=("zamba2",),
+    attention_classes=("Zamba2Attention",),
+    recurrent_classes={"Zamba2MambaMixer": "mamba2"},
+    recurrent_kernels=MAMBA2_KERNELS,
+    notes="Mamba2 mixers and shared attention blocks (tied weights, per-layer LoRA adapters on q/k/v and the MLP)",
+))

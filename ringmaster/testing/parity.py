@@ -68,6 +68,13 @@ TINY: dict[str, dict[str, Any]] = {
                   attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, num_experts=4,
                   num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=12, expand=2),
+    # Mamba hybrids with a shared attention block called from two hybrid layers (Zamba2: per-layer LoRA adapters)
+    "zamba": dict(num_attention_heads=4, num_key_value_heads=4, attention_hidden_size=128, attention_head_dim=32,
+                  mamba_dt_rank=4, mamba_d_state=8, n_mamba_heads=2, num_hidden_layers=3,
+                  layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    "zamba2": dict(num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
+                   chunk_size=12, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                   use_shared_attention_adapter=True, adapter_rank=8),
 }
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -57,6 +57,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(head_dim=16),
     # Mamba2Config checks hidden_size * expand == num_heads * head_dim (64 * 2 = 8 * 16)
     "mamba2": dict(num_heads=8, head_dim=16),
+    # Zamba/Zamba2 store sizes derived from hidden_size (2 * hidden for the shared attention block); the
+    # shrink copies the defaults' values, so give the tiny ones
+    "zamba": dict(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
+    "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16, kv_channels=16,
+                   num_query_groups=4, hybrid_layer_ids=[1]),
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
