@@ -8,12 +8,11 @@ per-token (declared ignored). Mamba, FalconMamba and Mamba2 have no attention la
 only decides how the batch is cut.
 """
 
+from .nemotron_h import MAMBA2_KERNELS
 from .spec import ArchitectureSpec, register_architecture
 
 # the module-level kernels transformers' Mamba1 mixers call by name (role -> name); wire intercepts them
 MAMBA1_KERNELS = {"mamba1": {"conv": "causal_conv1d_fn", "scan": "mamba_selective_scan", "fused": "mamba_inner_fn"}}
-MAMBA2_KERNELS = {"mamba2": {"conv": "causal_conv1d_fn", "scan": "mamba2_chunk_scan",
-                             "fused": "mamba2_split_conv1d_scan_combined"}}
 
 MAMBA = register_architecture(ArchitectureSpec(
     name="mamba",
