@@ -28,6 +28,8 @@ MODELS = {
     "Qwen3-Next-80B (GDN)": dict(kind="gdn", hk=16, hv=32, dk=128, dv=128, conv=4, hq=16, hkv=2, hd=256),
     "Qwen3.5-27B-ish (GDN)": dict(kind="gdn", hk=16, hv=48, dk=128, dv=128, conv=4, hq=24, hkv=4, hd=256),
     "Nemotron-H-8B (Mamba2)": dict(kind="mamba", h=128, p=64, n=128, g=8, conv=4, hq=32, hkv=8, hd=128),
+    # Mamba1: state [d_inner, d_state], one decay per entry (maps: 2x the state); Jamba's attention layers
+    "Jamba-v0.1 (Mamba1)": dict(kind="mamba1", d=8192, n=16, conv=4, hq=32, hkv=8, hd=128),
 }
 
 
@@ -42,6 +44,10 @@ def analytic(seq: int) -> None:
                 state = m["hv"] * m["dk"] * m["dv"] * F32
                 maps = m["hv"] * m["dk"] * (m["dv"] + m["dk"]) * F32
                 conv_dim = 2 * m["hk"] * m["dk"] + m["hv"] * m["dv"]
+            elif m["kind"] == "mamba1":
+                state = m["d"] * m["n"] * F32
+                maps = m["d"] * 2 * m["n"] * F32
+                conv_dim = m["d"]
             else:
                 state = m["h"] * m["p"] * m["n"] * F32
                 maps = m["h"] * (m["p"] * m["n"] + 1) * F32
@@ -115,6 +121,37 @@ def compute(seq: int) -> None:
 
             t_seq, t_scan = _time(sequential), _time(scan)
             print(f"{kind:<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
+    _compute_mamba1(seq)
+
+
+def _compute_mamba1(seq: int) -> None:
+    """Mamba1: both strategies run the kernel once from a zero state plus the same closed-form correction
+    (the kernels take no initial state); scan adds only the prefix over the P gathered maps."""
+    import jobs_mamba1 as jm1
+
+    from ringmaster.recurrent.scan import compose_prefix
+
+    for P in (2, 4):
+        L = seq // P
+        inputs = jm1.mamba1_inputs(b=1, d=64, n=16, l=L, dtype=torch.float32)
+
+        def sequential():
+            x = jm1.leaves(inputs)
+            seg = jm1.segment("hf", x, slice(0, L))
+            state = torch.zeros(seg.state_meta()[0]).requires_grad_(True)
+            y, final = seg.run(state)
+            (y.sum() + final.sum()).backward()
+
+        def scan():
+            x = jm1.leaves(inputs)
+            seg = jm1.segment("hf", x, slice(0, L))
+            packed, aux = seg.local_map()
+            maps = [packed.detach().requires_grad_(True) for _ in range(P)]
+            y = seg.finish(aux, compose_prefix(seg, maps)[-1])
+            (y.sum() + packed.sum()).backward()
+
+        t_seq, t_scan = _time(sequential, reps=3), _time(scan, reps=3)
+        print(f"{'mamba1':<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
 
 
 def main() -> None:
