@@ -146,12 +146,19 @@ def slow_decay(model) -> None:
                 a_log.copy_(torch.linspace(-9.0, 0.5, a_log.numel()).reshape(a_log.shape))
 
 
-def family_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None):
-    """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``."""
+def family_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None,
+                  checkpointing=False):
+    """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``.
+    ``checkpointing``: gradient checkpointing on (blocks replayed in backward without the batch kwarg)."""
     from ringmaster.testing.parity import compare
 
+    def prepare(model):
+        slow_decay(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
-    return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay, fp64=fp64)
+    return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=prepare, fp64=fp64)
 
 
 def packed_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14),

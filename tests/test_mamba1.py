@@ -198,6 +198,14 @@ def test_jamba_attention_under_ring_fp64(pool, P):
     check_fp64(pool.run(jm1.family_parity, "jamba", P, "scan", "ring", fp64=True, cfg_kwargs=cfg), P)
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "jamba"])
+def test_gradient_checkpointing_replays_with_the_batch(pool, model_type):
+    """Checkpointed blocks are replayed in backward without kwargs (MambaForCausalLM never passes any): the
+    batch recorded by the wired model's pre-hook still reaches the mixers, and the result stays exact. fp32:
+    keep_fp64's torch-function mode does not reach the recompute inside backward."""
+    check_fp32(pool.run(jm1.family_parity, model_type, 2, "sequential", checkpointing=True), 2)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_mamba1_family_fp32_loss_and_whole_gradient(pool, model_type):
     for P, strategy in ((2, "sequential"), (4, "scan")):
