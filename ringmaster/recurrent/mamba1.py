@@ -25,8 +25,9 @@ patched):
 
 The kernel itself always runs from a zero state: neither transformers' torch fallback nor
 mamba-ssm's ``selective_scan_fn`` takes an initial state (its API has ``return_last_state`` only),
-so the incoming state enters through the closed-form correction, which materialises
-``[b, d_inner, l, d_state]`` per chunk (the size of the torch fallback's own ``discrete_A``).
+so the incoming state enters through the closed-form correction, computed in tiles of
+:data:`TILE` tokens that are recomputed in backward (:func:`decayed_readout`): the decays
+``[b, d_inner, l, d_state]`` (the size of the torch fallback's own ``discrete_A``) never live at once.
 With mamba-ssm / causal-conv1d installed the same code calls them (the conv through its halo, no
 ``initial_states`` needed): import-guarded by transformers, not yet run on a GPU.
 
@@ -43,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
@@ -56,6 +58,30 @@ from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, s
 KERNELS = {"conv": "causal_conv1d_fn", "scan": "mamba_selective_scan"}
 OPTIONAL = {"fused": "mamba_inner_fn", "conv_update": "causal_conv1d_update",
             "state_update": "mamba_selective_state_update"}
+
+
+TILE = 256   # tokens per tile of the state correction: [b, d_inner, TILE, d_state] at a time
+
+
+def _readout(cum_dt, A, state, C):
+    """``C_t · (exp(cum_dt_t A) ⊙ S)`` for one tile: ``cum_dt [b, d, T]``, ``A [d, n]``, ``S [b, d, n]``,
+    ``C [b, n, T]`` -> ``[b, d, T]``."""
+    return torch.einsum("bdtn,bdn,bnt->bdt", torch.exp(cum_dt[..., None] * A[:, None, :]), state, C)
+
+
+def decayed_readout(cum_dt, A, state, C, tile: int = TILE):
+    """The outputs' dependence on the incoming state, ``y_t += C_t · (exp(Σ_{s<=t} dt_s A) ⊙ S_in)``, in
+    tiles of ``tile`` tokens, each recomputed in backward (activation checkpointing): the decays
+    ``[b, d_inner, l, d_state]`` are never held for the whole chunk (mamba-ssm's kernel keeps O(l · d_inner))."""
+    l = cum_dt.shape[-1]
+    outs = []
+    for a in range(0, l, tile):
+        args = (cum_dt[..., a:a + tile], A, state, C[..., a:a + tile])
+        if l > tile and torch.is_grad_enabled() and any(t.requires_grad for t in args):
+            outs.append(checkpoint(_readout, *args, use_reentrant=False))
+        else:
+            outs.append(_readout(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class Mamba1Segment:
@@ -87,9 +113,10 @@ class Mamba1Segment:
         dtype = self.state_meta()[1]
         dt = mamba1_dt(hi(self.delta).to(dtype), None if self.delta_bias is None else hi(self.delta_bias).to(dtype),
                        self.delta_softplus)                                  # [b, d, l]
-        log_decay = torch.cumsum(dt[..., None] * hi(self.A).to(dtype)[:, None, :], dim=2)   # [b, d, l, n], <= 0
-        packed = torch.cat([hi(final).to(dtype), log_decay[:, :, -1].exp()], dim=-1)       # [b, d, 2n]
-        return packed, (y0, log_decay)
+        cum_dt = torch.cumsum(dt, dim=-1)                                    # [b, d, l]: exp(cum_dt * A) <= 1
+        decay = torch.exp(cum_dt[..., -1, None] * hi(self.A).to(dtype))     # [b, d, n]
+        packed = torch.cat([hi(final).to(dtype), decay], dim=-1)            # [b, d, 2n]
+        return packed, (y0, cum_dt)
 
     def combine(self, state, packed):
         n = self.A.shape[-1]
@@ -99,11 +126,11 @@ class Mamba1Segment:
         return packed[..., n:] * state + b
 
     def finish(self, aux, state_in):
-        y0, log_decay = aux
+        y0, cum_dt = aux
         if state_in is None:
             return self._gate(y0)
-        C = hi(self.C).to(state_in.dtype)
-        corr = torch.einsum("bdln,bnl->bdl", log_decay.exp().to(state_in.dtype) * state_in[:, :, None, :], C)
+        dtype = state_in.dtype
+        corr = decayed_readout(cum_dt.to(dtype), hi(self.A).to(dtype), state_in, hi(self.C).to(dtype))
         return self._gate(y0 + corr.to(y0.dtype))
 
     def run(self, state_in):
