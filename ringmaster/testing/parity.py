@@ -74,7 +74,7 @@ TINY: dict[str, dict[str, Any]] = {
                   layers_block_type=["linear_attention", "hybrid", "hybrid"]),
     "zamba2": dict(num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
                    chunk_size=12, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
-                   use_shared_attention_adapter=True, adapter_rank=8),
+                   hybrid_layer_ids=[1, 2], use_shared_attention_adapter=True, adapter_rank=8),
 }
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -61,7 +61,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # shrink copies the defaults' values, so give the tiny ones
     "zamba": dict(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
     "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16, kv_channels=16,
-                   num_query_groups=4, hybrid_layer_ids=[1]),
+                   num_query_groups=4),   # hybrid_layer_ids: parity.TINY (its layers_block_type)
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
