@@ -41,10 +41,6 @@ class LayerContext:
     # the ``ringmaster_batch`` the enclosing layer was last called with (set by an instance-local
     # forward pre-hook; only used when the kernels are called without it): see :meth:`take_batch`
     batch: Any = field(default=None, repr=False)
-    # the ``ringmaster_batch`` the wired *model* was last called with (a pre-hook on the model wire was
-    # given): the fallback for families whose causal-LM forward drops its kwargs before the backbone
-    # (Mamba, FalconMamba, Mamba2 call ``self.backbone(...)`` without them)
-    model_batch: Any = field(default=None, repr=False)
     # set only while ``wire`` probes the layer (:func:`ringmaster.recurrent.intercept.probe_layer`)
     probe: "Probe | None" = field(default=None, repr=False)
 
@@ -58,12 +54,9 @@ class LayerContext:
 
     def take_batch(self, kwargs: dict):
         """The ``ringmaster_batch`` of this call, removed from ``kwargs`` (the kernels never see it):
-        the kwarg itself when the layer forwarded it, else what the enclosing layer's pre-hook saw,
-        else what the wired model's pre-hook saw."""
+        the kwarg itself when the layer forwarded it, else what the enclosing layer's pre-hook saw."""
         batch = kwargs.pop(BATCH_KWARG, None)
-        if batch is None:
-            batch = self.batch if self.batch is not None else self.model_batch
-        return batch
+        return batch if batch is not None else self.batch
 
     def resolve(self, batch) -> tuple[Any, int, str, str]:
         """``(group, size, layout, strategy)`` for a call that carries ``batch`` (its ``CPBatch``)."""

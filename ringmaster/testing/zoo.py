@@ -62,6 +62,12 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba": dict(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
     "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16, kv_channels=16,
                    num_query_groups=4),   # hybrid_layer_ids: parity.TINY (its layers_block_type)
+    # the default KDA width (32 heads x 128 channels) alone is 4.5M parameters
+    "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
+    # the default RG-LRU width (2560) is 6.6M parameters; 3 layers reach the first attention block
+    "recurrent_gemma": dict(lru_width=64, num_hidden_layers=3),
+    # the default config pins attention_hidden_size to 4096
+    "rwkv": dict(attention_hidden_size=64),
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4
