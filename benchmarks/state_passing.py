@@ -42,6 +42,8 @@ MODELS = {
     "RecurrentGemma-9B (RG-LRU)": dict(kind="rglru", w=4096, conv=4, hq=16, hkv=1, hd=256),
     # RWKV-4: (num, den, max) per channel, + w·L in the map; two token shifts (halo of one token each)
     "RWKV-4-7B (WKV)": dict(kind="rwkv", c=4096, conv=2, hq=0, hkv=0, hd=0),
+    # Mamba1: state [d_inner, d_state], one decay per entry (maps: 2x the state); Jamba's attention layers
+    "Jamba-v0.1 (Mamba1)": dict(kind="mamba1", d=8192, n=16, conv=4, hq=32, hkv=8, hd=128),
 }
 
 
@@ -58,6 +60,8 @@ def _state_bytes(m) -> tuple[int, int, int]:
         return m["w"] * F32, 2 * m["w"] * F32, m["w"]
     if m["kind"] == "rwkv":
         return 3 * m["c"] * F32, 4 * m["c"] * F32, 2 * m["c"]
+    if m["kind"] == "mamba1":
+        return m["d"] * m["n"] * F32, m["d"] * 2 * m["n"] * F32, m["d"]
     return (m["h"] * m["p"] * m["n"] * F32, m["h"] * (m["p"] * m["n"] + 1) * F32,
             m["h"] * m["p"] + 2 * m["g"] * m["n"])
 
@@ -149,6 +153,7 @@ def compute(seq: int) -> None:
             make = _linear_segment(kind, seq // P)
             t_seq, t_scan = _time(lambda: _run_sequential(make), 3), _time(lambda: _run_scan(make, P), 3)
             print(f"{kind:<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
+    _compute_mamba1(seq)
 
 
 def _linear_segment(kind: str, L: int):
@@ -212,6 +217,37 @@ def _run_scan(make, P: int) -> None:
     y = seg.finish(aux, states[-1])
     y = y[0] if isinstance(y, tuple) else y
     (y.sum() + packed.sum()).backward()
+
+
+
+def _compute_mamba1(seq: int) -> None:
+    """Mamba1: both strategies run the kernel once from a zero state plus the same closed-form correction
+    (the kernels take no initial state); scan adds only the prefix over the P gathered maps."""
+    import jobs_mamba1 as jm1
+
+    from ringmaster.recurrent.scan import compose_prefix
+
+    for P in (2, 4):
+        L = seq // P
+        inputs = jm1.mamba1_inputs(b=1, d=64, n=16, l=L, dtype=torch.float32)
+
+        def sequential():
+            x = jm1.leaves(inputs)
+            seg = jm1.segment("hf", x, slice(0, L))
+            state = torch.zeros(seg.state_meta()[0]).requires_grad_(True)
+            y, final = seg.run(state)
+            (y.sum() + final.sum()).backward()
+
+        def scan():
+            x = jm1.leaves(inputs)
+            seg = jm1.segment("hf", x, slice(0, L))
+            packed, aux = seg.local_map()
+            maps = [packed.detach().requires_grad_(True) for _ in range(P)]
+            y = seg.finish(aux, compose_prefix(seg, maps)[-1])
+            (y.sum() + packed.sum()).backward()
+
+        t_seq, t_scan = _time(sequential, reps=3), _time(scan, reps=3)
+        print(f"{'mamba1':<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
 
 
 def main() -> None:

@@ -122,6 +122,45 @@ def causal_conv1d_ref(hidden_states, weight, bias=None, activation=None, **kwarg
     return causal_conv1d(hidden_states, weight, bias, activation)
 
 
+def mamba1_dt(delta: torch.Tensor, delta_bias: torch.Tensor | None = None, delta_softplus: bool = False) -> torch.Tensor:
+    """The step size of a Mamba1 selective scan, ``softplus(delta + delta_bias)`` (``delta [b, d, l]``,
+    ``delta_bias [d]``), as transformers' torch fallback and mamba-ssm's ``selective_scan_fn`` compute it."""
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(delta.dtype)[..., None]
+    return F.softplus(delta) if delta_softplus else delta
+
+
+def mamba1_recurrence(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                      initial_state: torch.Tensor | None = None):
+    """The Mamba1 selective scan, one token at a time (diagonal, per channel and state entry).
+
+    ``u, dt [b, d, l]`` (``dt`` already discretised: :func:`mamba1_dt`), ``A [d, n]`` (negative),
+    ``B, C [b, n, l]``. State ``[b, d, n]``: ``S_t = exp(dt_t A) ⊙ S_{t-1} + (dt_t u_t) B_t^T``;
+    ``y_t = S_t C_t + D u_t``, then ``y_t * silu(z_t)`` when ``z`` is given.
+    Returns ``(y [b, d, l], final_state [b, d, n])``.
+    """
+    b, d, l = u.shape
+    n = A.shape[-1]
+    state = u.new_zeros(b, d, n) if initial_state is None else initial_state.to(u.dtype)
+    ys = []
+    for t in range(l):
+        state = torch.exp(dt[:, :, t, None] * A) * state + (dt[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        y = torch.einsum("bdn,bn->bd", state, C[:, :, t])
+        if D is not None:
+            y = y + D * u[:, :, t]
+        ys.append(y)
+    y = torch.stack(ys, dim=-1)
+    if z is not None:
+        y = y * F.silu(z)
+    return y, state
+
+
+def mamba1_selective_scan_ref(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                              return_last_state=False, **kwargs):
+    """:func:`mamba1_recurrence` behind the ``selective_scan_fn`` signature (any dtype, e.g. float64)."""
+    y, final = mamba1_recurrence(hidden_states, mamba1_dt(dt, delta_bias, delta_softplus), A, B, C, D, z)
+    return (y, final) if return_last_state else y
 def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
                          initial_state: torch.Tensor | None = None):
     """MiniMax lightning attention, one token at a time. ``q, k, v [b, l, h, d]``, ``slope [h]`` (> 0).

@@ -173,7 +173,8 @@ def _batch_hook(parent, ctx: LayerContext, always: bool = True) -> Callable[[], 
     when absent, so no batch outlives the forward that brought it) and one on the module enclosing the
     layer (its decoder layer: set when the call carries the batch, e.g. a VLM's language model gets it
     from its own pre-hook; gradient checkpointing replays the decoder layer, hook included). RWKV's
-    blocks are called with no kwargs at all: only the model sees the batch."""
+    blocks are called with no kwargs at all, and Mamba's / Mamba2's causal-LM heads call their backbone
+    without kwargs: only the model sees the batch."""
 
     def hook(module, args, kwargs):
         batch = kwargs.get(BATCH_KWARG)

@@ -77,6 +77,20 @@ TINY: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
                              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
                              mamba_chunk_size=12, num_local_experts=4, shared_intermediate_size=32),
+    # Mamba1 (selective scan, state [d_inner=128, d_state=8]) and pure Mamba2
+    "mamba": dict(state_size=8, time_step_rank=8, expand=2, conv_kernel=4),
+    "falcon_mamba": dict(state_size=8, time_step_rank=8, expand=2, conv_kernel=4),
+    "jamba": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, attn_layer_offset=1,
+                  attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, num_experts=4,
+                  num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=12, expand=2),
+    # Mamba hybrids with a shared attention block called from two hybrid layers (Zamba2: per-layer LoRA adapters)
+    "zamba": dict(num_attention_heads=4, num_key_value_heads=4, attention_hidden_size=128, attention_head_dim=32,
+                  mamba_dt_rank=4, mamba_d_state=8, n_mamba_heads=2, num_hidden_layers=3,
+                  layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    "zamba2": dict(num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
+                   chunk_size=12, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                   hybrid_layer_ids=[1, 2], use_shared_attention_adapter=True, adapter_rank=8),
     # short convolutions (LFM): conv layers around attention; lfm3's 7 taps, wider than a zoo shard at P=4 is not
     "lfm2": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, full_attn_idxs=[1],
                  layer_types=["conv", "full_attention", "conv"]),
@@ -121,8 +135,14 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     config = AutoConfig.for_model(model_type, **kwargs)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                             dtype=torch.float32, **extra)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32, **extra)
+    except ValueError:
+        if attn_implementation != "sdpa":
+            raise
+        torch.manual_seed(seed)   # a family without attention (Mamba) has no SDPA path: eager
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32, **extra)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model.train()
