@@ -85,6 +85,32 @@ def make_current(rt: Runtime | None) -> None:
     _CURRENT = rt
 
 
+# Checks for a model that reaches CP attention through ``rm.setup`` + ``set_attn_implementation``
+# (the low-level path axolotl's built-in plugin takes) instead of ``rm.wire``: that path swaps the attention
+# kernel only, so a model needing anything else (a position table numbered from the full row, a layer whose
+# caller drops the batch kwarg, a recurrent layer left unwired, a hazard) would train silently wrong.
+# ``wiring`` registers the check at import (the core never imports it); it runs once per model, at the
+# model's first sharded forward, before any collective.
+_SETUP_PATH_CHECKS: list[Callable[[Any], None]] = []
+
+
+def register_setup_path_check(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    if check not in _SETUP_PATH_CHECKS:
+        _SETUP_PATH_CHECKS.append(check)
+    return check
+
+
+def check_setup_path(model, rt: Runtime) -> None:
+    """Run the registered low-level-path checks on ``model`` once (a model ``rm.wire`` wired is
+    checked by ``wire`` itself)."""
+    model = unwrap_wrappers(model)
+    if getattr(model, "_ringmaster_runtime", None) is not None or model.__dict__.get("_ringmaster_checked") is rt:
+        return
+    for check in _SETUP_PATH_CHECKS:
+        check(model)
+    model.__dict__["_ringmaster_checked"] = rt
+
+
 def unwrap_wrappers(model):
     """The model inside DDP-style wrappers (``.module`` until something has a ``config``)."""
     while model is not None and not hasattr(model, "config") and hasattr(model, "module"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from . import runtime as _runtime
-from .architectures import (classify_layers, get_architecture, position_convention, refuse_if_unsafe,
+from .architectures import (classify_layers, get_architecture, position_convention, position_tables, refuse_if_unsafe,
                             stateful_layers, text_config, unsupported_message)
 from .architectures.heads import common_split, head_splits
 from .attention import bridge
@@ -33,7 +33,7 @@ from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime, setup
 
-__all__ = ["UnsupportedLayerError", "WireReport", "wire", "unwire"]
+__all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
 
 
 @dataclass
@@ -227,3 +227,39 @@ def unwire(model) -> None:
         step()
     rt.undo = []
     model.__dict__.pop("_ringmaster_runtime", None)
+
+
+_USE_WIRE = ("wire the model with rm.wire(model, cfg) (axolotl: the ringmaster plugin) instead of rm.setup + "
+             "model.set_attn_implementation, which only swaps the attention kernel")
+
+
+def check_setup_path(model) -> None:
+    """Validate a model that reaches CP attention through ``rm.setup`` + ``set_attn_implementation``
+    (not ``rm.wire``): ``wire``'s own checks, and a refusal for anything only ``wire`` installs.
+    Runs once per model at its first sharded forward (``runtime.check_setup_path``), before any
+    collective; raises :class:`UnsupportedLayerError` naming the layer and the fix."""
+    spec = _spec(model)
+    refuse_if_unsafe(model, spec)
+    layers = classify_layers(model, spec)
+    recurrent_paths = [p for p, _, _ in layers.recurrent]
+    refuse_if_unsafe(model, spec, recurrent_paths)
+    for path, module, kind in layers.recurrent:
+        if getattr(module, "_ringmaster_recurrent", None) is None:
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({type(module).__name__}, recurrent kind {kind!r}) carries state along the sequence "
+                "and is not wired for CP: call rm.wire_recurrent_layers(model, group=runtime.cp_group) after "
+                f"set_attn_implementation, or {_USE_WIRE}")
+    tables = position_tables(model, tuple(spec.vision_modules) + tuple(recurrent_paths))
+    if tables:
+        path, module = tables[0]
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({type(module).__name__}) is an absolute position table: only rm.wire learns how the "
+            f"model numbers it and numbers each shard from the full row; {_USE_WIRE}")
+    bridged = bridge.bridge_paths(model, layers.attention)
+    if bridged:
+        raise UnsupportedLayerError(
+            f"attention layer {bridged[0]!r} is called without **kwargs by its decoder layer, so the batch's global "
+            f"structure reaches it only through the bridge rm.wire installs; {_USE_WIRE}")
+
+
+_runtime.register_setup_path_check(check_setup_path)

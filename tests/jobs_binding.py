@@ -301,3 +301,43 @@ def wire_fails_midway(ctx, P, step):
     after = _snapshot(model)
     return {"error": error, "same": before == after, "before": repr(before), "after": repr(after),
             "current_kept": runtime_module.active(required=False) is current}
+
+
+def setup_path(ctx, model_type: str, padded: bool = False, check: bool = True):
+    """The low-level path (rm.setup + set_attn_implementation, as axolotl's built-in plugin does, no
+    rm.wire): a model that needs only the attention kernel trains exactly; one that needs what only
+    rm.wire installs is refused at its first sharded forward, before any collective."""
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import tiny_batch
+    from ringmaster.testing.zoo import build_tiny
+
+    P = 2
+    model = build_tiny(model_type, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    batch = tiny_batch(model.config.vocab_size, 32, seed=3)
+    if padded:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, :5] = 0   # left padding: OPT numbers tokens by the mask count
+        batch["labels"][0, :5] = -100
+    tcfg = model.config.get_text_config()
+    rt = rm.setup(rm.RingmasterConfig(size=P, backend="ulysses"),
+                  num_kv_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+                  device_mesh=ctx.mesh(P), num_heads=tcfg.num_attention_heads)
+    model.set_attn_implementation(rt.attn_implementation)
+    from ringmaster import runtime as rt_module
+
+    saved = list(rt_module._SETUP_PATH_CHECKS)
+    if not check:   # the mutation: the low-level path unchecked, as before
+        rt_module._SETUP_PATH_CHECKS.clear()
+    try:
+        ref_out = _reference(reference, batch)
+        try:
+            with context_parallel_region(batch, model=model, runtime=rt) as shard:
+                out = model(**shard)
+                out.loss.backward()
+        except rm.UnsupportedLayerError as e:
+            return {"refused": str(e)}
+        return _errors(model, reference, out, ref_out, rt)
+    finally:
+        rt_module._SETUP_PATH_CHECKS[:] = saved
+        rm.teardown()

@@ -117,3 +117,28 @@ def test_kernel_names_come_from_the_family_spec(pool):
         assert r["error"] and "never called ['torch_chunk_gated_delta_rule']" in r["error"], r
     for r in pool.run(jb.probe_outcome, "renamed", True):
         assert r["error"] is None and r["wired"] and r["restored"], r
+
+
+@pytest.mark.parametrize("model_type,fragment", [("opt", "absolute position table"),
+                                                 ("stablelm", "without **kwargs"),
+                                                 ("nemotron_h", "not wired for CP")])
+def test_setup_path_refuses_what_only_wire_installs(pool, model_type, fragment):
+    """rm.setup + set_attn_implementation swaps the attention kernel only: OPT's mask-counted position
+    table, stablelm's kwargs-dropping decoder layer and an unwired Mamba2 mixer are refused at the
+    first sharded forward (without the check OPT's padded rows train silently wrong)."""
+    for r in pool.run(jb.setup_path, model_type, True):
+        assert fragment in r.get("refused", ""), r
+        assert "rm.wire(model, cfg)" in r["refused"], r
+
+
+def test_setup_path_trains_a_model_that_needs_only_attention(pool):
+    for r in pool.run(jb.setup_path, "llama"):
+        _exact(r)
+
+
+def test_setup_path_without_the_check_trains_opt_wrong(pool):
+    """The mutation: with the low-level-path check removed, OPT's padded rows run (nothing raises) and
+    the gradient is far from the single-device one."""
+    for r in pool.run(jb.setup_path, "opt", True, False):
+        assert "refused" not in r, r
+        assert r["grad_err_total"] > WRONG, r

@@ -31,8 +31,8 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
     ``num_items_in_batch`` (global supervised tokens, e.g. over a gradient-accumulation window)
     to override the count taken from this batch.
     """
-    if runtime is None and model is not None:
-        runtime = check_shard_target(model, runtime_of(model), None, None)
+    if model is not None:   # an unwired model, or one rm.setup's path cannot make exact, raises here
+        runtime = check_shard_target(model, runtime if runtime is not None else runtime_of(model), None, None)
     rt = runtime if runtime is not None else active()
     shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance,
                                  multimodal=rt.multimodal is not None)

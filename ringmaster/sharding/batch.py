@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather, all_reduce_sum
-from ..runtime import Runtime, active, runtime_of
+from ..runtime import Runtime, active, check_setup_path, runtime_of
 from ..validation import validate_batch
 from . import balancers
 from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
@@ -205,6 +205,7 @@ def check_shard_target(model, runtime: Runtime | None, layout: str | None, cp_si
             "that gets sharded batches (rm.wire(model, cfg), or rm.setup + model.set_attn_implementation("
             "runtime.attn_implementation)), e.g. a trainer's ref_model too"
         )
+    check_setup_path(model, runtime)   # rm.setup + set_attn_implementation: the model must need nothing more
     if cp_size is not None and runtime.cp_size != cp_size:
         raise ValueError(f"{_model_name(model)} is wired for a CP group of {runtime.cp_size} ranks but its batches "
                          f"are sharded over {cp_size}; pass the model's runtime.cp_group to the manager")
