@@ -231,3 +231,29 @@ def wkv_recurrence(time_decay: torch.Tensor, time_first: torch.Tensor, key: torc
         num = torch.exp(w) * num + torch.exp(key[:, t]) * value[:, t]
         den = torch.exp(w) * den + torch.exp(key[:, t])
     return torch.stack(outs, dim=1), (num, den)
+
+
+def mlstm_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor, fgate: torch.Tensor,
+                     eps: float = 1e-6):
+    """xLSTM's mLSTM token by token with the matrix memory and normaliser *unstabilised* (float64, moderate
+    gates): ``C_t = f_t C_{t-1} + e^{i_t} k_t v_t^T``, ``n_t = f_t n_{t-1} + e^{i_t} k_t`` with
+    ``f_t = sigmoid(fgate_t)``, and the stabiliser only where it enters the output: the max-plus recurrence
+    ``m_t = max(log f_t + m_{t-1}, i_t)`` from ``m_0 = 0``, ``h_t = q̃·C_t / (max(|q̃·n_t|, 1) + eps e^{m_t})``
+    (``q̃ = q / sqrt(d_k)``): transformers' ``(q̃·C'_t) / (max(|q̃·n'_t|, e^{-m_t}) + eps)`` with
+    ``(C', n') = e^{-m}(C, n)``. ``q, k [b, h, l, dk]``, ``v [b, h, l, dv]``, gates ``[b, h, l]``."""
+    b, nh, L, dk = q.shape
+    C = q.new_zeros(b, nh, dk, v.shape[-1])
+    n = q.new_zeros(b, nh, dk)
+    m = q.new_zeros(b, nh)
+    outs = []
+    for t in range(L):
+        logf = F.logsigmoid(fgate[:, :, t])
+        m = torch.maximum(logf + m, igate[:, :, t])
+        f, i = torch.exp(logf), torch.exp(igate[:, :, t])
+        C = f[..., None, None] * C + i[..., None, None] * k[:, :, t, :, None] * v[:, :, t, None, :]
+        n = f[..., None] * n + i[..., None] * k[:, :, t]
+        qs = q[:, :, t] * dk ** -0.5
+        num = (qs[..., None] * C).sum(-2)
+        den = (qs * n).sum(-1).abs().clamp(min=1.0) + eps * torch.exp(m)
+        outs.append(num / den[..., None])
+    return torch.stack(outs, dim=2), (C, n, m)

@@ -70,6 +70,9 @@ TINY: dict[str, dict[str, Any]] = {
                             lru_width=64, attention_window_size=16, conv1d_width=4),
     # attention-free: token shifts + WKV (time mixing), token shift + MLP (channel mixing)
     "rwkv": dict(attention_hidden_size=64, intermediate_size=128, num_hidden_layers=2, context_length=1024),
+    # attention-free mLSTM blocks: 4 heads (q/k 8, v 16 channels), a kernel chunk of 12 that does not divide
+    # the shards (chunkwise kernel + token loop per chunk)
+    "xlstm": dict(embedding_dim=64, num_blocks=2, num_heads=4, chunk_size=12),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,

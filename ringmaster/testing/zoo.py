@@ -68,6 +68,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "recurrent_gemma": dict(lru_width=64, num_hidden_layers=3),
     # the default config pins attention_hidden_size to 4096
     "rwkv": dict(attention_hidden_size=64),
+    # xLSTM keeps embedding_dim (4096) and num_blocks (32) beside hidden_size / num_hidden_layers
+    "xlstm": dict(embedding_dim=64, num_blocks=2),
     "nemotron": dict(num_key_value_heads=2),  # its default is None, which NemotronAttention cannot build
 }
 
