@@ -28,12 +28,14 @@ def random_gates(model) -> None:
                     p.copy_(2.0 * noise)
 
 
-def parity(ctx, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None):
+def parity(ctx, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None, overrides=None):
+    """``overrides``: config keys over :data:`parity.TINY` (``mode="train"``: the reference runs the chunkwise
+    kernel alone, CP the backend's inference path per chunk)."""
     from ringmaster.testing.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(MODEL, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), fp64=fp64, prepare=random_gates,
-                   attn_implementation="eager")
+                   attn_implementation="eager", **(overrides or {}))
 
 
 def packed_parity(ctx, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14), fp64=True):

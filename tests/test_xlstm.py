@@ -134,6 +134,12 @@ def test_head_tail_dense_fp64(pool):
     check(results, 4, True)
 
 
+def test_train_mode_chunkwise_reference_fp64(pool):
+    """``config.mode="train"``: the reference runs only the chunkwise kernel (64 tokens in 16-token chunks);
+    under CP every chunk runs the backend's inference path (chunkwise + token loop) from its state."""
+    check(pool.run(jx.parity, 4, "scan", "ulysses", fp64=True, overrides=dict(mode="train", chunk_size=16)), 4, True)
+
+
 def test_fp32_loss_and_whole_gradient(pool):
     check(pool.run(jx.parity, 4, "scan", "ulysses"), 4, False)
 
