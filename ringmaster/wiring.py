@@ -23,6 +23,7 @@ from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
+from .attention.selfattn import check_sites, wire_sites
 from .attention.ulysses import kv_replication
 from .config import LoadBalance, RingmasterConfig
 from .errors import UnsupportedLayerError
@@ -122,6 +123,18 @@ def _refuse_router_logits_kwarg(model, undo: list) -> None:
     undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
 
 
+def _module_kv_heads(model, spec, paths, num_kv):
+    """The KV head count the attention modules use (``spec.module_kv_heads_attr``), else ``num_kv``."""
+    if not spec.module_kv_heads_attr or not paths:
+        return num_kv
+    modules = dict(model.named_modules())
+    counts = {getattr(modules[p], spec.module_kv_heads_attr, None) for p in paths}
+    if len(counts) != 1 or not isinstance(next(iter(counts)), int):
+        raise UnsupportedLayerError(f"family {spec.name!r}: the attention modules' {spec.module_kv_heads_attr} are "
+                                    f"{sorted(map(str, counts))}; ringmaster needs one KV head count per model")
+    return counts.pop()
+
+
 def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
@@ -146,6 +159,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
+    check_sites(model, spec, layers.attention)
+    num_kv = _module_kv_heads(model, spec, layers.attention, num_kv)
     recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
     refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
     if not cfg.normalized:
@@ -167,7 +182,12 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt.multimodal = spec if spec.multimodal else None
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
-        if rt.attn_implementation is not None:
+        if rt.attn_implementation is not None and spec.self_attention:
+            # attention computed by the modules themselves: each gets its CP site; attn_implementation
+            # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
+            modules = dict(model.named_modules())
+            undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention}))
+        elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
         if recurrent:
             wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)

@@ -12,6 +12,45 @@ from dataclasses import dataclass, field, replace
 
 _REGISTRY: dict[str, "ArchitectureSpec"] = {}
 
+
+@dataclass(frozen=True)
+class SelfAttentionSite:
+    """Where ringmaster reaches the attention of a module that computes it itself (its forward never
+    reads transformers' ``ALL_ATTENTION_FUNCTIONS``), and what that attention is, as data.
+
+    ``kind``:
+
+    * ``"method"``: the module calls an instance method ``method`` with q, k, v ``[B, H, S, D]`` (k
+      ``[B, H, D, S]`` when ``key_layout="bhds"``) and the model's own mask, positional parameters
+      ``args``; ringmaster gives *this instance* a replacement that runs the CP attention and returns
+      ``[B, H, S, D]`` as ``returns`` says (``"pair"``: ``(out, None)``; ``"list"``: ``[out]``).
+    * ``"sdpa"``: the forward calls ``torch.nn.functional.scaled_dot_product_attention`` by the
+      module-global name ``torch`` (or ``F``); this instance's forward is re-bound
+      (:mod:`ringmaster.recurrent.intercept`) so that name reaches the CP attention.
+
+    The model's own mask is dropped: it was built for the local shard. What it encoded must be
+    declared here and is rebuilt from global positions: causal (always), padding / packed documents
+    (from the batch), a sliding window on the layers where ``window_when = (module attribute, value)``
+    holds, of ``window_config`` tokens (``config`` attribute; key visible iff ``0 <= q - k < w``).
+    Scale: ``scale`` (a number; ``None``: ``1/sqrt(head_dim)``), or, when ``scale_if`` names a module
+    bool attribute, ``1/sqrt(head_dim)`` if it is true and 1 otherwise. ``refuse_config``: ``(config
+    attribute, reason)`` pairs refused at wire time when the attribute is truthy; ``refuse_kwargs``:
+    call kwargs that send the forward down a path that bypasses the site (refused per call).
+    """
+
+    kind: str
+    method: str = ""
+    args: tuple[str, ...] = ("query", "key", "value", "attention_mask")
+    key_layout: str = "bhsd"
+    returns: str = "pair"
+    scale: float | None = None
+    scale_if: str = ""
+    window_when: tuple[str, str] | None = None
+    window_config: str = ""
+    refuse_config: tuple[tuple[str, str], ...] = ()
+    refuse_kwargs: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
     """What ringmaster needs to know about one model family.
@@ -40,6 +79,12 @@ class ArchitectureSpec:
     ignore_classes: tuple[str, ...] = ()
     supported_inner: tuple[str, ...] | None = None  # None: every kernel the model itself supports
     recurrent_kernels: dict = field(default_factory=dict)
+    # attention class -> SelfAttentionSite, for attention modules that compute attention themselves
+    # (attention.selfattn re-binds each instance; the model's attn_implementation is left as it is)
+    self_attention: dict = field(default_factory=dict)
+    # an attention-module attribute holding its KV head count, when the config's is not what the module uses
+    # (falcon's multi_query layers have 1 KV head whatever config.num_kv_heads says)
+    module_kv_heads_attr: str = ""
     notes: str = ""
     # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
     # feature and the fix) instead of wiring it, even when the generic path would accept the model

@@ -1,0 +1,79 @@
+"""Families whose attention modules compute attention themselves (they never read transformers'
+``ALL_ATTENTION_FUNCTIONS``), wired through a declared site (:class:`.spec.SelfAttentionSite`,
+run by :mod:`ringmaster.attention.selfattn`), or refused with the layer and what is missing.
+
+Each site is data: which method (or torch's SDPA name) holds q, k, v, how the module scales its
+scores, and which layers have a sliding window. The learned position embeddings of gpt_neo and
+openai-gpt are indexed by the ``position_ids`` ringmaster passes (global positions; checked by the
+parity tests), so those families are vouched for here.
+"""
+
+from .generic import refuse
+from .spec import ArchitectureSpec, SelfAttentionSite, register_architecture
+
+# falcon: FalconAttention calls torch.nn.functional.scaled_dot_product_attention itself while its config
+# says "sdpa" (its eager and ALiBi branches multiply and softmax inline: refused)
+FALCON = register_architecture(ArchitectureSpec(
+    name="falcon", model_types=("falcon",), attention_classes=("FalconAttention",),
+    num_heads_attr="num_attention_heads", num_kv_heads_attr="num_kv_heads", supported_inner=("sdpa",),
+    module_kv_heads_attr="num_kv_heads",
+    self_attention={"FalconAttention": SelfAttentionSite(
+        kind="sdpa", refuse_kwargs=("output_attentions",),
+        refuse_config=(("alibi", "FalconAttention adds ALiBi to its scores inline (slopes * key positions in "
+                                 "bfloat16) outside any kernel ringmaster can reach; use a CP size of 1"),))},
+    notes="torch SDPA called by the module: re-bound per instance; RoPE from global position_ids",
+))
+
+# gpt_neo: _attn(query, key, value, attention_mask) with unscaled scores; "local" layers see the previous
+# config.window_size tokens (a causal band in its `bias` buffer)
+GPT_NEO = register_architecture(ArchitectureSpec(
+    name="gpt_neo", model_types=("gpt_neo",), attention_classes=("GPTNeoSelfAttention",),
+    num_heads_attr="num_heads", num_kv_heads_attr="num_heads",
+    self_attention={"GPTNeoSelfAttention": SelfAttentionSite(
+        kind="method", method="_attn", scale=1.0, window_when=("attention_type", "local"),
+        window_config="window_size")},
+    notes="_attn re-bound per instance; unscaled scores; local layers as sliding windows; wpe reads position_ids",
+))
+
+GPT_NEOX_JAPANESE = register_architecture(ArchitectureSpec(
+    name="gpt_neox_japanese", model_types=("gpt_neox_japanese",), attention_classes=("GPTNeoXJapaneseAttention",),
+    num_heads_attr="num_attention_heads", num_kv_heads_attr="num_attention_heads",
+    self_attention={"GPTNeoXJapaneseAttention": SelfAttentionSite(kind="method", method="_attn")},
+    notes="_attn re-bound per instance; partial RoPE applied before it from global position_ids",
+))
+
+# openai-gpt: _attn(q, k, v, attention_mask, output_attentions) with k as [B, H, D, S]; scaled only when the
+# module's `scale` flag is set; returns a list
+OPENAI_GPT = register_architecture(ArchitectureSpec(
+    name="openai-gpt", model_types=("openai-gpt",), attention_classes=("Attention",),
+    num_heads_attr="n_head", num_kv_heads_attr="n_head",
+    self_attention={"Attention": SelfAttentionSite(
+        kind="method", method="_attn", args=("q", "k", "v", "attention_mask", "output_attentions"),
+        key_layout="bhds", returns="list", scale_if="scale")},
+    notes="_attn re-bound per instance; positions_embed reads position_ids",
+))
+
+_INLINE = ("multiplies q by k and applies softmax inline in its forward, with no method or kernel call that "
+           "holds q, k and v, so ringmaster has no point to put the CP attention")
+_LOCAL_POSITIONS = "its position encoding is computed from the local input length"
+
+BLOOM = refuse(("bloom",), (
+    f"BloomAttention {_INLINE}; it also adds ALiBi (per-head slopes times key positions, passed in as `alibi`) "
+    "inline. Use a CP size of 1 for BLOOM"))
+MPT = refuse(("mpt",), (
+    f"MptAttention {_INLINE}; it also adds ALiBi (`position_bias`, built for config.max_seq_len) inline. Use a CP "
+    "size of 1 for MPT"))
+MEGATRON_BERT = refuse(("megatron-bert",), (
+    f"MegatronBertSelfAttention {_INLINE}, and MegatronBertEmbeddings adds absolute position embeddings. Use a CP "
+    "size of 1"))
+REMBERT = refuse(("rembert",), (
+    f"RemBertSelfAttention {_INLINE}, and RemBertEmbeddings adds absolute position embeddings. Use a CP size of 1"))
+ROFORMER = refuse(("roformer",), (
+    f"RoFormerSelfAttention {_INLINE}, and RoFormerSinusoidalPositionalEmbedding (the rotary angles) is built in "
+    f"the encoder from the local length: {_LOCAL_POSITIONS}. Use a CP size of 1"))
+TROCR = refuse(("trocr",), (
+    f"TrOCRAttention {_INLINE} (a cross-attention-capable decoder attention), and TrOCR's learned/sinusoidal "
+    f"position embeddings: {_LOCAL_POSITIONS}. Use a CP size of 1"))
+XLM = refuse(("xlm",), (
+    f"xlm's MultiHeadAttention {_INLINE}, and XLMModel's position embeddings are indexed by positions it builds "
+    "from the local length. Use a CP size of 1"))

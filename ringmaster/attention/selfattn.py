@@ -1,0 +1,213 @@
+"""Attention modules that compute attention themselves, run under CP through a declared *site*.
+
+Some families never read transformers' ``ALL_ATTENTION_FUNCTIONS`` (falcon calls torch's SDPA
+directly, gpt_neo / gpt_neox_japanese / openai-gpt multiply and softmax in a ``_attn`` method),
+so switching ``attn_implementation`` cannot reach them. Their spec names, per attention class, a
+:class:`~ringmaster.architectures.spec.SelfAttentionSite` (data): the point where the module holds
+q, k, v ``[B, H, S/P, D]`` and what its attention computes (scale, window). ``rm.wire`` gives each
+such *instance* a replacement at that point (an instance attribute for a method; a re-bound copy
+of its forward for the ``torch`` / ``F`` names, :mod:`ringmaster.recurrent.intercept`), which
+calls the runtime's CP attention function, the same one the interface families call: Ulysses,
+Ring and USP, ``require_batch``, the per-layer rules and the first-forward accounting all apply
+unchanged. Nothing shared (the class, the transformers module, ``torch``) is patched.
+
+The model's own mask is dropped (it was built for the local shard from the local length); the
+site declares what it encoded and the CP attention rebuilds it from global positions: causal,
+padding and packed documents (the batch), sliding windows (``window_when``/``window_config``).
+
+These modules are called with a fixed argument list by their decoder layers, so the
+``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
+current forward's batch in a :class:`BatchSlot` bound to that model (not a process global), read
+by its sites. The slot keeps the batch until the next forward, so a gradient-checkpointing replay
+in backward sees the batch of its own forward; a forward without one leaves it empty and the CP
+attention raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedLayerError
+from ..recurrent import intercept
+from ..sharding.documents import BATCH_KWARG
+from .binding import AttentionBinding
+from .register import cp_attention
+
+_TAG = "_ringmaster_selfattn"
+
+
+class BatchSlot:
+    """The ``ringmaster_batch`` of one wired model's current forward (written by its pre-hook)."""
+
+    def __init__(self):
+        self.batch = None
+
+    def capture(self, module, args, kwargs):
+        self.batch = kwargs.get(BATCH_KWARG)
+
+
+class _Namespace:
+    """A read-through view of a module (``torch``, ``torch.nn``, ``torch.nn.functional``) with some
+    names replaced: what a re-bound forward sees under the global name ``torch`` / ``nn`` / ``F``."""
+
+    def __init__(self, base, overrides: dict):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+
+def _where(path: str, module) -> str:
+    return f"layer {path!r} ({type(module).__name__})"
+
+
+def site_scale(site, module, head_dim: int) -> float:
+    """The softmax scale the module applies (see ``SelfAttentionSite``)."""
+    if site.scale_if:
+        return head_dim ** -0.5 if getattr(module, site.scale_if) else 1.0
+    return head_dim ** -0.5 if site.scale is None else float(site.scale)
+
+
+def site_window(site, module, path: str = "") -> int | None:
+    """The sliding window of this layer (HF convention: key visible iff ``0 <= q - k < w``), or None."""
+    if site.window_when is None:
+        return None
+    attr, value = site.window_when
+    if getattr(module, attr, None) != value:
+        return None
+    window = getattr(getattr(module, "config", None), site.window_config, None)
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedLayerError(f"{_where(path, module)} is a {value!r} layer but its config.{site.window_config}"
+                                    f"={window!r}; ringmaster needs the window length to rebuild its mask")
+    return window
+
+
+def check_site(path: str, module, site, config) -> None:
+    """Raise, before anything changes, what the site cannot run exactly for this module."""
+    where = _where(path, module)
+    for attr, reason in site.refuse_config:
+        if getattr(config, attr, None):
+            raise UnsupportedLayerError(f"{where}: config.{attr}={getattr(config, attr)!r} is not supported under CP: "
+                                        f"{reason}")
+    for name, child in module.named_children():
+        if isinstance(child, nn.Dropout) and child.p > 0 and ("attn" in name or "attention" in name):
+            raise UnsupportedLayerError(
+                f"{where}.{name} drops attention probabilities with p={child.p}; the CP attention has no attention "
+                "dropout (and each rank would draw the same mask stream). Set the model's attention dropout to 0.0")
+    if site.kind == "method":
+        if not callable(getattr(type(module), site.method, None)):
+            raise UnsupportedLayerError(
+                f"{where} has no method {site.method!r} (a different transformers version?); ringmaster cannot reach "
+                "its attention. Leave CP off for this model or register a spec matching its code")
+    elif site.kind == "sdpa":
+        intercept.interceptable(module, path, ("scaled_dot_product_attention",))
+    else:
+        raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method' or 'sdpa'")
+
+
+def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None):
+    """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
+    kwargs = {BATCH_KWARG: slot.batch, "is_causal": True, "dropout": dropout,
+              "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
+    window = site_window(site, module, path)
+    if window is not None:
+        kwargs["sliding_window"] = window
+    out, _ = fn(module, q, k, v, None, **kwargs)
+    return out.transpose(1, 2)
+
+
+def _method(fn, module, site, slot, path) -> Callable:
+    names = site.args
+
+    def attention(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = (bound[n] for n in names[:3])
+        if site.key_layout == "bhds":
+            k = k.transpose(-1, -2)
+        out = _call(fn, module, site, slot, path, q, k, v)
+        return [out] if site.returns == "list" else (out, None)
+
+    return attention
+
+
+def _sdpa_names(fn, module, site, slot, path) -> dict:
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        # attn_mask / is_causal describe the local shard; the batch and the site give the global mask
+        return _call(fn, module, site, slot, path, query, key, value, dropout=dropout_p, scale=scale)
+
+    functional = _Namespace(torch.nn.functional, {"scaled_dot_product_attention": scaled_dot_product_attention})
+    nn_ns = _Namespace(torch.nn, {"functional": functional})
+    return {"torch": _Namespace(torch, {"nn": nn_ns}), "nn": nn_ns, "F": functional}
+
+
+def _guard(site, path, module):
+    if not site.refuse_kwargs:
+        return None
+
+    def guard(args, kwargs):
+        for name in site.refuse_kwargs:
+            if kwargs.get(name):
+                raise NotImplementedError(
+                    f"{_where(path, module)} was called with {name}={kwargs[name]!r}, which sends it down a path that "
+                    "computes attention over the local shard only; call the model without it under CP")
+    return guard
+
+
+def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callable[[], None]:
+    """Give every attention module of ``modules`` (path -> module) whose class ``spec.self_attention``
+    names its CP site; returns the undo (also run here if any step fails)."""
+    fn = cp_attention(binding)
+    slot = BatchSlot()
+    undos: list = []
+    try:
+        for path, module in modules.items():
+            site = spec.self_attention.get(type(module).__name__)
+            if site is None:
+                continue
+            if site.kind == "method":
+                setattr(module, site.method, _method(fn, module, site, slot, path))
+                setattr(module, _TAG, path)
+                undos.append(functools.partial(_drop, module, (site.method, _TAG)))
+            else:
+                undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, slot, path),
+                                                      ("scaled_dot_product_attention",),
+                                                      guard=_guard(site, path, module), tag=_TAG))
+        undos.append(model.register_forward_pre_hook(slot.capture, with_kwargs=True).remove)
+    except BaseException:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def restore():
+        for undo in reversed(undos):
+            undo()
+    return restore
+
+
+def _drop(module, names) -> None:
+    for name in names:
+        module.__dict__.pop(name, None)
+
+
+def check_sites(model, spec, paths) -> None:
+    """Validate every site of the model (wire calls it before changing anything)."""
+    if not spec.self_attention:
+        return
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for path in paths:
+        module = modules[path]
+        site = spec.self_attention.get(type(module).__name__)
+        if site is not None:
+            check_site(path, module, site, config)
