@@ -1,0 +1,104 @@
+"""Attention modules that compute attention themselves (no ALL_ATTENTION_FUNCTIONS), wired through a
+SelfAttentionSite: exact under Ulysses and Ring at P=2 and P=4 (float64 parity: loss, gathered logits,
+every parameter's gradient against its own norm), a mutation per mechanism that a model-level check
+catches, and the families without a site refused naming the layer."""
+
+import jobs_selfattn as js
+import pytest
+import torch
+
+import ringmaster as rm
+from ringmaster.errors import UnsupportedLayerError
+from ringmaster.testing.parity import tiny_model
+
+TOL = 1e-6
+DETECT = 1e-3
+CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt"]
+
+
+def check(results, layers=2):
+    for r in results:
+        assert r["attention_layers"] == layers, r
+        assert r["n_grads"] == r["n_params"], "every parameter must get a gradient to compare"
+        assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, r
+        assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("case", CASES)
+def test_site_family_exact(pool, case, backend, P):
+    check(pool.run(js.parity, case, P, backend))
+
+
+def test_site_family_usp_exact(pool):
+    check(pool.run(js.parity, "falcon_gqa", 4, "usp"))
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("case", ["gpt_neo", "falcon"])
+def test_site_family_padded_rows_exact(pool, case, backend):
+    """Left padding and right padding (the model's local padding mask is dropped; the batch's doc ids
+    rebuild it), with gpt_neo's window cutting the sequence."""
+    check(pool.run(js.padded_parity, case, 2, backend))
+
+
+def _assert_wrong(results):
+    for r in results:
+        assert r["clean"]["grad_err"] <= TOL and r["clean"]["logits_err"] <= TOL, r["clean"]
+        m = r["mutated"]
+        assert "raised" not in m, m
+        assert m["logits_err"] > DETECT and m["grad_err"] > DETECT, m
+
+
+@pytest.mark.parametrize("backend,P", [("ulysses", 2), ("ring", 4)])
+def test_window_ignored_is_caught(pool, backend, P):
+    _assert_wrong(pool.run(js.mutated_parity, "window_ignored", "gpt_neo", P, backend))
+
+
+def test_scale_ignored_is_caught(pool):
+    _assert_wrong(pool.run(js.mutated_parity, "scale_ignored", "gpt_neo", 2, "ring"))
+
+
+@pytest.mark.parametrize("case", ["falcon", "openai-gpt"])
+def test_not_causal_is_caught(pool, case):
+    _assert_wrong(pool.run(js.mutated_parity, "not_causal", case, 2, "ulysses"))
+
+
+def test_unwired_site_fails_first_forward_accounting(pool):
+    """A site module left with its own attention computes over the local shard: the first CP forward
+    raises before backward, naming it."""
+    for r in pool.run(js.mutated_parity, "one_site_unwired", "falcon", 2, "ring"):
+        kind, msg = r["mutated"]["raised"]
+        assert kind == "UnsupportedLayerError", msg
+        assert "first-forward accounting" in msg and "transformer.h.0.self_attention" in msg, msg
+
+
+@pytest.mark.parametrize("model_type,layer", [
+    ("bloom", "BloomAttention"), ("mpt", "MptAttention"), ("megatron-bert", "MegatronBertSelfAttention"),
+    ("rembert", "RemBertSelfAttention"), ("roformer", "RoFormerSelfAttention"), ("trocr", "TrOCRAttention"),
+    ("xlm", "MultiHeadAttention")])
+def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
+    from transformers import AutoConfig
+
+    spec = rm.get_architecture(AutoConfig.for_model(model_type))
+    assert spec.refuse and layer in spec.refuse, spec
+
+
+def test_falcon_alibi_and_output_attentions_refused():
+    model = tiny_model("falcon", dtype=torch.float64, **{**js.TINY["falcon"], "alibi": True})
+    with pytest.raises(UnsupportedLayerError, match=r"transformer\.h\.0\.self_attention.*alibi"):
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
+    assert "forward" not in vars(model.transformer.h[0].self_attention)  # nothing changed
+
+
+def test_dropout_refused():
+    model = tiny_model("openai-gpt", attn_implementation="eager", **{**js.TINY["openai-gpt"], "resid_pdrop": 0.1})
+    with pytest.raises(UnsupportedLayerError, match=r"resid_dropout.*p=0.1"):
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
+
+
+def test_falcon_eager_refused():
+    model = tiny_model("falcon", attn_implementation="eager", **js.TINY["falcon"])
+    with pytest.raises(ValueError, match="sdpa"):
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
