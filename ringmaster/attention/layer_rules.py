@@ -23,7 +23,8 @@ together and no collective is left waiting.
   (global RoPE positions), which is exactly what the reusing layer's CP attention expects. It
   does not go through the KV cache, so ``use_cache=False`` does not disable it.
 * **ALiBi**: no family of the installed transformers that dispatches through the attention
-  interface uses it (bloom, falcon and mpt call their own attention, so they are not wired);
+  interface uses it (bloom, mpt and falcon with ``alibi=True`` add it inline in their own attention
+  and are refused, :mod:`ringmaster.architectures.selfattn`);
   a ``alibi`` / ``position_bias`` tensor reaching the CP function is refused.
 """
 
