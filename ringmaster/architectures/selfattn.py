@@ -8,6 +8,10 @@ openai-gpt are indexed by the ``position_ids`` ringmaster passes (global positio
 parity tests), so those families are vouched for here.
 """
 
+import sys
+
+import torch
+
 from .generic import refuse
 from .spec import ArchitectureSpec, SelfAttentionSite, register_architecture
 
@@ -57,12 +61,46 @@ _INLINE = ("multiplies q by k and applies softmax inline in its forward, with no
            "holds q, k and v, so ringmaster has no point to put the CP attention")
 _LOCAL_POSITIONS = "its position encoding is computed from the local input length"
 
-BLOOM = refuse(("bloom",), (
-    f"BloomAttention {_INLINE}; it also adds ALiBi (per-head slopes times key positions, passed in as `alibi`) "
-    "inline. Use a CP size of 1 for BLOOM"))
-MPT = refuse(("mpt",), (
-    f"MptAttention {_INLINE}; it also adds ALiBi (`position_bias`, built for config.max_seq_len) inline. Use a CP "
-    "size of 1 for MPT"))
+def _bloom_slopes(module):
+    """BLOOM's per-head ALiBi slopes, from its own modeling module (``_get_alibi_slopes``)."""
+    return getattr(sys.modules[type(module).__module__], "_get_alibi_slopes")(module.num_heads, torch.device("cpu"))
+
+
+def _mpt_slopes(module):
+    """MPT's per-head ALiBi slopes: its own ``build_mpt_alibi_tensor`` (as MptModel calls it, alibi_bias_max 8)
+    over two positions is ``[-slope, 0]`` per head."""
+    bias = getattr(sys.modules[type(module).__module__], "build_mpt_alibi_tensor")(module.n_heads, 2,
+                                                                                  device=torch.device("cpu"))
+    return -bias[:, 0, 0]
+
+
+_NO_CACHE = ("layer_past", "cache", "output_attentions")
+_DROP = "attention/hidden dropout: each CP rank would draw the same mask stream; set it to 0.0"
+
+# bloom: fused query_key_value laid out [.., H, 3, D], scores inv_norm_factor * q.k + alibi, dense, + residual
+BLOOM = register_architecture(ArchitectureSpec(
+    name="bloom", model_types=("bloom",), attention_classes=("BloomAttention",),
+    num_heads_attr="n_head", num_kv_heads_attr="n_head",
+    self_attention={"BloomAttention": SelfAttentionSite(
+        kind="fused_qkv", args=("hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
+                                "output_attentions"),
+        qkv="query_key_value", qkv_layout="per_head", out="dense", heads_attr="num_heads",
+        residual_arg="residual", scale_attr="inv_norm_factor", alibi_slopes=_bloom_slopes,
+        refuse_kwargs=_NO_CACHE, refuse_config=(("hidden_dropout", _DROP),))},
+    notes="fused_qkv site with ALiBi from global positions (slopes sliced to each rank's heads under Ulysses)",
+))
+
+# mpt: fused Wqkv chunked [.., 3, H, D] (clamped by clip_qkv), scores softmax_scale * q.k + alibi, out_proj
+MPT = register_architecture(ArchitectureSpec(
+    name="mpt", model_types=("mpt",), attention_classes=("MptAttention",),
+    num_heads_attr="n_heads", num_kv_heads_attr="n_heads",
+    self_attention={"MptAttention": SelfAttentionSite(
+        kind="fused_qkv", args=("hidden_states", "position_bias", "cache", "attention_mask"),
+        qkv="Wqkv", qkv_layout="chunked", out="out_proj", heads_attr="n_heads", clip_attr="clip_qkv",
+        scale_attr="softmax_scale", alibi_slopes=_mpt_slopes, refuse_kwargs=_NO_CACHE,
+        refuse_config=(("attn_dropout_p", _DROP),))},
+    notes="fused_qkv site with ALiBi from global positions (slopes sliced to each rank's heads under Ulysses)",
+))
 MEGATRON_BERT = refuse(("megatron-bert",), (
     f"MegatronBertSelfAttention {_INLINE}, and MegatronBertEmbeddings adds absolute position embeddings. Use a CP "
     "size of 1"))

@@ -9,6 +9,7 @@ anything stateful it does not know.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _REGISTRY: dict[str, "ArchitectureSpec"] = {}
 
@@ -27,14 +28,24 @@ class SelfAttentionSite:
     * ``"sdpa"``: the forward calls ``torch.nn.functional.scaled_dot_product_attention`` by the
       module-global name ``torch`` (or ``F``); this instance's forward is re-bound
       (:mod:`ringmaster.recurrent.intercept`) so that name reaches the CP attention.
+    * ``"fused_qkv"``: the forward computes scores inline (no call holds q, k and v), from one fused
+      projection: this instance's forward is replaced by the generic one the data describes, ``out(
+      CP(split(qkv(x))))``: ``qkv`` / ``out`` (child Linear names), ``qkv_layout`` (``"per_head"``:
+      ``[.., H, 3, D]``, bloom; ``"chunked"``: ``[.., 3, H, D]``, mpt), ``heads_attr`` (the module's head
+      count), ``clip_attr`` (clamp the fused q/k/v, mpt's ``clip_qkv``), ``residual_arg`` (a forward
+      argument added to the output, bloom), ``args`` (the forward's positional parameters), and
+      ``alibi_slopes`` (module -> ``[H]`` per-head slopes: the bias ``slope * (k_pos - q_pos)`` from global
+      positions, which differs from bloom's ``slope * k_pos`` and mpt's ``slope * (k_pos - S + 1)`` by a
+      constant per query row, so the softmax is the same).
 
     The model's own mask is dropped: it was built for the local shard. What it encoded must be
     declared here and is rebuilt from global positions: causal (always), padding / packed documents
     (from the batch), a sliding window on the layers where ``window_when = (module attribute, value)``
     holds, of ``window_config`` tokens (``config`` attribute; key visible iff ``0 <= q - k < w``).
     Scale: ``scale`` (a number; ``None``: ``1/sqrt(head_dim)``), or, when ``scale_if`` names a module
-    bool attribute, ``1/sqrt(head_dim)`` if it is true and 1 otherwise. ``refuse_config``: ``(config
-    attribute, reason)`` pairs refused at wire time when the attribute is truthy; ``refuse_kwargs``:
+    bool attribute, ``1/sqrt(head_dim)`` if it is true and 1 otherwise, or the module attribute
+    ``scale_attr`` holds it. ``refuse_config``: ``(attribute, reason)`` pairs refused at wire time when
+    the module's (else the config's) attribute is truthy; ``refuse_kwargs``:
     call kwargs that send the forward down a path that bypasses the site (refused per call).
     """
 
@@ -45,10 +56,18 @@ class SelfAttentionSite:
     returns: str = "pair"
     scale: float | None = None
     scale_if: str = ""
+    scale_attr: str = ""
     window_when: tuple[str, str] | None = None
     window_config: str = ""
     refuse_config: tuple[tuple[str, str], ...] = ()
     refuse_kwargs: tuple[str, ...] = ()
+    qkv: str = ""
+    qkv_layout: str = ""
+    out: str = ""
+    heads_attr: str = "num_heads"
+    clip_attr: str = ""
+    residual_arg: str = ""
+    alibi_slopes: Any = None
 
 
 @dataclass(frozen=True)

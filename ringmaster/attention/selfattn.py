@@ -71,6 +71,8 @@ def _where(path: str, module) -> str:
 
 def site_scale(site, module, head_dim: int) -> float:
     """The softmax scale the module applies (see ``SelfAttentionSite``)."""
+    if site.scale_attr:
+        return float(getattr(module, site.scale_attr))
     if site.scale_if:
         return head_dim ** -0.5 if getattr(module, site.scale_if) else 1.0
     return head_dim ** -0.5 if site.scale is None else float(site.scale)
@@ -94,8 +96,9 @@ def check_site(path: str, module, site, config) -> None:
     """Raise, before anything changes, what the site cannot run exactly for this module."""
     where = _where(path, module)
     for attr, reason in site.refuse_config:
-        if getattr(config, attr, None):
-            raise UnsupportedLayerError(f"{where}: config.{attr}={getattr(config, attr)!r} is not supported under CP: "
+        owner, label = (module, "") if hasattr(module, attr) else (config, "config.")
+        if getattr(owner, attr, None):
+            raise UnsupportedLayerError(f"{where}: {label}{attr}={getattr(owner, attr)!r} is not supported under CP: "
                                         f"{reason}")
     if site.kind == "method":
         if not callable(getattr(type(module), site.method, None)):
@@ -104,14 +107,26 @@ def check_site(path: str, module, site, config) -> None:
                 "its attention. Leave CP off for this model or register a spec matching its code")
     elif site.kind == "sdpa":
         intercept.interceptable(module, path, ("scaled_dot_product_attention",))
+    elif site.kind == "fused_qkv":
+        if "forward" in vars(module):
+            raise UnsupportedLayerError(f"{where} has an instance-level forward (another patch); unwire that first")
+        for child in (site.qkv, site.out):
+            if not isinstance(getattr(module, child, None), nn.Linear):
+                raise UnsupportedLayerError(
+                    f"{where} has no Linear {child!r} (a different transformers version?); its declared fused_qkv "
+                    "site does not match the module, so ringmaster cannot rebuild its attention")
+        if site.qkv_layout not in ("per_head", "chunked"):
+            raise ValueError(f"SelfAttentionSite(qkv_layout={site.qkv_layout!r}) for {where}: 'per_head' or 'chunked'")
     else:
-        raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method' or 'sdpa'")
+        raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method', 'sdpa' or 'fused_qkv'")
 
 
-def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None):
+def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None):
     """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
     kwargs = {BATCH_KWARG: slot.batch, "is_causal": True, "dropout": dropout,
               "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
+    if alibi is not None:
+        kwargs["alibi_slopes"] = alibi
     window = site_window(site, module, path)
     if window is not None:
         kwargs["sliding_window"] = window
@@ -132,6 +147,41 @@ def _method(fn, module, site, slot, path) -> Callable:
         return [out] if site.returns == "list" else (out, None)
 
     return attention
+
+
+def _fused_qkv(fn, module, site, slot, path) -> Callable:
+    """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
+    names = site.args
+
+    def forward(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        for name in site.refuse_kwargs:
+            if bound.get(name) is not None and bound.get(name) is not False:
+                raise NotImplementedError(
+                    f"{_where(path, module)} was called with {name}={type(bound[name]).__name__}: ringmaster CP runs "
+                    "training forwards without a KV cache or attention weights; call the model with use_cache=False, "
+                    "output_attentions=False")
+        x = bound[names[0]]
+        B, S, _ = x.shape
+        H = getattr(module, site.heads_attr)
+        qkv = getattr(module, site.qkv)(x)
+        if site.clip_attr and getattr(module, site.clip_attr, None):
+            c = getattr(module, site.clip_attr)
+            qkv = qkv.clamp(min=-c, max=c)
+        if site.qkv_layout == "per_head":
+            parts = qkv.view(B, S, H, 3, -1).unbind(3)
+        else:
+            parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
+        q, k, v = (t.transpose(1, 2) for t in parts)
+        slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
+        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes)
+        out = getattr(module, site.out)(out.transpose(1, 2).reshape(B, S, -1))
+        if site.residual_arg:
+            out = out + bound[site.residual_arg]
+        return out, None
+
+    return forward
 
 
 def _sdpa_names(fn, module, site, slot, path) -> dict:
@@ -169,10 +219,12 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
             site = spec.self_attention.get(type(module).__name__)
             if site is None:
                 continue
-            if site.kind == "method":
-                setattr(module, site.method, _method(fn, module, site, slot, path))
+            if site.kind in ("method", "fused_qkv"):
+                name = site.method if site.kind == "method" else "forward"
+                replacement = (_method if site.kind == "method" else _fused_qkv)(fn, module, site, slot, path)
+                setattr(module, name, replacement)
                 setattr(module, _TAG, path)
-                undos.append(functools.partial(_drop, module, (site.method, _TAG)))
+                undos.append(functools.partial(_drop, module, (name, _TAG)))
             else:
                 undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, slot, path),
                                                       ("scaled_dot_product_attention",),
