@@ -23,6 +23,9 @@ TINY = {
     "falcon_mha": dict(num_attention_heads=4, num_hidden_layers=2, multi_query=False, parallel_attn=False),
     "gpt_neo": dict(num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8),
     "gpt_neox_japanese": dict(num_attention_heads=4, num_hidden_layers=2),
+    "bloom": dict(num_attention_heads=4),
+    "bloom_6h": dict(num_attention_heads=6, hidden_size=96),
+    "mpt": dict(num_attention_heads=4),
     "openai-gpt": dict(n_embd=64, n_head=4, n_layer=2, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
                        embd_pdrop=0.0),
 }
@@ -30,7 +33,7 @@ KEYS = ("loss_err", "logits_err", "grad_err", "worst_param", "n_grads", "n_param
 
 
 def model_type_of(case: str) -> str:
-    return case.split("_gqa")[0].split("_mha")[0]
+    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0]
 
 
 def _attn(case):
@@ -111,7 +114,27 @@ def one_site_unwired():
     return [("ringmaster.wiring", "wire_sites", wire_sites)]
 
 
-MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, one_site_unwired)}
+def alibi_slopes_not_sliced():
+    """Ulysses: every rank uses the first heads' ALiBi slopes, not those of the heads it computes."""
+    return [("ringmaster.attention.ulysses", "local_heads", lambda per_head, rank, count: per_head[:count])]
+
+
+def ring_alibi_offset_ignored():
+    """Ring: every block's ALiBi bias is computed as if its key chunk were the query chunk (offset 0)."""
+    import dataclasses
+
+    from ringmaster.attention.ring import loop
+
+    original = loop.block_pairs
+
+    def block_pairs(plan, src, device):
+        return [(qi, kj, dataclasses.replace(m, alibi_offset=0)) for qi, kj, m in original(plan, src, device)]
+
+    return [("ringmaster.attention.ring.loop", "block_pairs", block_pairs)]
+
+
+MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, one_site_unwired,
+                                     alibi_slopes_not_sliced, ring_alibi_offset_ignored)}
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from ringmaster.testing.parity import tiny_model
 
 TOL = 1e-6
 DETECT = 1e-3
-CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt"]
+CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt", "bloom", "mpt"]
 
 
 def check(results, layers=2):
@@ -31,12 +31,19 @@ def test_site_family_exact(pool, case, backend, P):
     check(pool.run(js.parity, case, P, backend))
 
 
-def test_site_family_usp_exact(pool):
-    check(pool.run(js.parity, "falcon_gqa", 4, "usp"))
+@pytest.mark.parametrize("case", ["falcon_gqa", "bloom"])
+def test_site_family_usp_exact(pool, case):
+    check(pool.run(js.parity, case, 4, "usp"))
 
 
 @pytest.mark.parametrize("backend", ["ulysses", "ring"])
-@pytest.mark.parametrize("case", ["gpt_neo", "falcon"])
+def test_alibi_six_heads_exact(pool, backend):
+    """A head count that is not a power of two: BLOOM's interleaved slopes, 3 heads per rank."""
+    check(pool.run(js.parity, "bloom_6h", 2, backend))
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("case", ["gpt_neo", "falcon", "bloom"])
 def test_site_family_padded_rows_exact(pool, case, backend):
     """Left padding and right padding (the model's local padding mask is dropped; the batch's doc ids
     rebuild it), with gpt_neo's window cutting the sequence."""
@@ -65,6 +72,49 @@ def test_not_causal_is_caught(pool, case):
     _assert_wrong(pool.run(js.mutated_parity, "not_causal", case, 2, "ulysses"))
 
 
+def test_alibi_slopes_not_sliced_per_rank_is_caught(pool):
+    _assert_wrong(pool.run(js.mutated_parity, "alibi_slopes_not_sliced", "bloom", 2, "ulysses"))
+
+
+@pytest.mark.parametrize("case", ["bloom", "mpt"])
+def test_ring_alibi_offset_ignored_is_caught(pool, case):
+    _assert_wrong(pool.run(js.mutated_parity, "ring_alibi_offset_ignored", case, 2, "ring"))
+
+
+@pytest.mark.parametrize("kernel", ["math", "aten"])
+@pytest.mark.parametrize("offset,lo,hi", [(0, 0, None), (-16, None, None), (-8, None, 5), (16, None, None)])
+def test_alibi_block_kernels_match_dense(kernel, offset, lo, hi):
+    """A ring block with ALiBi (``slopes[h] * (offset + j - i)``) against a dense softmax, forward and
+    backward (GQA, a band or none), for the math and aten CPU kernels."""
+    from ringmaster.attention.ring.kernels import AtenKernel, MathKernel
+    from ringmaster.attention.ring.masks import BlockMask
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hk, S, D = 2, 4, 2, 16, 8
+    q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64, requires_grad=True) for h in (H, Hk, Hk))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    mask = BlockMask(S, S, lo=lo, hi=hi, alibi_slopes=slopes, alibi_offset=offset)
+    scale = D ** -0.5
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    keep = torch.ones(S, S, dtype=torch.bool)
+    if lo is not None:
+        keep &= (i - j) >= lo
+    if hi is not None:
+        keep &= (i - j) <= hi
+    kx, vx = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+    s = q @ kx.transpose(-1, -2) * scale + slopes.view(1, H, 1, 1) * (offset + j - i)
+    ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vx
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    impl = MathKernel() if kernel == "math" else AtenKernel(tile_rows=5)
+    with torch.no_grad():
+        out, lse = impl.forward(q, k, v, scale, mask)
+        grads = impl.backward(dout, q, k, v, out, lse, scale, mask)
+    assert torch.allclose(out, ref, atol=1e-12), (out - ref).abs().max()
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-12), (got - want).abs().max()
+
+
 def test_unwired_site_fails_first_forward_accounting(pool):
     """A site module left with its own attention computes over the local shard: the first CP forward
     raises before backward, naming it."""
@@ -75,7 +125,7 @@ def test_unwired_site_fails_first_forward_accounting(pool):
 
 
 @pytest.mark.parametrize("model_type,layer", [
-    ("bloom", "BloomAttention"), ("mpt", "MptAttention"), ("megatron-bert", "MegatronBertSelfAttention"),
+    ("megatron-bert", "MegatronBertSelfAttention"),
     ("rembert", "RemBertSelfAttention"), ("roformer", "RoFormerSelfAttention"), ("trocr", "TrOCRAttention"),
     ("xlm", "MultiHeadAttention")])
 def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
