@@ -26,14 +26,21 @@ TINY = {
     "bloom": dict(num_attention_heads=4),
     "bloom_6h": dict(num_attention_heads=6, hidden_size=96),
     "mpt": dict(num_attention_heads=4),
+    "megatron-bert": dict(num_attention_heads=4, is_decoder=True, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0),
+    "megatron-bert_bidi": dict(num_attention_heads=4, is_decoder=False, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0),
+    "rembert": dict(num_attention_heads=4, is_decoder=True, input_embedding_size=64, output_embedding_size=64,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0),
     "openai-gpt": dict(n_embd=64, n_head=4, n_layer=2, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
                        embd_pdrop=0.0),
 }
+UNUSED = {"megatron-bert": 1}  # cls.predictions.bias: no gradient even without CP (the decoder's bias is used)
 KEYS = ("loss_err", "logits_err", "grad_err", "worst_param", "n_grads", "n_params", "attention_layers", "backend")
 
 
 def model_type_of(case: str) -> str:
-    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0]
+    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0].split("_bidi")[0]
 
 
 def _attn(case):
@@ -44,7 +51,7 @@ def parity(ctx, case, P, backend="ulysses", seq_len=64, extra=None):
     cfg = rm.RingmasterConfig(size=P, backend=backend)
     r = compare(model_type_of(case), cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), fp64=True,
                 attn_implementation=_attn(case), **{**TINY[case], **(extra or {})})
-    return {k: r[k] for k in KEYS}
+    return {**{k: r[k] for k in KEYS}, "n_params": r["n_params"] - UNUSED.get(model_type_of(case), 0)}
 
 
 def padded_parity(ctx, case, P, backend="ulysses", S=64, left=3, real=41):
@@ -94,12 +101,17 @@ def not_causal():
 
     original = selfattn._call
 
-    def call(fn, module, site, slot, path, q, k, v, dropout=0.0, scale=None):
+    def call(fn, module, site, slot, path, q, k, v, dropout=0.0, scale=None, alibi=None):
         def bidirectional(module, q, k, v, mask, **kwargs):
             return fn(module, q, k, v, mask, **{**kwargs, "is_causal": False})
-        return original(bidirectional, module, site, slot, path, q, k, v, dropout, scale)
+        return original(bidirectional, module, site, slot, path, q, k, v, dropout, scale, alibi)
 
     return [("ringmaster.attention.selfattn", "_call", call)]
+
+
+def causality_ignored():
+    """The site ignores the module's causal flag (BERT's is_decoder) and always attends causally."""
+    return [("ringmaster.attention.selfattn", "site_causal", lambda site, module: True)]
 
 
 def one_site_unwired():
@@ -133,7 +145,7 @@ def ring_alibi_offset_ignored():
     return [("ringmaster.attention.ring.loop", "block_pairs", block_pairs)]
 
 
-MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, one_site_unwired,
+MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, causality_ignored, one_site_unwired,
                                      alibi_slopes_not_sliced, ring_alibi_offset_ignored)}
 
 

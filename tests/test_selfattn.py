@@ -13,7 +13,8 @@ from ringmaster.testing.parity import tiny_model
 
 TOL = 1e-6
 DETECT = 1e-3
-CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt", "bloom", "mpt"]
+CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt", "bloom", "mpt",
+         "megatron-bert", "rembert"]
 
 
 def check(results, layers=2):
@@ -34,6 +35,12 @@ def test_site_family_exact(pool, case, backend, P):
 @pytest.mark.parametrize("case", ["falcon_gqa", "bloom"])
 def test_site_family_usp_exact(pool, case):
     check(pool.run(js.parity, case, 4, "usp"))
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+def test_bert_style_bidirectional_exact(pool, backend):
+    """megatron-bert with is_decoder=False attends both ways: the site reads causality from the module."""
+    check(pool.run(js.parity, "megatron-bert_bidi", 2, backend))
 
 
 @pytest.mark.parametrize("backend", ["ulysses", "ring"])
@@ -70,6 +77,10 @@ def test_scale_ignored_is_caught(pool):
 @pytest.mark.parametrize("case", ["falcon", "openai-gpt"])
 def test_not_causal_is_caught(pool, case):
     _assert_wrong(pool.run(js.mutated_parity, "not_causal", case, 2, "ulysses"))
+
+
+def test_causality_ignored_is_caught(pool):
+    _assert_wrong(pool.run(js.mutated_parity, "causality_ignored", "megatron-bert_bidi", 2, "ring"))
 
 
 def test_alibi_slopes_not_sliced_per_rank_is_caught(pool):
@@ -125,9 +136,7 @@ def test_unwired_site_fails_first_forward_accounting(pool):
 
 
 @pytest.mark.parametrize("model_type,layer", [
-    ("megatron-bert", "MegatronBertSelfAttention"),
-    ("rembert", "RemBertSelfAttention"), ("roformer", "RoFormerSelfAttention"), ("trocr", "TrOCRAttention"),
-    ("xlm", "MultiHeadAttention")])
+    ("roformer", "RoFormerSelfAttention"), ("trocr", "TrOCRAttention"), ("xlm", "MultiHeadAttention")])
 def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
     from transformers import AutoConfig
 

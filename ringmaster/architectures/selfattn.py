@@ -101,11 +101,22 @@ MPT = register_architecture(ArchitectureSpec(
         refuse_config=(("attn_dropout_p", _DROP),))},
     notes="fused_qkv site with ALiBi from global positions (slopes sliced to each rank's heads under Ulysses)",
 ))
-MEGATRON_BERT = refuse(("megatron-bert",), (
-    f"MegatronBertSelfAttention {_INLINE}, and MegatronBertEmbeddings adds absolute position embeddings. Use a CP "
-    "size of 1"))
-REMBERT = refuse(("rembert",), (
-    f"RemBertSelfAttention {_INLINE}, and RemBertEmbeddings adds absolute position embeddings. Use a CP size of 1"))
+# BERT-style decoders: separate query/key/value Linears, context returned unprojected (the output Linear is in
+# *SelfOutput); causal iff the module's is_decoder; absolute position embeddings read the passed position_ids
+_BERT = dict(kind="fused_qkv", args=("hidden_states", "attention_mask", "encoder_hidden_states", "cache",
+                                     "output_attentions"),
+             qkv=("query", "key", "value"), out="", heads_attr="num_attention_heads", causal_attr="is_decoder",
+             cross_arg="encoder_hidden_states", refuse_kwargs=("cache", "output_attentions"))
+MEGATRON_BERT = register_architecture(ArchitectureSpec(
+    name="megatron-bert", model_types=("megatron-bert",), attention_classes=("MegatronBertSelfAttention",),
+    self_attention={"MegatronBertSelfAttention": SelfAttentionSite(**_BERT)},
+    notes="BERT-style separate q/k/v; causal iff is_decoder; position_embeddings read position_ids",
+))
+REMBERT = register_architecture(ArchitectureSpec(
+    name="rembert", model_types=("rembert",), attention_classes=("RemBertSelfAttention",),
+    self_attention={"RemBertSelfAttention": SelfAttentionSite(**_BERT)},
+    notes="BERT-style separate q/k/v; causal iff is_decoder; position_embeddings read position_ids",
+))
 ROFORMER = refuse(("roformer",), (
     f"RoFormerSelfAttention {_INLINE}, and RoFormerSinusoidalPositionalEmbedding (the rotary angles) is built in "
     f"the encoder from the local length: {_LOCAL_POSITIONS}. Use a CP size of 1"))

@@ -31,7 +31,10 @@ class SelfAttentionSite:
     * ``"fused_qkv"``: the forward computes scores inline (no call holds q, k and v), from one fused
       projection: this instance's forward is replaced by the generic one the data describes, ``out(
       CP(split(qkv(x))))``: ``qkv`` / ``out`` (child Linear names), ``qkv_layout`` (``"per_head"``:
-      ``[.., H, 3, D]``, bloom; ``"chunked"``: ``[.., 3, H, D]``, mpt), ``heads_attr`` (the module's head
+      ``[.., H, 3, D]``, bloom; ``"chunked"``: ``[.., 3, H, D]``, mpt; or three names: separate query, key
+      and value projections, BERT-style, and ``out=""`` when the module returns the context unprojected),
+      ``causal_attr`` (a module bool that says whether it attends causally, BERT's ``is_decoder``;
+      default causal), ``cross_arg`` (the argument that makes it cross-attention: refused), ``heads_attr`` (the module's head
       count), ``clip_attr`` (clamp the fused q/k/v, mpt's ``clip_qkv``), ``residual_arg`` (a forward
       argument added to the output, bloom), ``args`` (the forward's positional parameters), and
       ``alibi_slopes`` (module -> ``[H]`` per-head slopes: the bias ``slope * (k_pos - q_pos)`` from global
@@ -61,8 +64,10 @@ class SelfAttentionSite:
     window_config: str = ""
     refuse_config: tuple[tuple[str, str], ...] = ()
     refuse_kwargs: tuple[str, ...] = ()
-    qkv: str = ""
+    qkv: str | tuple[str, str, str] = ""
     qkv_layout: str = ""
+    causal_attr: str = ""
+    cross_arg: str = ""
     out: str = ""
     heads_attr: str = "num_heads"
     clip_attr: str = ""

@@ -110,20 +110,26 @@ def check_site(path: str, module, site, config) -> None:
     elif site.kind == "fused_qkv":
         if "forward" in vars(module):
             raise UnsupportedLayerError(f"{where} has an instance-level forward (another patch); unwire that first")
-        for child in (site.qkv, site.out):
+        names = site.qkv if isinstance(site.qkv, tuple) else (site.qkv,)
+        for child in names + ((site.out,) if site.out else ()):
             if not isinstance(getattr(module, child, None), nn.Linear):
                 raise UnsupportedLayerError(
                     f"{where} has no Linear {child!r} (a different transformers version?); its declared fused_qkv "
                     "site does not match the module, so ringmaster cannot rebuild its attention")
-        if site.qkv_layout not in ("per_head", "chunked"):
+        if not isinstance(site.qkv, tuple) and site.qkv_layout not in ("per_head", "chunked"):
             raise ValueError(f"SelfAttentionSite(qkv_layout={site.qkv_layout!r}) for {where}: 'per_head' or 'chunked'")
     else:
         raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method', 'sdpa' or 'fused_qkv'")
 
 
+def site_causal(site, module) -> bool:
+    """Whether the module attends causally (``causal_attr``: a module bool such as BERT's ``is_decoder``)."""
+    return bool(getattr(module, site.causal_attr, True)) if site.causal_attr else True
+
+
 def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None):
     """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
-    kwargs = {BATCH_KWARG: slot.batch, "is_causal": True, "dropout": dropout,
+    kwargs = {BATCH_KWARG: slot.batch, "is_causal": site_causal(site, module), "dropout": dropout,
               "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
     if alibi is not None:
         kwargs["alibi_slopes"] = alibi
@@ -165,18 +171,25 @@ def _fused_qkv(fn, module, site, slot, path) -> Callable:
         x = bound[names[0]]
         B, S, _ = x.shape
         H = getattr(module, site.heads_attr)
-        qkv = getattr(module, site.qkv)(x)
-        if site.clip_attr and getattr(module, site.clip_attr, None):
-            c = getattr(module, site.clip_attr)
-            qkv = qkv.clamp(min=-c, max=c)
-        if site.qkv_layout == "per_head":
-            parts = qkv.view(B, S, H, 3, -1).unbind(3)
+        if bound.get(site.cross_arg) is not None if site.cross_arg else False:
+            raise NotImplementedError(f"{_where(path, module)} was called as cross-attention ({site.cross_arg}); "
+                                      "ringmaster CP shards one self-attended sequence")
+        if isinstance(site.qkv, tuple):  # separate query / key / value projections
+            parts = (getattr(module, name)(x).view(B, S, H, -1) for name in site.qkv)
         else:
-            parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
+            qkv = getattr(module, site.qkv)(x)
+            if site.clip_attr and getattr(module, site.clip_attr, None):
+                c = getattr(module, site.clip_attr)
+                qkv = qkv.clamp(min=-c, max=c)
+            if site.qkv_layout == "per_head":
+                parts = qkv.view(B, S, H, 3, -1).unbind(3)
+            else:
+                parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
         q, k, v = (t.transpose(1, 2) for t in parts)
         slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
-        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes)
-        out = getattr(module, site.out)(out.transpose(1, 2).reshape(B, S, -1))
+        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes).transpose(1, 2).reshape(B, S, -1)
+        if site.out:
+            out = getattr(module, site.out)(out)
         if site.residual_arg:
             out = out + bound[site.residual_arg]
         return out, None

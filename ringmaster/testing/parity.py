@@ -112,6 +112,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 # listed here, never detected, so a real gradient can never be waved through as "noise".
 STRUCTURAL_ZEROS: dict[str, tuple[str, ...]] = {
     "llava": ("model.vision_tower.*.self_attn.k_proj.bias",),
+    # BERT-style self-attention: a key bias adds q.b, one constant per query row, which the softmax cancels
+    "megatron-bert": ("*.attention.self.key.bias",),
+    "rembert": ("*.attention.self.key.bias",),
 }
 
 
