@@ -45,6 +45,7 @@ class Runtime:
     ring_impl: RingImpl | None = None
     binding: AttentionBinding | None = None
     multimodal: Any = None             # the VLM's ArchitectureSpec when rm.wire wired one
+    positions: Any = None              # rm.wire's PositionConvention for absolute position tables (else None)
     report: Any = None                 # rm.wire's WireReport
     recurrent_wiring: Any = None       # rm.wire's RecurrentWiring (restore() undoes the recurrent layers only)
     adapter: Any = None                # a framework adapter's record (e.g. adapters.accelerate.AccelerateWiring)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from . import runtime as _runtime
-from .architectures import (classify_layers, get_architecture, refuse_if_unsafe, stateful_layers, text_config,
-                            unsupported_message)
+from .architectures import (classify_layers, get_architecture, position_convention, refuse_if_unsafe,
+                            stateful_layers, text_config, unsupported_message)
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -43,11 +43,14 @@ class WireReport:
     attention: list[str] = field(default_factory=list)
     recurrent: list[tuple[str, str]] = field(default_factory=list)
     use_cache_switched_off: bool = False
+    positions: str | None = None     # how absolute position tables are numbered (PositionConvention.describe)
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
                  f"  {len(self.attention)} attention layers" + (f": {self.attention[0]} ..." if self.attention else "")]
         lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
+        if self.positions:
+            lines.append(f"  absolute positions numbered from the full row: {self.positions}")
         if self.use_cache_switched_off:
             lines.append("  use_cache switched off while wired")
         return "\n".join(lines)
@@ -163,6 +166,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
     num_kv = _module_kv_heads(model, spec, layers.attention, num_kv)
     recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
     refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
+    # absolute position tables: probe (tiny forwards of the still unwired model) how the model numbers them
+    positions = position_convention(model, spec, [p for p, _, _ in layers.recurrent])
     if not cfg.normalized:
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
     if cfg.ulysses_size > 1 and num_heads is not None:
@@ -180,6 +185,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
                    num_heads=num_heads)
         rt.multimodal = spec if spec.multimodal else None
+        rt.positions = positions   # the shard step numbers absolute positions by it (sharding.positions)
+        undo.append(lambda: setattr(rt, "positions", None))
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         if rt.attn_implementation is not None and spec.self_attention:
@@ -195,10 +202,12 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             rt.recurrent_wiring = wiring
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
-                               use_cache_switched_off=switched)
+                               use_cache_switched_off=switched,
+                               positions=positions.describe() if positions else None)
         if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
             modules = dict(model.named_modules())
-            arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention})
+            arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention},
+                positions=positions, tables={p: modules[p] for p, _ in positions.modules} if positions else None)
             undo.append(rt.binding.ledger.disarm)
         model._ringmaster_runtime = rt
         undo.append(lambda: model.__dict__.pop("_ringmaster_runtime", None))

@@ -91,7 +91,10 @@ def unknown_model(ctx):
 
     # phi3 and the other interface-dispatching decoders need no registration now (tests/test_generic.py);
     # an unregistered family the generic path cannot make exact is refused naming the layer
-    _wire(ctx, model=tiny_model("gpt2", n_embd=64, n_head=4, n_layer=2, n_positions=256))
+    # (gpt2's learned positions are numbered from the full row now: tests/test_position_embeddings.py)
+    # (falcon, bloom, gpt_neo, ... compute attention themselves and are wired through declared sites:
+    # tests/test_selfattn.py; roformer has none)
+    _wire(ctx, model=tiny_model("roformer", num_attention_heads=4))
 
 
 def unknown_stateful_layer(ctx):
@@ -249,8 +252,9 @@ SCENARIOS = [
              ("RingmasterConfig.size=4 but device_mesh['cp'] has 2 ranks",)),
     Scenario("wire_twice", "rm.wire on an already wired model", wire_twice, "RuntimeError",
              ("already wired", "rm.unwire(model)")),
-    Scenario("unknown_model", "an unregistered family the generic path refuses (learned positions)", unknown_model,
-             "UnsupportedLayerError", ("'transformer.wpe'", "absolute position embedding")),
+    Scenario("unknown_model", "an unregistered family the generic path refuses (attention outside the interface)",
+             unknown_model, "UnsupportedLayerError", ("'roformer.encoder.layer.0.attention.self' (RoFormerSelfAttention)",
+                                                      "attention interface")),
     Scenario("unknown_stateful_layer", "a stateful layer the family does not declare", unknown_stateful_layer,
              "UnsupportedLayerError", ("'model.layers.1.mlp' (FakeMamba2Mixer)", "recurrent_classes")),
     Scenario("mamba1_model", "a Mamba1 hybrid (jamba): unknown family with a stateful layer", mamba1_model,

@@ -135,13 +135,19 @@ def test_unwired_site_fails_first_forward_accounting(pool):
         assert "first-forward accounting" in msg and "transformer.h.0.self_attention" in msg, msg
 
 
-@pytest.mark.parametrize("model_type,layer", [
-    ("roformer", "RoFormerSelfAttention"), ("trocr", "TrOCRAttention"), ("xlm", "MultiHeadAttention")])
+@pytest.mark.parametrize("model_type,layer", [("trocr", "TrOCRAttention"), ("xlm", "MultiHeadAttention")])
 def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
     from transformers import AutoConfig
 
     spec = rm.get_architecture(AutoConfig.for_model(model_type))
     assert spec.refuse and layer in spec.refuse, spec
+
+
+def test_roformer_refused_by_the_generic_path_naming_the_layer():
+    model = tiny_model("roformer", attn_implementation="eager", num_attention_heads=4)
+    layer = r"'roformer\.encoder\.layer\.0\.attention\.self' \(RoFormerSelfAttention\)"
+    with pytest.raises(UnsupportedLayerError, match=layer + ".*attention interface"):
+        rm.get_architecture(model)
 
 
 def test_falcon_alibi_and_output_attentions_refused():

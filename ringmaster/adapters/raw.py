@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from ..runtime import active, runtime_of
-from ..sharding.batch import CP_SHARD_KEY, batch_kwarg, check_shard_target, global_num_items, shard_collated_batch
+from ..sharding.batch import (CP_SHARD_KEY, apply_positions, batch_kwarg, check_shard_target, global_num_items,
+                              shard_collated_batch)
 from ..sharding.documents import BATCH_KWARG
 from ..validation import validate_batch
 
@@ -38,6 +39,7 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
     meta = shard.pop(CP_SHARD_KEY)
     validate_batch(rt, meta, full_batch=batch)
     shard[BATCH_KWARG] = batch_kwarg(meta)
+    apply_positions(rt, shard)   # absolute position tables: the model's own numbering of the full row
     count = num_items_in_batch if num_items_in_batch is not None else global_num_items(batch)
     if count is not None and "shift_labels" in shard:
         count = torch.as_tensor(count, dtype=torch.float32)

@@ -11,9 +11,10 @@ anything stateful it does not know; an unregistered model goes through the gener
 from . import llama, nemotron_h, qwen3_5, refused, selfattn, softcap_mla, vlm  # noqa: F401  (built-in families register on import)
 from .classify import Classification, STATEFUL_PATTERN, classify_layers, stateful_layers, unsupported_message
 from .generic import cp_hazards, generic_spec, get_architecture, refuse_if_unsafe
+from .positions import position_convention, position_tables
 from .spec import (ArchitectureSpec, SelfAttentionSite, known_model_types, register_architecture,  # noqa: F401
                    registered_architecture, text_config)
 
 __all__ = ["ArchitectureSpec", "Classification", "STATEFUL_PATTERN", "classify_layers", "cp_hazards",
            "generic_spec", "get_architecture", "refuse_if_unsafe", "registered_architecture",
-           "known_model_types", "register_architecture", "stateful_layers", "text_config", "unsupported_message"]
+           "known_model_types", "position_convention", "position_tables", "register_architecture", "stateful_layers", "text_config", "unsupported_message"]

@@ -5,8 +5,9 @@ transformers' attention interface (its ``forward`` reads ``ALL_ATTENTION_FUNCTIO
 where ``rm.wire`` swaps in the CP function; ``_supports_attention_backend`` is not reliable in
 transformers 5.24: bamba, jamba, biogpt dispatch without it), (2) no layer carries state along
 the sequence (:mod:`.classify` fails closed), and (3) nothing else depends on where a token
-sits in the *local* shard: learned absolute position embeddings, convolutions over the
-sequence, per-sequence MoE statistics, dropout (:func:`cp_hazards`). The spec (attention classes, the
+sits in the *local* shard: convolutions over the sequence, per-sequence MoE statistics, dropout
+(:func:`cp_hazards`). Learned absolute position tables are numbered from the full row by the
+model's own rule, which ``rm.wire`` finds with a probe (:mod:`.positions`). The spec (attention classes, the
 config's head attributes) is derived from the model itself.
 
 A registered spec wins over the generic path (hybrids, VLMs, overrides), and a registered spec
@@ -28,11 +29,6 @@ from .classify import _ATTENTION_LIKE, stateful_layers, unsupported_message
 from .spec import ArchitectureSpec, register_architecture, registered_architecture, text_config, unknown_family
 
 _DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS",)
-# nn.Embedding modules indexed by a token's position: if the model builds those positions from the local
-# input length (arange(seq_len), cache_position) every rank embeds positions 0..S/P-1
-_POSITION_EMBEDDING = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings?|pos_embed(ding)?s?|embed_pos|"
-                                 r"positional_embeddings?)$")
-_POSITION_CLASS = re.compile(r"Positional?Embedding", re.I)
 _HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "n_kv_heads")
 
@@ -149,11 +145,12 @@ def _config_hazards(config) -> list[str]:
 
 
 def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
-    """What would make the wired model silently wrong beyond its attention: learned/absolute position
-    embeddings (positions from the local length), convolutions over the sequence outside declared
-    recurrent layers, per-sequence MoE statistics, dropout (each rank draws the same mask stream).
-    Registered families are vouched for by their
-    parity tests (only the MoE config check applies to them); the generic path gets every check."""
+    """What would make the wired model silently wrong beyond its attention: convolutions over the
+    sequence outside declared recurrent layers, per-sequence MoE statistics, dropout (each rank draws
+    the same mask stream). Learned/absolute position tables are not a hazard here: ``rm.wire`` probes
+    how the model numbers them and numbers each shard the same way, or refuses naming the table
+    (:mod:`.positions`). Registered families are vouched for by their parity tests (only the MoE
+    config check applies to them); the generic path gets every check."""
     out = _config_hazards(text_config(model.config))
     if registered_architecture(model) is spec:
         return out
@@ -162,15 +159,7 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
         if any(path == s or path.startswith(s + ".") for s in skip):
             continue
         cls = type(module).__name__
-        if (isinstance(module, nn.Embedding) and _POSITION_EMBEDDING.search(path)) or (
-                _POSITION_CLASS.search(cls) and "Rotary" not in cls):
-            out.append(
-                f"layer {path!r} ({cls}) is an absolute position embedding: the model indexes it with positions "
-                "it builds from the local input length, so every CP rank would embed positions 0..S/P-1. "
-                "ringmaster supports rotary (and no) position encodings generically; register this family "
-                "explicitly only if its embedding reads the global position_ids ringmaster passes, else use a CP "
-                "size of 1")
-        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             out.append(
                 f"layer {path!r} ({cls}) drops with p={module.p}: each CP rank draws its mask from the same random "
                 "stream, so the shards reuse one mask pattern; set the model's dropout to 0.0 for CP training")

@@ -3,9 +3,10 @@
 run by :mod:`ringmaster.attention.selfattn`), or refused with the layer and what is missing.
 
 Each site is data: which method (or torch's SDPA name) holds q, k, v, how the module scales its
-scores, and which layers have a sliding window. The learned position embeddings of gpt_neo and
-openai-gpt are indexed by the ``position_ids`` ringmaster passes (global positions; checked by the
-parity tests), so those families are vouched for here.
+scores, and which layers have a sliding window. The learned position tables of gpt_neo, openai-gpt,
+megatron-bert and rembert are indexed by the ``position_ids`` ringmaster passes (the global row's
+``arange``, the numbering these models use themselves), so as registered families they skip the
+position probe of :mod:`.positions`; tests/test_selfattn.py checks them dense and padded.
 """
 
 import sys
@@ -117,9 +118,8 @@ REMBERT = register_architecture(ArchitectureSpec(
     self_attention={"RemBertSelfAttention": SelfAttentionSite(**_BERT)},
     notes="BERT-style separate q/k/v; causal iff is_decoder; position_embeddings read position_ids",
 ))
-ROFORMER = refuse(("roformer",), (
-    f"RoFormerSelfAttention {_INLINE}, and RoFormerSinusoidalPositionalEmbedding (the rotary angles) is built in "
-    f"the encoder from the local length: {_LOCAL_POSITIONS}. Use a CP size of 1"))
+# roformer is left to the generic path, which refuses it naming RoFormerSelfAttention (inline attention; its
+# rotary angles also come from RoFormerSinusoidalPositionalEmbedding over the local length)
 TROCR = refuse(("trocr",), (
     f"TrOCRAttention {_INLINE} (a cross-attention-capable decoder attention), and TrOCR's learned/sinusoidal "
     f"position embeddings: {_LOCAL_POSITIONS}. Use a CP size of 1"))

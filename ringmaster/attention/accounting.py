@@ -8,6 +8,12 @@ outside the interface (never called), one called twice (differential attention),
 built from the local ``cache_position`` (which the CP kernels would ignore) all raise right
 after that forward, before any loss is backpropagated, naming the module and the fix.
 
+Absolute position tables are position-dependent modules too: each one ``rm.wire`` found
+(:mod:`ringmaster.architectures.positions`) must be looked up exactly once in that forward, with
+this shard's positions in the model's own numbering plus the table's offset
+(:mod:`ringmaster.sharding.positions`); a table the shard step did not steer (positions from
+the local length) raises the same way.
+
 The ledger is bound at wire time to the runtime (the attention function is closed over it
 through its :class:`~ringmaster.attention.binding.AttentionBinding`); nothing is a process
 global. After the first forward passes, the hooks are removed and the CP function pays one
@@ -15,6 +21,9 @@ attribute read per call.
 """
 
 from __future__ import annotations
+
+import torch
+import torch.nn as nn
 
 from ..errors import UnsupportedLayerError
 from ..sharding.documents import BATCH_KWARG
@@ -30,6 +39,9 @@ class Ledger:
         self.masks: dict[int, str] = {}     # id(module) -> what it passed as attention_mask
         self.handles: list = []
         self.unexpected: list[str] = []
+        self.positions = None                 # the PositionConvention of the model's absolute position tables
+        self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
+        self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
 
     # ---- called by the CP attention function (only while armed)
     def record(self, module, attention_mask) -> None:
@@ -50,10 +62,54 @@ class Ledger:
         self.calls.clear()
         self.masks.clear()
         self.unexpected.clear()
+        self.lookups.clear()
 
-    def finish(self) -> None:
-        """Raise naming every module that broke the contract; on success, disarm and drop the hooks."""
+    def looked_up(self, table, args, output) -> None:
+        """A position table's forward hook: keep the index (a plain nn.Embedding's input) or, for a
+        subclass that builds its index inside (OPT's), the output; checked in :meth:`finish`."""
+        if type(table).forward is nn.Embedding.forward and args and isinstance(args[0], torch.Tensor):
+            seen = ("index", args[0].detach())
+        else:
+            seen = ("output", output.detach() if isinstance(output, torch.Tensor) else output)
+        self.lookups.setdefault(id(table), []).append(seen)
+
+    def position_problems(self, kwargs) -> list[str]:
+        """Each table looked up once, with this shard's positions in the model's numbering + its offset."""
         problems = []
+        if not self.tables:
+            return problems
+        batch = kwargs.get(BATCH_KWARG)
+        given = kwargs.get("position_ids")
+        for key, (path, table, offset) in self.tables.items():
+            seen = self.lookups.get(key, [])
+            if len(seen) != 1:
+                problems.append(f"position table {path!r} was looked up {len(seen)} times (once expected)")
+                continue
+            device = table.weight.device
+            expected = self.positions.local(batch, device) if batch is not None else None
+            if expected is None:
+                expected = given
+            if not isinstance(expected, torch.Tensor):
+                problems.append(f"position table {path!r}: the forward got no position_ids to check it against")
+                continue
+            kind, value = seen[0]
+            target = expected.to(device) + offset
+            if kind == "index":
+                ok = value.shape[-1] == target.shape[-1] and bool((value.to(device) == target).all())
+            else:
+                ok = isinstance(value, torch.Tensor) and value.shape[:-1] == target.shape and torch.equal(
+                    value, nn.Embedding.forward(table, target))
+            if not ok:
+                problems.append(
+                    f"position table {path!r} ({type(table).__name__}) was not looked up with this shard's positions "
+                    f"in the model's own numbering ({self.positions.rule}, offset {offset}): positions from the local "
+                    "shard, or a batch that did not go through ringmaster's shard step "
+                    "(context_parallel_region / ContextParallelContextManager)")
+        return problems
+
+    def finish(self, kwargs=None) -> None:
+        """Raise naming every module that broke the contract; on success, disarm and drop the hooks."""
+        problems = self.position_problems(kwargs or {})
         for key, path in self.paths.items():
             n = self.calls.get(key, 0)
             if n == 0:
@@ -83,6 +139,7 @@ class Ledger:
 
     def disarm(self) -> None:
         self.armed = False
+        self.lookups.clear()
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -95,9 +152,14 @@ class Ledger:
                 "it)")
 
 
-def arm(ledger: Ledger, model, attention: dict[str, object]) -> None:
-    """Bind ``ledger`` to ``model``'s attention modules (path -> module) and hook its first CP forward."""
+def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tables=None) -> None:
+    """Bind ``ledger`` to ``model``'s attention modules (path -> module), and to its absolute position
+    ``tables`` (path -> module, numbered by ``positions``, a PositionConvention), and hook its first
+    CP forward."""
     ledger.paths = {id(m): p for p, m in attention.items()}
+    ledger.positions = positions
+    offsets = dict(positions.modules) if positions is not None else {}
+    ledger.tables = {id(m): (p, m, offsets[p]) for p, m in (tables or {}).items()}
     ledger.begin()
 
     def pre(module, args, kwargs):
@@ -105,8 +167,13 @@ def arm(ledger: Ledger, model, attention: dict[str, object]) -> None:
 
     def post(module, args, kwargs, output):
         if ledger.armed and (ledger.calls or BATCH_KWARG in kwargs or ledger.unexpected):
-            ledger.finish()
+            ledger.finish(kwargs)
+
+    def lookup(table, args, output):
+        if ledger.armed:
+            ledger.looked_up(table, args, output)
 
     ledger.handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
                       model.register_forward_hook(post, with_kwargs=True)]
+    ledger.handles += [m.register_forward_hook(lookup) for _, m, _ in ledger.tables.values()]
     ledger.armed = True

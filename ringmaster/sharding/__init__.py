@@ -5,4 +5,6 @@
 carried to every layer as the ``ringmaster_batch`` kwarg (:class:`~.documents.CPBatch`).
 ``batch``: the shard step (``shard_collated_batch``, ``ContextParallelContextManager``,
 ``gather_sequence``) and the loss convention's token count. ``loss``: chunked NLL.
+``positions``: absolute position ids in the model's own convention (GPT-2 / OPT / RoBERTa rules)
+computed on the full row and cut for the shard.
 """

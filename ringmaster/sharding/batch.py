@@ -16,6 +16,7 @@ from ..runtime import Runtime, active, runtime_of
 from ..validation import validate_batch
 from . import balancers
 from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
+from .positions import row_inputs
 
 CP_SHARD_KEY = "_cp_shard"
 IGNORE_INDEX = -100
@@ -93,7 +94,10 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     RoPE sees true positions. Packed rows (restarting position_ids, ``cu_seq_lens``, axolotl's
     packed ``attention_mask`` ids) and padding are captured as global ``doc_ids`` before the cut;
     ``attention_mask`` and ``cu_seq_lens`` themselves are dropped (they describe the full row).
-    The result carries ``_cp_shard`` metadata so a later forward hook does not shard again.
+    The result carries ``_cp_shard`` metadata so a later forward hook does not shard again; for
+    a batch without position_ids it keeps references to the full rows' input_ids/attention_mask
+    (``rows``), from which a model with absolute position tables gets its own numbering
+    (:func:`apply_positions`, :mod:`.positions`).
 
     For a VLM wired with ``rm.wire`` (``multimodal=True``; ``context_parallel_region`` and
     ``ContextParallelContextManager`` pass it from the model's runtime) only the labels are cut here: input_ids, pixel values and the attention mask stay whole
@@ -111,6 +115,7 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     if multimodal:
         refuse_bidirectional_spans(batch)
 
+    rows = None if multimodal else row_inputs(batch, seq_len)   # for absolute position rules (positions.py)
     keep_whole = ("attention_mask",) if multimodal else ()
     full = {k: v for k, v in batch.items() if k not in LOCAL_ONLY_KEYS or k in keep_whole}
     if isinstance(full.get("labels"), torch.Tensor) and full.get("shift_labels") is None:
@@ -133,7 +138,8 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
             out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout).contiguous()
         else:
             out[key] = value
-    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len, "doc_ids": doc_ids}
+    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len, "doc_ids": doc_ids,
+                         "rows": rows}
     return out
 
 
@@ -165,6 +171,15 @@ def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
     """The ``ringmaster_batch`` kwarg for a shard's metadata: the only way the per-step layout and
     document structure reach the CP layers (nothing reads them from a process global)."""
     return CPBatch.from_meta(meta)
+
+
+def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:
+    """Give a model with absolute position tables (``runtime.positions``, found by ``rm.wire``'s
+    probe) this shard's ``position_ids`` in its own convention, computed on the full row
+    (:mod:`.positions`); a no-op for every other model, and for a batch with its own position_ids."""
+    convention = getattr(runtime, "positions", None)
+    if convention is not None:
+        convention.apply(kwargs)
 
 
 def global_num_items(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor | None:
@@ -275,6 +290,7 @@ class ContextParallelContextManager:
             if kwargs.get("num_items_in_batch") is None and full_count is not None:
                 kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
             kwargs[BATCH_KWARG] = batch_kwarg(meta)
+            apply_positions(runtime, kwargs)
             kwargs["use_cache"] = False
             return (), kwargs
 

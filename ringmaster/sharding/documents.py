@@ -92,14 +92,18 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
 class CPBatch:
     """What every CP layer needs to know about the whole batch, for one forward pass."""
 
-    def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None):
+    def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
+                 rows: Mapping[str, Any] | None = None):
         self.rank, self.size, self.layout, self.seq_len = rank, size, balancers.check_layout(layout), seq_len
         self.doc_ids = doc_ids
+        # the full rows' input_ids / attention_mask when the batch brought no position_ids: what an
+        # absolute position rule needs (sharding.positions); None otherwise
+        self.rows = rows
         self._cache: dict = {}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
-        return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"))
+        return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"))
 
     def chunked(self, chunk: int) -> "CPBatch":
         """This batch as chunked-attention layers see it: the same rank, layout and length, with
@@ -109,7 +113,7 @@ class CPBatch:
         key = ("chunked", chunk)
         if key not in self._cache:
             docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
-            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs)
+            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows)
         return self._cache[key]
 
     @property
