@@ -94,7 +94,7 @@ def unknown_model(ctx):
     # (gpt2's learned positions are numbered from the full row now: tests/test_position_embeddings.py)
     # (falcon, bloom, gpt_neo, ... compute attention themselves and are wired through declared sites:
     # tests/test_selfattn.py; roformer has none)
-    _wire(ctx, model=tiny_model("roformer", num_attention_heads=4))
+    _wire(ctx, model=tiny_model("roformer", "eager", num_attention_heads=4))
 
 
 def unknown_stateful_layer(ctx):
