@@ -135,7 +135,7 @@ def test_unwired_site_fails_first_forward_accounting(pool):
         assert "first-forward accounting" in msg and "transformer.h.0.self_attention" in msg, msg
 
 
-@pytest.mark.parametrize("model_type,layer", [("trocr", "TrOCRAttention"), ("xlm", "MultiHeadAttention")])
+@pytest.mark.parametrize("model_type,layer", [("trocr", "TrOCRDecoder"), ("xlm", "XLMModel")])
 def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
     from transformers import AutoConfig
 

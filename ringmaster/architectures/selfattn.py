@@ -58,10 +58,6 @@ OPENAI_GPT = register_architecture(ArchitectureSpec(
     notes="_attn re-bound per instance; positions_embed reads position_ids",
 ))
 
-_INLINE = ("multiplies q by k and applies softmax inline in its forward, with no method or kernel call that "
-           "holds q, k and v, so ringmaster has no point to put the CP attention")
-_LOCAL_POSITIONS = "its position encoding is computed from the local input length"
-
 def _bloom_slopes(module):
     """BLOOM's per-head ALiBi slopes, from its own modeling module (``_get_alibi_slopes``)."""
     return getattr(sys.modules[type(module).__module__], "_get_alibi_slopes")(module.num_heads, torch.device("cpu"))
@@ -120,9 +116,12 @@ REMBERT = register_architecture(ArchitectureSpec(
 ))
 # roformer is left to the generic path, which refuses it naming RoFormerSelfAttention (inline attention; its
 # rotary angles also come from RoFormerSinusoidalPositionalEmbedding over the local length)
+# the attention of these two would fit a fused_qkv site (separate q/k/v Linears); what stops them is elsewhere
 TROCR = refuse(("trocr",), (
-    f"TrOCRAttention {_INLINE} (a cross-attention-capable decoder attention), and TrOCR's learned/sinusoidal "
-    f"position embeddings: {_LOCAL_POSITIONS}. Use a CP size of 1"))
+    "TrOCRDecoder numbers its position embeddings (TrOCRLearnedPositionalEmbedding, or the sinusoidal one from "
+    "the input ids' padding) from the local input and takes no position_ids, so every CP rank would embed "
+    "positions 0..S/P-1 (TrOCRAttention itself could run through a SelfAttentionSite). Use a CP size of 1"))
 XLM = refuse(("xlm",), (
-    f"xlm's MultiHeadAttention {_INLINE}, and XLMModel's position embeddings are indexed by positions it builds "
-    "from the local length. Use a CP size of 1"))
+    "XLMModel derives each row's length and its padding mask from the local input_ids (tokens equal to "
+    "pad_index), which under CP describe the shard, not the row (its MultiHeadAttention itself could run "
+    "through a SelfAttentionSite). Use a CP size of 1"))
