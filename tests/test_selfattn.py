@@ -167,3 +167,20 @@ def test_falcon_eager_refused():
     model = tiny_model("falcon", attn_implementation="eager", **js.TINY["falcon"])
     with pytest.raises(ValueError, match="sdpa"):
         rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
+
+
+def test_falcon_guard_refuses_a_branch_that_bypasses_the_site():
+    """Per call (the accounting runs only on the first forward): output_attentions=True, or a config switched
+    off "sdpa" after wiring, would send FalconAttention down its inline branch over the local shard."""
+    from ringmaster.architectures.selfattn import FALCON
+    from ringmaster.attention import selfattn
+
+    model = tiny_model("falcon", **js.TINY["falcon"])
+    module = model.transformer.h[0].self_attention
+    guard = selfattn._guard(FALCON.self_attention["FalconAttention"], "transformer.h.0.self_attention", module)
+    guard((), {"output_attentions": False})
+    with pytest.raises(NotImplementedError, match="output_attentions=True"):
+        guard((), {"output_attentions": True})
+    model.config._attn_implementation = "eager"
+    with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
+        guard((), {})

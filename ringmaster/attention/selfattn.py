@@ -171,7 +171,7 @@ def _fused_qkv(fn, module, site, slot, path) -> Callable:
         x = bound[names[0]]
         B, S, _ = x.shape
         H = getattr(module, site.heads_attr)
-        if bound.get(site.cross_arg) is not None if site.cross_arg else False:
+        if site.cross_arg and bound.get(site.cross_arg) is not None:
             raise NotImplementedError(f"{_where(path, module)} was called as cross-attention ({site.cross_arg}); "
                                       "ringmaster CP shards one self-attended sequence")
         if isinstance(site.qkv, tuple):  # separate query / key / value projections
@@ -209,10 +209,15 @@ def _sdpa_names(fn, module, site, slot, path) -> dict:
 
 
 def _guard(site, path, module):
-    if not site.refuse_kwargs:
-        return None
+    """Per call, before the re-bound forward: refuse what would send it down a branch that never reaches
+    the site (a refused kwarg; a config no longer on "sdpa", which falcon's forward tests every call)."""
 
     def guard(args, kwargs):
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", "sdpa")
+        if impl != "sdpa":
+            raise NotImplementedError(
+                f"{_where(path, module)}: its config now says attn_implementation={impl!r}, so its forward would not "
+                "call torch's SDPA (where ringmaster put the CP attention); keep 'sdpa' while wired")
         for name in site.refuse_kwargs:
             if kwargs.get(name):
                 raise NotImplementedError(
@@ -273,10 +278,9 @@ def check_sites(model, spec, paths) -> None:
         site = spec.self_attention.get(type(module).__name__)
         if site is not None:
             check_site(path, module, site, config)
-    if model.training:
-        for path, module in modules.items():
-            if isinstance(module, nn.Dropout) and module.p > 0:
-                raise UnsupportedLayerError(
-                    f"layer {path!r} ({type(module).__name__}) drops with p={module.p}: each CP rank draws its mask "
-                    "from the same random stream, so the shards reuse one mask pattern; set the model's dropout "
-                    "to 0.0 for CP training")
+    for path, module in modules.items():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({type(module).__name__}) drops with p={module.p}: each CP rank draws its mask "
+                "from the same random stream, so the shards reuse one mask pattern; set the model's dropout "
+                "to 0.0 for CP training")
