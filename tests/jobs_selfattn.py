@@ -32,15 +32,21 @@ TINY = {
                                attention_probs_dropout_prob=0.0),
     "rembert": dict(num_attention_heads=4, is_decoder=True, input_embedding_size=64, output_embedding_size=64,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0),
+    "roformer": dict(num_attention_heads=4, is_decoder=True, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0),
+    "roformer_rv": dict(num_attention_heads=4, is_decoder=True, rotary_value=True, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0),
     "openai-gpt": dict(n_embd=64, n_head=4, n_layer=2, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
                        embd_pdrop=0.0),
 }
-UNUSED = {"megatron-bert": 1}  # cls.predictions.bias: no gradient even without CP (the decoder's bias is used)
+# parameters with no gradient even without CP: cls.predictions.bias (the decoder's bias is the one used), and
+# roformer's frozen sinusoid table
+UNUSED = {"megatron-bert": 1, "roformer": 2}
 KEYS = ("loss_err", "logits_err", "grad_err", "worst_param", "n_grads", "n_params", "attention_layers", "backend")
 
 
 def model_type_of(case: str) -> str:
-    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0].split("_bidi")[0]
+    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0].split("_bidi")[0].split("_rv")[0]
 
 
 def _attn(case):
@@ -114,6 +120,12 @@ def causality_ignored():
     return [("ringmaster.attention.selfattn", "site_causal", lambda site, module: True)]
 
 
+def rotary_at_local_positions():
+    """roformer: the site keeps the rotary table the model looked up for the local length."""
+    return [("ringmaster.attention.selfattn", "_global_rotary",
+             lambda site, module, table, slot, path, q, k, v: (q, k, v))]
+
+
 def one_site_unwired():
     """wire leaves the first attention module's own (local) attention in place."""
     from ringmaster import wiring
@@ -146,6 +158,7 @@ def ring_alibi_offset_ignored():
 
 
 MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, causality_ignored, one_site_unwired,
+                                     rotary_at_local_positions,
                                      alibi_slopes_not_sliced, ring_alibi_offset_ignored)}
 
 

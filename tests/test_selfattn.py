@@ -14,7 +14,7 @@ from ringmaster.testing.parity import tiny_model
 TOL = 1e-6
 DETECT = 1e-3
 CASES = ["falcon", "falcon_gqa", "falcon_mha", "gpt_neo", "gpt_neox_japanese", "openai-gpt", "bloom", "mpt",
-         "megatron-bert", "rembert"]
+         "megatron-bert", "rembert", "roformer"]
 
 
 def check(results, layers=2):
@@ -57,12 +57,12 @@ def test_site_family_padded_rows_exact(pool, case, backend):
     check(pool.run(js.padded_parity, case, 2, backend))
 
 
-def _assert_wrong(results):
+def _assert_wrong(results, logits_detect=DETECT):
     for r in results:
         assert r["clean"]["grad_err"] <= TOL and r["clean"]["logits_err"] <= TOL, r["clean"]
         m = r["mutated"]
         assert "raised" not in m, m
-        assert m["logits_err"] > DETECT and m["grad_err"] > DETECT, m
+        assert m["logits_err"] > logits_detect and m["grad_err"] > DETECT, m
 
 
 @pytest.mark.parametrize("backend,P", [("ulysses", 2), ("ring", 4)])
@@ -81,6 +81,19 @@ def test_not_causal_is_caught(pool, case):
 
 def test_causality_ignored_is_caught(pool):
     _assert_wrong(pool.run(js.mutated_parity, "causality_ignored", "megatron-bert_bidi", 2, "ring"))
+
+
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+def test_roformer_rotary_value_exact(pool, backend):
+    """rotary_value=True: the module rotates v too (the site passes v through its own function)."""
+    check(pool.run(js.parity, "roformer_rv", 2, backend))
+
+
+@pytest.mark.parametrize("backend,P", [("ulysses", 2), ("ring", 4)])
+def test_rotary_at_local_positions_is_caught(pool, backend, P):
+    # the tiny model's rotary moves its logits little (measured 1.4e-4, far above TOL); its gradients by O(1)
+    _assert_wrong(pool.run(js.mutated_parity, "rotary_at_local_positions", "roformer", P, backend),
+                  logits_detect=100 * TOL)
 
 
 def test_alibi_slopes_not_sliced_per_rank_is_caught(pool):
@@ -135,7 +148,7 @@ def test_unwired_site_fails_first_forward_accounting(pool):
         assert "first-forward accounting" in msg and "transformer.h.0.self_attention" in msg, msg
 
 
-@pytest.mark.parametrize("model_type,layer", [("trocr", "TrOCRDecoder"), ("xlm", "XLMModel")])
+@pytest.mark.parametrize("model_type,layer", [("xlm", "XLMModel")])
 def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
     from transformers import AutoConfig
 
@@ -143,9 +156,9 @@ def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer)
     assert spec.refuse and layer in spec.refuse, spec
 
 
-def test_roformer_refused_by_the_generic_path_naming_the_layer():
-    model = tiny_model("roformer", attn_implementation="eager", num_attention_heads=4)
-    layer = r"'roformer\.encoder\.layer\.0\.attention\.self' \(RoFormerSelfAttention\)"
+def test_trocr_refused_by_the_generic_path_naming_the_layer():
+    model = tiny_model("trocr", attn_implementation="eager", num_attention_heads=4)
+    layer = r"'model\.decoder\.layers\.0\.self_attn' \(TrOCRAttention\)"
     with pytest.raises(UnsupportedLayerError, match=layer + ".*attention interface"):
         rm.get_architecture(model)
 

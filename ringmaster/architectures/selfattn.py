@@ -114,13 +114,20 @@ REMBERT = register_architecture(ArchitectureSpec(
     self_attention={"RemBertSelfAttention": SelfAttentionSite(**_BERT)},
     notes="BERT-style separate q/k/v; causal iff is_decoder; position_embeddings read position_ids",
 ))
-# roformer is left to the generic path, which refuses it naming RoFormerSelfAttention (inline attention; its
-# rotary angles also come from RoFormerSinusoidalPositionalEmbedding over the local length)
-# the attention of these two would fit a fused_qkv site (separate q/k/v Linears); what stops them is elsewhere
-TROCR = refuse(("trocr",), (
-    "TrOCRDecoder numbers its position embeddings (TrOCRLearnedPositionalEmbedding, or the sinusoidal one from "
-    "the input ids' padding) from the local input and takes no position_ids, so every CP rank would embed "
-    "positions 0..S/P-1 (TrOCRAttention itself could run through a SelfAttentionSite). Use a CP size of 1"))
+# roformer: BERT-style, plus rotary applied inside the module from `sinusoidal_pos`, which the encoder looks up
+# in RoFormerSinusoidalPositionalEmbedding for the local length: the site looks it up at global positions
+ROFORMER = register_architecture(ArchitectureSpec(
+    name="roformer", model_types=("roformer",), attention_classes=("RoFormerSelfAttention",),
+    self_attention={"RoFormerSelfAttention": SelfAttentionSite(**{
+        **_BERT, "args": ("hidden_states", "attention_mask", "sinusoidal_pos", "encoder_hidden_states", "cache",
+                          "output_attentions"),
+        "rotary_arg": "sinusoidal_pos", "rotary_table": "encoder.embed_positions",
+        "rotary_apply": "apply_rotary_position_embeddings", "rotary_value_attr": "rotary_value"})},
+    notes="BERT-style; rotary table looked up at the shard's global positions",
+))
+# trocr is left to the generic path, which refuses TrOCRAttention (attention outside the interface); a site
+# would not be enough: TrOCRDecoder numbers its position embeddings from the local input and takes no
+# position_ids. xlm's MultiHeadAttention would fit a fused_qkv site; what stops it is elsewhere:
 XLM = refuse(("xlm",), (
     "XLMModel derives each row's length and its padding mask from the local input_ids (tokens equal to "
     "pad_index), which under CP describe the shard, not the row (its MultiHeadAttention itself could run "

@@ -39,7 +39,11 @@ class SelfAttentionSite:
       argument added to the output, bloom), ``args`` (the forward's positional parameters), and
       ``alibi_slopes`` (module -> ``[H]`` per-head slopes: the bias ``slope * (k_pos - q_pos)`` from global
       positions, which differs from bloom's ``slope * k_pos`` and mpt's ``slope * (k_pos - S + 1)`` by a
-      constant per query row, so the softmax is the same).
+      constant per query row, so the softmax is the same). Rotary applied inside the module from a table
+      the model looked up for the *local* length (roformer: ``rotary_arg`` = ``sinusoidal_pos``): the site
+      looks the table (the module at path suffix ``rotary_table``) up at the shard's global positions
+      instead and applies it with the module's own ``rotary_apply`` (to v too when the module attribute
+      ``rotary_value_attr`` is set).
 
     The model's own mask is dropped: it was built for the local shard. What it encoded must be
     declared here and is rebuilt from global positions: causal (always), padding / packed documents
@@ -73,6 +77,10 @@ class SelfAttentionSite:
     clip_attr: str = ""
     residual_arg: str = ""
     alibi_slopes: Any = None
+    rotary_arg: str = ""
+    rotary_table: str = ""
+    rotary_apply: str = ""
+    rotary_value_attr: str = ""
 
 
 @dataclass(frozen=True)

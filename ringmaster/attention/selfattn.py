@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ..errors import UnsupportedLayerError
 from ..recurrent import intercept
+from ..sharding import balancers
 from ..sharding.documents import BATCH_KWARG
 from .binding import AttentionBinding
 from .register import cp_attention
@@ -155,7 +156,26 @@ def _method(fn, module, site, slot, path) -> Callable:
     return attention
 
 
-def _fused_qkv(fn, module, site, slot, path) -> Callable:
+def _global_rotary(site, module, table, slot, path, q, k, v):
+    """q, k (and v) rotated at the shard's *global* positions: the model looked its rotary table up for
+    positions 0..S/P-1 of the local input; look it up at this shard's positions and apply it with the
+    module's own function."""
+    cpb = slot.batch
+    if cpb is None:
+        raise RuntimeError(f"{_where(path, module)}: no `ringmaster_batch` in this forward, so the shard's global "
+                           "positions are unknown; shard the batch with context_parallel_region")
+    positions = balancers.shard_positions(cpb.seq_len, cpb.size, cpb.rank, cpb.layout, device=q.device)
+    if positions.shape[0] != q.shape[2]:
+        raise RuntimeError(f"{_where(path, module)}: {q.shape[2]} tokens, but the batch's shard has "
+                           f"{positions.shape[0]} positions")
+    table_rows = table(q.shape[:1] + q.shape[2:3], 0, positions)[None, None]
+    apply = getattr(module, site.rotary_apply)
+    if site.rotary_value_attr and getattr(module, site.rotary_value_attr, False):
+        return apply(table_rows, q, k, v)
+    return (*apply(table_rows, q, k), v)
+
+
+def _fused_qkv(fn, module, site, slot, path, table=None) -> Callable:
     """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
     names = site.args
 
@@ -186,6 +206,8 @@ def _fused_qkv(fn, module, site, slot, path) -> Callable:
             else:
                 parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
         q, k, v = (t.transpose(1, 2) for t in parts)
+        if site.rotary_arg and bound.get(site.rotary_arg) is not None:  # its local lookup is not used
+            q, k, v = _global_rotary(site, module, table, slot, path, q, k, v)
         slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
         out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes).transpose(1, 2).reshape(B, S, -1)
         if site.out:
@@ -237,9 +259,12 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
             site = spec.self_attention.get(type(module).__name__)
             if site is None:
                 continue
+            if site.kind == "method":
+                name, replacement = site.method, _method(fn, module, site, slot, path)
+            elif site.kind == "fused_qkv":
+                table = rotary_table(model, site) if site.rotary_table else None
+                name, replacement = "forward", _fused_qkv(fn, module, site, slot, path, table)
             if site.kind in ("method", "fused_qkv"):
-                name = site.method if site.kind == "method" else "forward"
-                replacement = (_method if site.kind == "method" else _fused_qkv)(fn, module, site, slot, path)
                 setattr(module, name, replacement)
                 setattr(module, _TAG, path)
                 undos.append(functools.partial(_drop, module, (name, _TAG)))
@@ -257,6 +282,16 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
         for undo in reversed(undos):
             undo()
     return restore
+
+
+def rotary_table(model, site):
+    """The model's rotary table module for ``site.rotary_table`` (a path suffix; exactly one must match)."""
+    found = [m for p, m in model.named_modules() if p == site.rotary_table or p.endswith("." + site.rotary_table)]
+    if len(found) != 1:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: {len(found)} modules at path suffix {site.rotary_table!r} (the rotary table its "
+            "SelfAttentionSite names); ringmaster needs exactly one to look positions up globally")
+    return found[0]
 
 
 def _drop(module, names) -> None:
@@ -278,6 +313,8 @@ def check_sites(model, spec, paths) -> None:
         site = spec.self_attention.get(type(module).__name__)
         if site is not None:
             check_site(path, module, site, config)
+            if site.rotary_table:
+                rotary_table(model, site)
     for path, module in modules.items():
         if isinstance(module, nn.Dropout) and module.p > 0:
             raise UnsupportedLayerError(
