@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .architectures import ArchitectureSpec
+from .errors import UnsupportedLayerError
 from .sharding import balancers
 from .sharding.batch import shard_tensor
 from .sharding.documents import BATCH_KWARG, positions_from_doc_ids
@@ -70,10 +71,49 @@ def shard_language_model_inputs(spec: ArchitectureSpec):
     return pre_hook
 
 
+class TowerOrder:
+    """Fail closed if a module declared as running unsharded (``vision_modules``: towers, projectors)
+    runs after the language model started in the same forward of the whole model: it would see the
+    sharded sequence, not whole images. Bound to one wired model; the flags live only between the
+    model's own pre- and post-hooks (a submodule called on its own is not checked)."""
+
+    def __init__(self, spec: ArchitectureSpec):
+        self.spec, self.in_forward, self.text_started = spec, False, False
+
+    def model_pre(self, module, args, kwargs):
+        self.in_forward, self.text_started = True, False
+
+    def model_post(self, module, args, kwargs, output):
+        self.in_forward = False
+
+    def language_pre(self, module, args, kwargs):
+        self.text_started = self.in_forward
+
+    def tower_pre(self, path: str):
+        def hook(module, args):
+            if self.in_forward and self.text_started:
+                raise UnsupportedLayerError(
+                    f"{self.spec.name}: {path!r} ({type(module).__name__}) ran after the language model "
+                    f"{self.spec.language_model!r} started, so it saw the CP-sharded sequence, not whole inputs; "
+                    "ringmaster runs only towers that encode before the text sequence unsharded. Register the family "
+                    "with an ArchitectureSpec whose vision_modules name only such towers, or use a CP size of 1")
+        return hook
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
 def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | None):
-    """Install the language-model pre-hook and switch only the text model's attention: a plain
-    ``set_attn_implementation(name)`` on a VLM would switch the vision tower too. Returns the hook's
-    handle (``rm.wire`` restores the configs' attention implementations itself)."""
+    """Install the language-model pre-hook (and the tower order check) and switch only the text
+    model's attention: a plain ``set_attn_implementation(name)`` on a VLM would switch the vision
+    tower too. Returns a handle whose ``remove()`` drops the hooks (``rm.wire`` restores the configs'
+    attention implementations itself)."""
     language_model = model.get_submodule(spec.language_model)
     config = model.config
     original = {"text_config": config.get_text_config()._attn_implementation}
@@ -81,4 +121,11 @@ def wire_multimodal(model, spec: ArchitectureSpec, attn_implementation: str | No
         original["vision_config"] = config.vision_config._attn_implementation
     if attn_implementation is not None:
         model.set_attn_implementation({**original, "text_config": attn_implementation})
-    return language_model.register_forward_pre_hook(shard_language_model_inputs(spec), with_kwargs=True)
+    order = TowerOrder(spec)
+    handles = [language_model.register_forward_pre_hook(shard_language_model_inputs(spec), with_kwargs=True),
+               language_model.register_forward_pre_hook(order.language_pre, with_kwargs=True),
+               model.register_forward_pre_hook(order.model_pre, with_kwargs=True),
+               model.register_forward_hook(order.model_post, with_kwargs=True, always_call=True)]
+    handles += [model.get_submodule(path).register_forward_pre_hook(order.tower_pre(path))
+                for path in spec.vision_modules]
+    return _Handles(handles)

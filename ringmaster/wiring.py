@@ -19,6 +19,8 @@ import torch.distributed as dist
 from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, position_convention, refuse_if_unsafe,
                             stateful_layers, text_config, unsupported_message)
+from .architectures.heads import common_split, head_splits
+from .attention import bridge
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -44,6 +46,7 @@ class WireReport:
     recurrent: list[tuple[str, str]] = field(default_factory=list)
     use_cache_switched_off: bool = False
     positions: str | None = None     # how absolute position tables are numbered (PositionConvention.describe)
+    bridged: list[str] = field(default_factory=list)  # attention layers whose decoder layer drops **kwargs
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
@@ -51,6 +54,8 @@ class WireReport:
         lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
         if self.positions:
             lines.append(f"  absolute positions numbered from the full row: {self.positions}")
+        if self.bridged:
+            lines.append(f"  ringmaster_batch carried past {len(self.bridged)} decoder layers that drop **kwargs")
         if self.use_cache_switched_off:
             lines.append("  use_cache switched off while wired")
         return "\n".join(lines)
@@ -126,18 +131,6 @@ def _refuse_router_logits_kwarg(model, undo: list) -> None:
     undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
 
 
-def _module_kv_heads(model, spec, paths, num_kv):
-    """The KV head count the attention modules use (``spec.module_kv_heads_attr``), else ``num_kv``."""
-    if not spec.module_kv_heads_attr or not paths:
-        return num_kv
-    modules = dict(model.named_modules())
-    counts = {getattr(modules[p], spec.module_kv_heads_attr, None) for p in paths}
-    if len(counts) != 1 or not isinstance(next(iter(counts)), int):
-        raise UnsupportedLayerError(f"family {spec.name!r}: the attention modules' {spec.module_kv_heads_attr} are "
-                                    f"{sorted(map(str, counts))}; ringmaster needs one KV head count per model")
-    return counts.pop()
-
-
 def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
@@ -163,15 +156,24 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
     check_sites(model, spec, layers.attention)
-    num_kv = _module_kv_heads(model, spec, layers.attention, num_kv)
+    # each attention layer's own split (per-layer head counts, MQA, tiled KV): architectures/heads.py
+    splits = head_splits(model, layers.attention, tcfg, spec.num_heads_attr, spec.num_kv_heads_attr)
+    if splits:
+        num_heads, num_kv = common_split(splits)
     recurrent = check_recurrent_layers(model, layers.recurrent, spec) if layers.recurrent else []
     refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
     # absolute position tables: probe (tiny forwards of the still unwired model) how the model numbers them
     positions = position_convention(model, spec, [p for p, _, _ in layers.recurrent])
     if not cfg.normalized:
         cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
-    if cfg.ulysses_size > 1 and num_heads is not None:
-        kv_replication(num_heads, num_kv, cfg.ulysses_size)  # raises with the splits that work
+    if cfg.ulysses_size > 1:
+        for path, (hq, hk) in (splits or {"": (num_heads, num_kv)}).items():
+            if hq is None:
+                continue
+            try:
+                kv_replication(hq, hk, cfg.ulysses_size)  # raises with the splits that work
+            except ValueError as e:
+                raise ValueError(f"{e} (layer {path!r})" if path else str(e)) from None
     if cfg.ring_size > 1:
         param = next(model.parameters())
         check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype, inner)
@@ -189,6 +191,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         undo.append(lambda: setattr(rt, "positions", None))
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
+        bridged = []
         if rt.attn_implementation is not None and spec.self_attention:
             # attention computed by the modules themselves: each gets its CP site; attn_implementation
             # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
@@ -196,13 +199,15 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention}))
         elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
+            bridged, handles = bridge.install(model, layers.attention)
+            undo.extend(handle.remove for handle in handles)
         if recurrent:
             wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)
             undo.append(wiring.restore)
             rt.recurrent_wiring = wiring
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
-                               use_cache_switched_off=switched,
+                               use_cache_switched_off=switched, bridged=bridged,
                                positions=positions.describe() if positions else None)
         if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
             modules = dict(model.named_modules())

@@ -108,11 +108,20 @@ def unknown_stateful_layer(ctx):
 
 
 def mamba1_model(ctx):
+    """Jamba under a user spec that forgot its Mamba1 mixer (the built-in spec declares it)."""
+    from dataclasses import replace
+
+    from ringmaster.architectures.mamba import JAMBA
     from ringmaster.testing.parity import tiny_model
 
-    _wire(ctx, model=tiny_model("jamba", num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                                attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                                expert_layer_offset=1, num_experts=2, use_mamba_kernels=False))
+    model = tiny_model("jamba", num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                       attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                       expert_layer_offset=1, num_experts=2, use_mamba_kernels=False)
+    rm.register_architecture(replace(JAMBA, recurrent_classes={}, recurrent_kernels={}), override=True)
+    try:
+        _wire(ctx, model=model)
+    finally:
+        rm.register_architecture(JAMBA, override=True)
 
 
 def no_process_group():
@@ -257,8 +266,8 @@ SCENARIOS = [
                                                       "attention interface")),
     Scenario("unknown_stateful_layer", "a stateful layer the family does not declare", unknown_stateful_layer,
              "UnsupportedLayerError", ("'model.layers.1.mlp' (FakeMamba2Mixer)", "recurrent_classes")),
-    Scenario("mamba1_model", "a Mamba1 hybrid (jamba): unknown family with a stateful layer", mamba1_model,
-             "UnsupportedLayerError", ("JambaMambaMixer",)),
+    Scenario("mamba1_model", "a Mamba1 mixer its family spec does not declare (jamba re-registered without it)",
+             mamba1_model, "UnsupportedLayerError", ("'model.layers.0.mamba' (JambaMambaMixer)", "recurrent_classes")),
     Scenario("no_process_group", "setup before torch.distributed is initialised", no_process_group,
              "RuntimeError", ("init_process_group",), rank=False),
     Scenario("no_runtime", "a batch sharded with no runtime set up", no_runtime, "RuntimeError",

@@ -90,7 +90,7 @@ def wire_error(ctx, model_type, P=2, extra=None, prepare=None):
     return None
 
 
-# ---- mutations of a decoder layer: the batch dropped, attention called twice / never
+# ---- mutations of a decoder layer: the batch dropped, attention over a pooled sequence / never called
 def _drop_kwargs(layer):
     forward = layer.forward
 
@@ -99,16 +99,6 @@ def _drop_kwargs(layer):
         return forward(hidden_states, *args, **kwargs)
 
     layer.forward = no_kwargs
-
-
-def _twice(attn):
-    forward = attn.forward
-
-    def twice(*args, **kwargs):
-        forward(*args, **kwargs)
-        return forward(*args, **kwargs)
-
-    attn.forward = twice
 
 
 def _never(attn):
@@ -125,6 +115,25 @@ def _never(attn):
         return attn.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None
 
     attn.forward = local
+
+
+def _pooled(attn):
+    """A second attention call over every other token (a pooled sequence) next to the normal one."""
+    forward = attn.forward
+
+    def pooled(hidden_states, *args, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        out, weights = forward(hidden_states, *args, **kwargs)
+        h = hidden_states[:, ::2]
+        B, S, _ = h.shape
+        q, k, v = (proj(h).view(B, S, -1, attn.head_dim).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj,
+                                                                                        attn.v_proj))
+        extra, _ = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation](
+            attn, q, k, v, None, scaling=attn.scaling, ringmaster_batch=kwargs.get("ringmaster_batch"))
+        return out + 0 * extra.sum(), weights
+
+    attn.forward = pooled
 
 
 def _own_mask(attn):
@@ -145,7 +154,7 @@ def _router_kwarg(model):
 
 
 MUTATIONS = {"own_mask": lambda m: _own_mask(m.model.layers[0].self_attn),"drop_kwargs": lambda m: _drop_kwargs(m.model.layers[1]),
-             "twice": lambda m: _twice(m.model.layers[0].self_attn),
+             "pooled": lambda m: _pooled(m.model.layers[0].self_attn),
              "never": lambda m: _never(m.model.layers[1].self_attn)}
 
 
@@ -221,26 +230,5 @@ def _router_call(ctx, P, backend):
     except Exception as exc:  # the test asserts on type and message
         return type(exc).__name__, str(exc), None
     finally:
-        rm.unwire(model)
-        rm.teardown()
-
-
-def unrefused_forward(ctx, model_type, P=2):
-    """One CP forward of a refused family with its refusal taken out of the registry."""
-    from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.architectures.spec import _REGISTRY
-
-    saved = _REGISTRY.pop(model_type)
-    model = tiny_model(model_type, **overrides_for(model_type))
-    try:
-        rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
-        batch = tiny_batch(model.config.vocab_size, 64)
-        with context_parallel_region(batch) as shard:
-            out = model(**shard)
-        return None, "forward returned", out.loss.item()
-    except Exception as exc:  # the test asserts on type and message
-        return type(exc).__name__, str(exc), None
-    finally:
-        _REGISTRY[model_type] = saved
         rm.unwire(model)
         rm.teardown()

@@ -203,15 +203,22 @@ def hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=96, f
 
 
 def jamba_raises(ctx):
+    """Jamba registered *without* its Mamba1 mixer declared (a user spec that forgot it): wire must refuse,
+    naming the mixer. The built-in spec is put back afterwards."""
+    from dataclasses import replace
+
+    from ringmaster.architectures.mamba import JAMBA
     from ringmaster.testing.parity import tiny_model
 
     model = tiny_model("jamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_offset=1,
                        attn_layer_period=2)
+    rm.register_architecture(replace(JAMBA, recurrent_classes={}, recurrent_kernels={}), override=True)
     try:
         rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))
     except Exception as exc:
         return type(exc).__name__, str(exc)
     finally:
+        rm.register_architecture(JAMBA, override=True)
         rm.teardown()
     return None
 

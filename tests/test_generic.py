@@ -80,7 +80,9 @@ def _bypass(model):
 @pytest.mark.parametrize("mutation,needle,backend", [
     ("drop_kwargs", "'model.layers.1.self_attn'", "ulysses"),   # the batch never reaches layer 1's attention
     ("drop_kwargs", "'model.layers.1.self_attn'", "ring"),
-    ("twice", "'model.layers.0.self_attn' called the CP attention function 2 times", "ulysses"),
+    # a second call over another length than the shard (pooled tokens); several full calls are exact
+    ("pooled", "an attention call over 16 tokens, but this rank holds 32", "ulysses"),
+    ("pooled", "an attention call over 16 tokens, but this rank holds 32", "ring"),
     ("never", "'model.layers.1.self_attn' never called", "ulysses"),
     ("never", "'model.layers.1.self_attn' never called", "ring"),
     ("own_mask", "'model.layers.0.self_attn' passed its own attention mask", "ulysses"),
@@ -89,7 +91,7 @@ def _bypass(model):
 def test_accounting_guard_trips_before_backward(pool, mutation, needle, backend):
     kind, msg, loss = pool.run(jobs_generic.mutated_forward, mutation, 2, "granite", backend)[0]
     assert loss is None, "the broken model's forward returned a loss: the accounting guard did not trip"
-    assert kind in ("UnsupportedLayerError", "RuntimeError"), msg
+    assert kind in ("UnsupportedLayerError", "RuntimeError", "NotImplementedError"), msg
     assert needle in msg, msg
 
 
@@ -107,18 +109,14 @@ def test_seed_oss_dropout_refused_and_exact_without(pool):
     check(pool.run(jobs_generic.parity, "seed_oss", 2, "ulysses", dict(residual_dropout=0.0)))
 
 
-@pytest.mark.parametrize("model_type,needle", [("phimoe", "sparsemixer"), ("stablelm", "StableLmDecoderLayer"),
-                                               ("diffllama", "differential attention")])
+@pytest.mark.parametrize("model_type,needle", [("phimoe", "sparsemixer"), ("doge", "DogeAttention")])
 def test_registered_refusals(pool, model_type, needle):
     kind, msg = pool.run(jobs_generic.wire_error, model_type)[0]
     assert kind == "UnsupportedLayerError" and f"{model_type!r} is refused" in msg and needle in msg, msg
 
 
-def test_stablelm_without_refusal_trips_the_accounting(pool):
-    """The refusal is backed by the guard: with the spec removed, stablelm's layer drops the batch and the
-    first CP forward raises naming the attention module."""
-    kind, msg, loss = pool.run(jobs_generic.unrefused_forward, "stablelm")[0]
-    assert loss is None and "'model.layers.0.self_attn'" in msg and "**kwargs" in msg, (kind, msg)
+# stablelm/nemotron (decoder layers that drop **kwargs) are bridged, diffllama (two calls per layer) is
+# exact: tests/test_misc_families.py, with the mutation that takes the bridge out
 
 
 def _conv(model):

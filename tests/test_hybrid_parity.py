@@ -74,10 +74,11 @@ def test_hybrid_matches_single_device_fp64(pool, model_type, P, strategy):
     check_fp64(pool.run(jr.hybrid_parity, model_type, P, strategy, seq_len=FP64_SEQ, fp64=True), P)
 
 
-def test_jamba_mamba1_raises_naming_the_layer(pool):
+def test_undeclared_mamba1_mixer_raises_naming_the_layer(pool):
+    """Jamba is wired (tests/test_mamba1.py); a spec that does not declare its Mamba1 mixer fails closed."""
     results = pool.run(jr.jamba_raises)
     for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank}: wiring a Mamba1 model did not raise"
+        assert result is not None, f"rank {rank}: wiring an undeclared Mamba1 mixer did not raise"
         name, message = result
         assert name == "UnsupportedLayerError", (name, message)
         assert "'model.layers.0.mamba' (JambaMambaMixer)" in message, message

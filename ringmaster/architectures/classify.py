@@ -46,10 +46,10 @@ def unsupported_message(path: str, cls: str, model_type: str | None = None) -> s
     return (
         f"layer {path!r} ({cls}) carries recurrent state along the sequence and {who} does not declare how to "
         "pass it across CP ranks; sharding it would train silently wrong. ringmaster passes state exactly for "
-        "Mamba2 mixers ('mamba2') and gated-DeltaNet layers ('gated_deltanet') that call the transformers "
-        "kernels; a Mamba1 selective scan (jamba, falcon_mamba, mamba) or another recurrence is not supported. "
-        "If the layer is one of those two kinds, declare it in an ArchitectureSpec "
-        f"(recurrent_classes={{{cls!r}: 'mamba2' | 'gated_deltanet'}}) and register it with "
+        "Mamba1 mixers ('mamba1'), Mamba2 mixers ('mamba2'), gated-DeltaNet layers ('gated_deltanet') and short "
+        "convolutions ('short_conv') that call the transformers kernels; another recurrence is not supported. "
+        "If the layer is one of those kinds, declare it in an ArchitectureSpec "
+        f"(recurrent_classes={{{cls!r}: 'mamba1' | 'mamba2' | 'gated_deltanet' | 'short_conv'}}) and register it with "
         "rm.register_architecture(spec, override=True); otherwise use a CP size of 1 for this model"
     )
 

@@ -26,9 +26,14 @@ import torch.nn as nn
 
 from ..errors import UnsupportedLayerError
 from .classify import _ATTENTION_LIKE, stateful_layers, unsupported_message
+from .heads import head_splits
+from .towers import tower_spec
 from .spec import ArchitectureSpec, register_architecture, registered_architecture, text_config, unknown_family
 
 _DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS",)
+# modules that pool or select keys from the layer's own (local) sequence outside the attention call:
+# deepseek_v4's CSA/HCA compressors (one entry per compress_rate consecutive tokens) and their indexer
+_SEQUENCE_POOLING_CLASS = re.compile(r"(Compressor|Indexer)$")
 _HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "n_kv_heads")
 
@@ -86,14 +91,9 @@ def generic_spec(model) -> ArchitectureSpec:
             f"model_type {model_type!r}: found no head count in its config (looked for {_HEAD_ATTRS}); register "
             "the family with rm.register_architecture(ArchitectureSpec(..., num_heads_attr=...))")
     kv = next((a for a in _KV_HEAD_ATTRS if isinstance(getattr(tcfg, a, None), int)), heads)
-    num_heads, num_kv = getattr(tcfg, heads), getattr(tcfg, kv)
-    for path in dispatching:
-        groups = getattr(modules[path], "num_key_value_groups", None)
-        if isinstance(groups, int) and groups * num_kv != num_heads:
-            raise UnsupportedLayerError(
-                f"layer {path!r} has num_key_value_groups={groups}, but its config says {heads}={num_heads} and "
-                f"{kv}={num_kv}; ringmaster cannot tell its head split: register the family with an "
-                "ArchitectureSpec naming num_heads_attr/num_kv_heads_attr")
+    # the split of each call comes from the layer itself (heads.py); a layer whose numbers contradict
+    # each other raises there, naming it
+    head_splits(model, dispatching, tcfg, heads, kv)
     classes = tuple(dict.fromkeys(type(modules[p]).__name__ for p in dispatching))
     return ArchitectureSpec(name=f"{model_type} (generic)", model_types=(model_type,), attention_classes=classes,
                             num_heads_attr=heads, num_kv_heads_attr=kv, notes="derived by the generic path")
@@ -107,6 +107,8 @@ def get_architecture(model_or_config) -> ArchitectureSpec:
     raises its reason."""
     spec = registered_architecture(model_or_config)
     if spec is not None:
+        if isinstance(model_or_config, nn.Module):  # a text family inside a multimodal model: its towers
+            return tower_spec(model_or_config, spec) or spec
         return spec
     if isinstance(model_or_config, nn.Module):
         return generic_spec(model_or_config)
@@ -159,7 +161,13 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
         if any(path == s or path.startswith(s + ".") for s in skip):
             continue
         cls = type(module).__name__
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if _SEQUENCE_POOLING_CLASS.search(cls):
+            out.append(
+                f"layer {path!r} ({cls}) pools or selects keys from the layer's own sequence outside the attention "
+                "interface (a compressor of consecutive tokens, a top-k indexer): under CP it would see only the "
+                "rank's shard, so its entries (and the keys they add to attention) are not the single-device ones. "
+                "Use layers without it (deepseek_v4: layer_types all 'sliding_attention') or a CP size of 1")
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             out.append(
                 f"layer {path!r} ({cls}) drops with p={module.p}: each CP rank draws its mask from the same random "
                 "stream, so the shards reuse one mask pattern; set the model's dropout to 0.0 for CP training")

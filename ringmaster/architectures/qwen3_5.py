@@ -1,4 +1,5 @@
-"""Gated-DeltaNet hybrids: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text models).
+"""Gated-DeltaNet hybrids: Qwen3-Next, Qwen3.5, Qwen3.5-MoE (text models), OLMo-hybrid, Lara-mini and
+Bailing-hybrid (Kimi delta attention: the same rule with a per-channel decay).
 
 ``full_attention`` layers get Ulysses/Ring/USP through the attention function; the
 ``linear_attention`` layers (gated DeltaNet: causal conv1d + chunked gated delta rule) get the
@@ -42,5 +43,31 @@ OLMO_HYBRID = register_architecture(ArchitectureSpec(
     attention_classes=("OlmoHybridAttention",),
     recurrent_classes={"OlmoHybridGatedDeltaNet": "gated_deltanet"},
     recurrent_kernels=GDN_KERNELS,
-    notes="same kernels as Qwen3.5 (causal_conv1d_fn + torch_chunk_gated_delta_rule); not parity-tested",
+    notes="same kernels as Qwen3.5 (causal_conv1d_fn + torch_chunk_gated_delta_rule)",
+))
+
+LARA_MINI = register_architecture(ArchitectureSpec(
+    name="lara_mini",
+    model_types=("lara_mini",),
+    attention_classes=("LaraMiniAttention",),
+    recurrent_classes={"LaraMiniGatedDeltaNet": "gated_deltanet"},
+    recurrent_kernels=GDN_KERNELS,
+    notes="Qwen3.5's gated DeltaNet (same kernels), MoE MLPs, sliding and full attention layers",
+))
+
+# Kimi delta attention (KDA): the gated delta rule with a per-channel decay (``g`` is [b, l, h, d_k]);
+# still linear in (state, values) jointly, so the gated-DeltaNet segment (values [v | 0], initial state
+# [0 | I]) gives its chunk map unchanged: the same kind, other kernel names
+KDA_KERNELS = {"gated_deltanet": {"conv": "causal_conv1d_fn", "scan": "chunk_kimi_delta_attention",
+                                  "state_update": "recurrent_kimi_delta_attention"}}
+
+BAILING_HYBRID = register_architecture(ArchitectureSpec(
+    name="bailing_hybrid",
+    model_types=("bailing_hybrid",),
+    attention_classes=("BailingHybridAttention",),
+    recurrent_classes={"BailingHybridDeltaAttention": "gated_deltanet"},
+    # holds the decay's A_log / dt_bias but computes a per-token gate: no state along the sequence
+    ignore_classes=("BailingHybridForgetGate",),
+    recurrent_kernels=KDA_KERNELS,
+    notes="linear_attention layers are Kimi delta attention (per-channel decay); full_attention layers are MLA",
 ))

@@ -8,21 +8,16 @@ fixes the cause registers a spec with ``override=True``.
 
 from .generic import refuse
 
-_DROPS_KWARGS = ("its decoder layer calls self_attn without **kwargs (transformers 5.24), so the batch's global "
-                 "structure (`ringmaster_batch`) never reaches the attention and the first CP forward would fail; "
-                 "a layer that forwards **kwargs can be registered with rm.register_architecture(spec, "
-                 "override=True)")
-
-STABLELM = refuse(("stablelm",), "StableLmDecoderLayer: " + _DROPS_KWARGS)
-NEMOTRON = refuse(("nemotron",), "NemotronDecoderLayer: " + _DROPS_KWARGS)
 PHIMOE = refuse(("phimoe",), (
     "PhimoeSparseMoeBlock's sparsemixer router samples experts at random in training (torch.rand per token): "
     "every CP rank draws the same random stream for different tokens, so routing is not the single-device run "
     "(measured: logits 0.14, whole gradient 0.13 off at P=2). Use a CP size of 1 for PhiMoE training"))
-DIFFLLAMA = refuse(("diffllama",), (
-    "DiffLlamaAttention (differential attention) calls the attention kernel twice per layer on split values; "
-    "ringmaster has not checked that exact. Use a CP size of 1"))
 HY_V4 = refuse(("hy_v4",), (
     "HYV4Attention's DSA indexer (HYV4Indexer) picks each query's top-k keys from the layer's own attention "
     "mask and hidden states, outside the attention interface: under CP it would see only the shard (and gets "
     "no mask at all), so the selection cannot be the single-device one. Use a CP size of 1 for HY-V4"))
+DOGE = refuse(("doge",), (
+    "DogeAttention (dynamic mask attention) builds its attention mask from its own value states (dt_proj: an "
+    "additive bias per key, and a top-k over the keys once they exceed keep_window_size) and passes it to the "
+    "kernel: under CP that mask covers only the rank's shard of keys while the CP kernels mask from global "
+    "positions, so the layer cannot be the single-device one. Use a CP size of 1 for Doge"))

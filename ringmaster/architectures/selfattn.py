@@ -21,7 +21,6 @@ from .spec import ArchitectureSpec, SelfAttentionSite, register_architecture
 FALCON = register_architecture(ArchitectureSpec(
     name="falcon", model_types=("falcon",), attention_classes=("FalconAttention",),
     num_heads_attr="num_attention_heads", num_kv_heads_attr="num_kv_heads", supported_inner=("sdpa",),
-    module_kv_heads_attr="num_kv_heads",
     self_attention={"FalconAttention": SelfAttentionSite(
         kind="sdpa", refuse_kwargs=("output_attentions",),
         refuse_config=(("alibi", "FalconAttention adds ALiBi to its scores inline (slopes * key positions in "

@@ -114,9 +114,6 @@ class ArchitectureSpec:
     # attention class -> SelfAttentionSite, for attention modules that compute attention themselves
     # (attention.selfattn re-binds each instance; the model's attn_implementation is left as it is)
     self_attention: dict = field(default_factory=dict)
-    # an attention-module attribute holding its KV head count, when the config's is not what the module uses
-    # (falcon's multi_query layers have 1 KV head whatever config.num_kv_heads says)
-    module_kv_heads_attr: str = ""
     notes: str = ""
     # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
     # feature and the fix) instead of wiring it, even when the generic path would accept the model

@@ -1,12 +1,19 @@
 """First-forward accounting: prove, once, that every attention module went through CP attention.
 
 What ``rm.wire`` cannot see statically it checks on the first CP forward of a wired model: every
-attention module must call the runtime's CP attention function exactly once, with the batch's
-global structure (``ringmaster_batch``) and without a mask the model built itself. A decoder
-layer that drops ``**kwargs`` (the batch never reaches the attention), an attention computed
-outside the interface (never called), one called twice (differential attention), or a mask
-built from the local ``cache_position`` (which the CP kernels would ignore) all raise right
-after that forward, before any loss is backpropagated, naming the module and the fix.
+attention module must call the runtime's CP attention function at least once, every call with the
+batch's global structure (``ringmaster_batch``) and without a mask the model built itself. A
+decoder layer that drops ``**kwargs`` (the batch never reaches the attention), an attention
+computed outside the interface (never called), or a mask built from the local ``cache_position``
+or from the layer's own states (doge's dynamic mask; the CP kernels would ignore it) all raise
+right after that forward, before any loss is backpropagated, naming the module and the fix.
+
+A module may call the CP function several times per forward: differential attention calls it
+twice per layer (diffllama, on the two halves of V), a recurrent-depth model runs the same layers
+several times (hrm_text's H/L cycles). Each call is an ordinary CP attention over the rank's
+shard (``require_batch`` and ``layer_rules`` check that per call, before any collective: the
+batch, a call over the shard's length), so the composition is exact; the counts are kept in
+``Ledger.repeated`` for the wiring report.
 
 Absolute position tables are position-dependent modules too: each one ``rm.wire`` found
 (:mod:`ringmaster.architectures.positions`) must be looked up exactly once in that forward, with
@@ -39,6 +46,7 @@ class Ledger:
         self.masks: dict[int, str] = {}     # id(module) -> what it passed as attention_mask
         self.handles: list = []
         self.unexpected: list[str] = []
+        self.repeated: dict[str, int] = {}  # path -> calls per forward, for modules called more than once
         self.positions = None                 # the PositionConvention of the model's absolute position tables
         self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
         self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
@@ -110,6 +118,7 @@ class Ledger:
     def finish(self, kwargs=None) -> None:
         """Raise naming every module that broke the contract; on success, disarm and drop the hooks."""
         problems = self.position_problems(kwargs or {})
+        self.repeated = {}
         for key, path in self.paths.items():
             n = self.calls.get(key, 0)
             if n == 0:
@@ -117,9 +126,7 @@ class Ledger:
                     f"{path!r} never called ringmaster's CP attention function: its attention is computed outside "
                     "transformers' attention interface, or the layer was skipped")
             elif n > 1:
-                problems.append(
-                    f"{path!r} called the CP attention function {n} times in one forward (e.g. differential "
-                    "attention or a second attention pass), which ringmaster has not checked to be exact")
+                self.repeated[path] = n
             if key in self.masks:
                 problems.append(
                     f"{path!r} passed its own attention mask ({self.masks[key]}) instead of one from transformers' "

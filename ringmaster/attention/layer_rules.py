@@ -15,6 +15,9 @@ together and no collective is left waiting.
   ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1`` with ``t = arange(local length)``, the
   shard's *local* index. The query is rescaled here by ``scale(global t) / scale(local t)`` (1 for
   every token until the sequence reaches ``floor_scale``), which makes it the single-device query.
+* **A call over another length than the shard** (an attention over a pooled or windowed sequence,
+  perhaps a second call of a layer that also attends normally): refused; every call, however
+  many a layer makes per forward, must attend over this rank's whole shard.
 * **Queries shorter than keys** (gemma4 slicing inputs to ``logits_to_keep`` before its
   KV-shared layers, a KV cache, cross-attention): refused; CP shards one self-attended sequence.
 * **Cross-layer KV sharing** (gemma3n / gemma4 ``kv_sharing_modes``): needs nothing. The sharing
@@ -85,6 +88,12 @@ def global_temperature(module, query: torch.Tensor, cpb) -> torch.Tensor:
 def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     """``(cpb, query)`` for this layer's CP call: the batch as this layer masks it (chunks) and the
     query as one device computes it; raises (before any collective) what CP cannot make exact."""
+    local = cpb.seq_len // cpb.size
+    if key.shape[2] == query.shape[2] != local:
+        raise NotImplementedError(
+            f"{_where(module)}: an attention call over {query.shape[2]} tokens, but this rank holds {local} of the "
+            f"batch's {cpb.seq_len}. ringmaster CP attention is exact for self-attention over the rank's whole shard; "
+            "a call over a pooled, windowed or otherwise re-cut sequence is not that (use a CP size of 1)")
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             f"{_where(module)}: {query.shape[2]} query tokens against {key.shape[2]} keys on this rank. ringmaster CP "

@@ -1,6 +1,6 @@
 """Recurrent layers under CP: exact cross-rank state passing.
 
-``kind`` / ``registry``: the layer kinds (one module each: ``mamba2``, ``gated_deltanet``).
+``kind`` / ``registry``: the layer kinds (one module each: ``mamba2``, ``gated_deltanet``, ``mamba1``).
 ``scan``: the engine (segments, the all-gathered affine maps and their prefix, the sequential
 p2p hand-over). ``documents``: state and halo resets at document starts. ``conv``: the causal
 conv halo. ``intercept``: re-binding a layer instance's kernel names (in one place).

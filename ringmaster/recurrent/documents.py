@@ -36,6 +36,7 @@ class DocumentSegment:
 
     def __init__(self, base, docs: torch.Tensor, prev: torch.Tensor | None):
         self.base = base
+        self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's outputs ([b, d, l]: 2)
         B, m = docs.shape
         inner = docs[:, 1:] != docs[:, :-1]
         at_start = (docs[:, 0] != prev) if prev is not None else torch.zeros(B, dtype=torch.bool, device=docs.device)
@@ -104,7 +105,7 @@ class DocumentSegment:
         for (rows, _, _), (piece, reset, (a0, y0), rest) in zip(self.groups, aux):
             if not reset:
                 y0 = _out(piece.finish(a0, self._select(state_in, rows)))
-            outs.append(torch.cat([y0, *rest], dim=1) if rest else y0)
+            outs.append(torch.cat([y0, *rest], dim=self.dim) if rest else y0)
         return self._tied(self._assemble(outs), state_in)
 
     def _tied(self, out, state_in):
@@ -126,7 +127,7 @@ class DocumentSegment:
             for piece in pieces[1:]:
                 y, final = _first(piece.run(None))
                 ys.append(y)
-            outs.append(torch.cat(ys, dim=1) if len(ys) > 1 else ys[0])
+            outs.append(torch.cat(ys, dim=self.dim) if len(ys) > 1 else ys[0])
             finals.append(final)
         return self._tied(self._assemble(outs), state_in), self._assemble(finals)
 

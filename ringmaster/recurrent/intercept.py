@@ -104,3 +104,23 @@ def rebind_forward(module, path: str, replacements: dict[str, Callable], require
     return restore
 
 
+
+def rebind_attributes(owner, path: str, replacements: dict[str, Callable]) -> Callable[[], None]:
+    """Give one object (a layer instance, or a submodule of it) instance attributes that shadow its
+    class's methods (``forward``, ``_rnn_scan``): for layers whose sequence math is a method or an inline
+    loop rather than a module-level kernel name. Nothing shared is patched; returns the undo. Refuses an
+    attribute the instance already overrides (another tool's patch would be silently dropped)."""
+    taken = sorted(name for name in replacements if name in vars(owner))
+    if taken:
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({type(owner).__name__}) already has instance-level {taken} (a hub kernel via "
+            "kernelize(), or another patch) that ringmaster's state passing would replace; load the model "
+            "without that patch, or unwire the other tool first")
+    for name, fn in replacements.items():
+        setattr(owner, name, fn)
+
+    def restore() -> None:
+        for name in replacements:
+            owner.__dict__.pop(name, None)
+
+    return restore

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedLayerError
-from . import gated_deltanet, mamba2
+from . import gated_deltanet, kda, lightning, mamba1, mamba2, rglru, rwkv, short_conv
 from .kind import RecurrentKind
 
 _KINDS: dict[str, RecurrentKind] = {}
@@ -31,3 +31,10 @@ def known_kinds() -> list[str]:
 
 register_kind(mamba2.KIND)
 register_kind(gated_deltanet.KIND)
+register_kind(lightning.KIND)
+register_kind(kda.KIND)
+register_kind(rglru.KIND)
+register_kind(rwkv.KIND)
+register_kind(rwkv.CHANNEL_MIX)
+register_kind(short_conv.KIND)
+register_kind(mamba1.KIND)

@@ -3,7 +3,8 @@
 A shard of a recurrent layer needs the state the earlier shards leave behind. Every layer
 ringmaster handles is *affine in its incoming state* over a stretch of tokens::
 
-    S_end = A · S_start + b        (A: per-head scalar decay for Mamba2,
+    S_end = A · S_start + b        (A: per-head scalar decay for Mamba2, a per-(channel, state)
+                                     diagonal decay for Mamba1,
                                      a d_k × d_k transition for the gated delta rule)
 
 and its outputs are affine in ``S_start`` too. Two strategies (``RingmasterConfig.recurrent``):

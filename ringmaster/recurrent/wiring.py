@@ -104,23 +104,28 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
         for path, module, kind in layers:
             ctx = LayerContext(path, group, strategy)
             wiring._restores.append(get_kind(kind).wire(module, ctx, kernel_names(spec, kind)))
-            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx))
+            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx, always=False))
+            wiring._restores.append(_batch_hook(model, ctx))
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                probe_layer(module, ctx, _required(spec, kind), hidden)
+                width = get_kind(kind).probe_width
+                probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
+                            kwargs=get_kind(kind).probe_kwargs)
     except BaseException:
         wiring.restore()
         raise
     return wiring
 
 
-def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int = 8) -> None:
+def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int = 8,
+                kwargs: Callable | None = None) -> None:
     """Prove the interception on one wired layer with a tiny forward (no grad, its own RNG): every
     intercepted kernel must be reached, and a random non-zero incoming state (conv halo, scan state)
     given to each must change the layer's output. If a transformers release changes the layer
     (another kernel name, a path that bypasses the kernels, a state that no longer reaches the
-    output) this fails closed, naming the layer."""
+    output) this fails closed, naming the layer. ``kwargs(x)``: the extra arguments the layer's forward
+    needs besides the hidden states (:attr:`RecurrentKind.probe_kwargs`)."""
     param = next(module.parameters(), None)
     if hidden is None or param is None or param.device.type == "meta" or _is_dtensor(param):
         # nothing local to run on (deferred init, or FSDP2 already sharded the weights: wire before
@@ -133,7 +138,7 @@ def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, le
         ctx.probe = Probe(inject=inject, seed=17)
         try:
             with torch.no_grad():
-                out = module(x)
+                out = module(x, **(kwargs(x) if kwargs is not None else {}))
         finally:
             called, ctx.probe = ctx.probe.called, None
         out = out[0] if isinstance(out, (tuple, list)) else out
@@ -161,15 +166,20 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
-def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
-    """An instance-local forward pre-hook on the module enclosing a wired layer (its decoder layer)
-    that records the call's ``ringmaster_batch`` in ``ctx``: the document ids then reach the layer's
-    kernels even when the decoder layer calls the mixer without forwarding its kwargs. Set on every
-    call (None when absent), so no batch outlives the forward that brought it (gradient checkpointing
-    replays the decoder layer, hook included)."""
+def _batch_hook(parent, ctx: LayerContext, always: bool = True) -> Callable[[], None]:
+    """An instance-local forward pre-hook that records the call's ``ringmaster_batch`` in ``ctx``: the
+    document ids then reach the layer's kernels even when the module around it calls it without
+    forwarding its kwargs. Two per layer: one on the model itself (``always``: set on every call, None
+    when absent, so no batch outlives the forward that brought it) and one on the module enclosing the
+    layer (its decoder layer: set when the call carries the batch, e.g. a VLM's language model gets it
+    from its own pre-hook; gradient checkpointing replays the decoder layer, hook included). RWKV's
+    blocks are called with no kwargs at all, and Mamba's / Mamba2's causal-LM heads call their backbone
+    without kwargs: only the model sees the batch."""
 
     def hook(module, args, kwargs):
-        ctx.batch = kwargs.get(BATCH_KWARG)
+        batch = kwargs.get(BATCH_KWARG)
+        if always or batch is not None:
+            ctx.batch = batch
         return None
 
     handle = parent.register_forward_pre_hook(hook, with_kwargs=True)
@@ -183,11 +193,12 @@ def _batch_hook(parent, ctx: LayerContext) -> Callable[[], None]:
 
 def recurrent_plan(models, size: int):
     """``(gated_deltanet_mixers, kda_mixers, mamba2_mixers)`` that need state passing at CP ``size``
-    (lists of modules; all empty at size 1). Raises on a stateful layer ringmaster cannot pass."""
+    (lists of modules; all empty at size 1; every other kind is listed with the Mamba2 mixers: axolotl
+    reads the first two as flash-linear-attention layers). Raises on a stateful layer ringmaster cannot pass."""
     gdn, kda, mamba = [], [], []
     if size <= 1:
         return gdn, kda, mamba
     for model in models:
         for path, module, kind in check_recurrent_layers(model):
-            (mamba if kind == "mamba2" else gdn).append(module)
+            (gdn if kind == "gated_deltanet" else kda if kind == "kda" else mamba).append(module)
     return gdn, kda, mamba

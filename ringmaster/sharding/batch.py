@@ -310,7 +310,9 @@ class ContextParallelContextManager:
         handles = []
         for model in self.models:
             params = [p for p in inspect.signature(model.forward).parameters if p not in ("self", "args", "kwargs")]
-            handles.append(model.register_forward_pre_hook(self._make_pre_hook(params), with_kwargs=True))
+            # first: every other pre-hook (the recurrent layers' batch hook on the model) sees the shard's kwargs
+            handles.append(model.register_forward_pre_hook(self._make_pre_hook(params), with_kwargs=True,
+                                                           prepend=True))
             if self.gather_outputs:
                 handles.append(model.register_forward_hook(self._post_hook, with_kwargs=True))
         return handles

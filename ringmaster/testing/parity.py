@@ -54,6 +54,22 @@ TINY: dict[str, dict[str, Any]] = {
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=32),
+    # lightning attention (scalar decay per head; a block of 12 that does not divide the shards; the last
+    # linear layer's slope is ~0: its state never decays) around one softmax attention layer
+    "minimax": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=12,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # Kimi Delta Attention (4 heads of 8 channels, a decay per channel) before one MLA attention layer
+    "kimi_linear": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse"], linear_head_dim=8, linear_num_heads=4,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=32),
+    # Griffin: two recurrent blocks (conv1d + RG-LRU, 64 channels in 4 gate blocks) and a local attention layer
+    "recurrent_gemma": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                            lru_width=64, attention_window_size=16, conv1d_width=4),
+    # attention-free: token shifts + WKV (time mixing), token shift + MLP (channel mixing)
+    "rwkv": dict(attention_hidden_size=64, intermediate_size=128, num_hidden_layers=2, context_length=1024),
     "bamba": dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=12),
     "falcon_h1": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,
@@ -61,6 +77,46 @@ TINY: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
                              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
                              mamba_chunk_size=12, num_local_experts=4, shared_intermediate_size=32),
+    # Mamba1 (selective scan, state [d_inner=128, d_state=8]) and pure Mamba2
+    "mamba": dict(state_size=8, time_step_rank=8, expand=2, conv_kernel=4),
+    "falcon_mamba": dict(state_size=8, time_step_rank=8, expand=2, conv_kernel=4),
+    "jamba": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, attn_layer_offset=1,
+                  attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, num_experts=4,
+                  num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=12, expand=2),
+    # Mamba hybrids with a shared attention block called from two hybrid layers (Zamba2: per-layer LoRA adapters)
+    "zamba": dict(num_attention_heads=4, num_key_value_heads=4, attention_hidden_size=128, attention_head_dim=32,
+                  mamba_dt_rank=4, mamba_d_state=8, n_mamba_heads=2, num_hidden_layers=3,
+                  layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    "zamba2": dict(num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
+                   chunk_size=12, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                   hybrid_layer_ids=[1, 2], use_shared_attention_adapter=True, adapter_rank=8),
+    # short convolutions (LFM): conv layers around attention; lfm3's 7 taps, wider than a zoo shard at P=4 is not
+    "lfm2": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, full_attn_idxs=[1],
+                 layer_types=["conv", "full_attention", "conv"]),
+    "lfm2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, num_dense_layers=1,
+                     layer_types=["conv", "full_attention", "conv"], num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32),
+    "lfm3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=16,
+                 layer_types=["conv", "full_attention", "sliding_attention"]),
+    # other gated-DeltaNet hybrids: lara_mini (Qwen3.5's rule, MoE, sliding layers), olmo_hybrid, and
+    # bailing_hybrid's delta attention (Kimi's per-channel gate, MLA attention)
+    "lara_mini": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+                      layer_types=["linear_attention", "sliding_attention", "full_attention"], sliding_window=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "olmo_hybrid": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8),
+    "bailing_hybrid": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                           layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           mlp_layer_types=["dense", "sparse", "dense"], first_k_dense_replace=1,
+                           kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           head_dim=8, linear_head_dim=8, linear_num_heads=4, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, n_group=1, topk_group=1,
+                           kda_safe_gate=False),   # the safe gate forgets >= e^-2.5 a token: no state would cross a shard
 }
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -79,8 +135,14 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     config = AutoConfig.for_model(model_type, **kwargs)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                             dtype=torch.float32, **extra)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32, **extra)
+    except ValueError:
+        if attn_implementation != "sdpa":
+            raise
+        torch.manual_seed(seed)   # a family without attention (Mamba) has no SDPA path: eager
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32, **extra)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model.train()

@@ -55,6 +55,20 @@ MAX_PARAMS = 3_000_000
 # per-family fixes where the generic shrink is not a valid config (data, not code)
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict(head_dim=16),
+    # Mamba2Config checks hidden_size * expand == num_heads * head_dim (64 * 2 = 8 * 16)
+    "mamba2": dict(num_heads=8, head_dim=16),
+    # Zamba/Zamba2 store sizes derived from hidden_size (2 * hidden for the shared attention block); the
+    # shrink copies the defaults' values, so give the tiny ones
+    "zamba": dict(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4),
+    "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16, kv_channels=16,
+                   num_query_groups=4),   # hybrid_layer_ids: parity.TINY (its layers_block_type)
+    # the default KDA width (32 heads x 128 channels) alone is 4.5M parameters
+    "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
+    # the default RG-LRU width (2560) is 6.6M parameters; 3 layers reach the first attention block
+    "recurrent_gemma": dict(lru_width=64, num_hidden_layers=3),
+    # the default config pins attention_hidden_size to 4096
+    "rwkv": dict(attention_hidden_size=64),
+    "nemotron": dict(num_key_value_heads=2),  # its default is None, which NemotronAttention cannot build
 }
 
 # families run on a (2, 2) mesh at P=2 and on (1, 4) at P=4

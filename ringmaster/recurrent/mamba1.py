@@ -1,0 +1,235 @@
+"""Mamba1 selective scans under CP (Mamba, FalconMamba, Jamba, Zamba).
+
+The mixers of transformers 5.x call module-level kernels by name from ``forward``:
+``causal_conv1d_fn`` (the ``causal-conv1d`` package when installed, else a torch depthwise conv),
+``mamba_selective_scan`` (mamba-ssm's ``selective_scan_fn`` when installed, else the pure-torch
+recurrence) and, Mamba/FalconMamba in training only, the fused ``mamba_inner_fn`` (mamba-ssm
+only; the torch fallback returns None and the mixer takes its unfused path). Which
+implementation a name holds is chosen once, at import, by transformers'
+``use_kernel_func_from_hub_with_fallback`` (hub kernel if requested, else the package, else
+torch): on CPU the torch path always runs. :func:`wire_mamba1_layer` gives one mixer *instance* a
+copy of its class forward in which those names resolve to CP-aware versions (nothing global is
+patched):
+
+* conv: :func:`ringmaster.recurrent.conv.cp_causal_conv1d` (halo of ``kernel_size - 1`` inputs
+  from the previous chunk, the model's own kernel on ``[halo | chunk]``);
+* fused ``mamba_inner_fn``: takes no incoming state, so under CP (or a packed row) it returns
+  None, as the torch fallback does, and the mixer runs the unfused conv + scan;
+* scan: the state is ``[b, d_inner, d_state]`` with a *diagonal* transition, so a chunk's map is
+  ``S_end = a ⊙ S_start + b`` with ``a = exp(Σ_t dt_t A)`` (one decay per channel and state
+  entry) and ``b`` the final state from zero. The outputs are affine in ``S_start`` too:
+  ``y_t = y0_t + C_t · (exp(Σ_{s<=t} dt_s A) ⊙ S_start)`` before the ``silu(z)`` gate, which is
+  applied after the correction (the kernel is called with ``z=None``). ``scan`` all-gathers the
+  maps and composes them in fp32 (fp64 for a float64 model); ``sequential`` passes the state
+  rank to rank and adds the same correction. Decays are multiplied, never divided.
+
+The kernel itself always runs from a zero state: neither transformers' torch fallback nor
+mamba-ssm's ``selective_scan_fn`` takes an initial state (its API has ``return_last_state`` only),
+so the incoming state enters through the closed-form correction, computed in tiles of
+:data:`TILE` tokens that are recomputed in backward (:func:`decayed_readout`): the decays
+``[b, d_inner, l, d_state]`` (the size of the torch fallback's own ``discrete_A``) never live at once.
+With mamba-ssm / causal-conv1d installed the same code calls them (the conv through its halo, no
+``initial_states`` needed): import-guarded by transformers, not yet run on a GPU.
+
+Packed or padded rows (the ``ringmaster_batch`` kwarg carries global document ids): the conv
+masks every tap that crosses a document start and each chunk is cut at its document starts
+(:class:`~ringmaster.recurrent.documents.DocumentSegment`), so no state flows between documents.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .documents import local_documents, with_documents
+from .intercept import rebind_forward
+from .kind import RecurrentKind
+from .naive import mamba1_dt
+from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+
+# role -> the module-level name transformers' Mamba1 mixers call (a family spec may rename them)
+KERNELS = {"conv": "causal_conv1d_fn", "scan": "mamba_selective_scan"}
+OPTIONAL = {"fused": "mamba_inner_fn", "conv_update": "causal_conv1d_update",
+            "state_update": "mamba_selective_state_update"}
+
+
+TILE = 256   # tokens per tile of the state correction: [b, d_inner, TILE, d_state] at a time
+
+
+def _readout(cum_dt, A, state, C):
+    """``C_t · (exp(cum_dt_t A) ⊙ S)`` for one tile: ``cum_dt [b, d, T]``, ``A [d, n]``, ``S [b, d, n]``,
+    ``C [b, n, T]`` -> ``[b, d, T]``."""
+    return torch.einsum("bdtn,bdn,bnt->bdt", torch.exp(cum_dt[..., None] * A[:, None, :]), state, C)
+
+
+def decayed_readout(cum_dt, A, state, C, tile: int = TILE):
+    """The outputs' dependence on the incoming state, ``y_t += C_t · (exp(Σ_{s<=t} dt_s A) ⊙ S_in)``, in
+    tiles of ``tile`` tokens, each recomputed in backward (activation checkpointing): the decays
+    ``[b, d_inner, l, d_state]`` are never held for the whole chunk (mamba-ssm's kernel keeps O(l · d_inner))."""
+    l = cum_dt.shape[-1]
+    outs = []
+    for a in range(0, l, tile):
+        args = (cum_dt[..., a:a + tile], A, state, C[..., a:a + tile])
+        if l > tile and torch.is_grad_enabled() and any(t.requires_grad for t in args):
+            outs.append(checkpoint(_readout, *args, use_reentrant=False))
+        else:
+            outs.append(_readout(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class Mamba1Segment:
+    """One chunk of a ``selective_scan_fn`` call: ``u, delta, z [b, d, l]``, ``A [d, n]``,
+    ``B, C [b, n, l]``; the token dim is the last one (``seq_dim``: outputs ``[b, d, l]``)."""
+
+    seq_dim = 2
+
+    def __init__(self, kernel: Callable, u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                 delta_softplus=False, kwargs: dict | None = None):
+        self.kernel, self.u, self.delta, self.A, self.B, self.C = kernel, u, delta, A, B, C
+        self.D, self.z, self.delta_bias, self.delta_softplus = D, z, delta_bias, delta_softplus
+        self.kwargs = dict(kwargs or {})
+
+    def _call(self):
+        """The model's kernel on this chunk from a zero state, ungated: ``(y0 = scan + D·u, final state)``."""
+        return self.kernel(self.u, self.delta, self.A, self.B, self.C, D=self.D, z=None, delta_bias=self.delta_bias,
+                           delta_softplus=self.delta_softplus, return_last_state=True, **self.kwargs)
+
+    def _gate(self, y):
+        return y if self.z is None else y * F.silu(self.z)
+
+    def state_meta(self):
+        b, d, _ = self.u.shape
+        return (b, d, self.A.shape[-1]), state_dtype(self.u, self.delta), self.u.device
+
+    def local_map(self):
+        y0, final = self._call()
+        dtype = self.state_meta()[1]
+        dt = mamba1_dt(hi(self.delta).to(dtype), None if self.delta_bias is None else hi(self.delta_bias).to(dtype),
+                       self.delta_softplus)                                  # [b, d, l]
+        cum_dt = torch.cumsum(dt, dim=-1)                                    # [b, d, l]: exp(cum_dt * A) <= 1
+        decay = torch.exp(cum_dt[..., -1, None] * hi(self.A).to(dtype))     # [b, d, n]
+        packed = torch.cat([hi(final).to(dtype), decay], dim=-1)            # [b, d, 2n]
+        return packed, (y0, cum_dt)
+
+    def combine(self, state, packed):
+        n = self.A.shape[-1]
+        b = packed[..., :n]
+        if state is None:
+            return b
+        return packed[..., n:] * state + b
+
+    def finish(self, aux, state_in):
+        y0, cum_dt = aux
+        if state_in is None:
+            return self._gate(y0)
+        dtype = state_in.dtype
+        corr = decayed_readout(cum_dt.to(dtype), hi(self.A).to(dtype), state_in, hi(self.C).to(dtype))
+        return self._gate(y0 + corr.to(y0.dtype))
+
+    def run(self, state_in):
+        if state_in is None:
+            y0, final = self._call()
+            return self._gate(y0), final
+        packed, aux = self.local_map()
+        return self.finish(aux, state_in), self.combine(hi(state_in), packed)
+
+    def sub(self, rows, start, stop):
+        """The same scan over batch ``rows`` (None: all) and tokens ``[start, stop)``."""
+        def cut(t):
+            if t is None:
+                return None
+            t = t[..., start:stop]
+            return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
+        return Mamba1Segment(self.kernel, cut(self.u), cut(self.delta), self.A, cut(self.B), cut(self.C), self.D,
+                             cut(self.z), self.delta_bias, self.delta_softplus, self.kwargs)
+
+    def state_map(self, final):
+        """The packed map of a chunk the incoming state cannot cross (a document starts in it):
+        decay 0, ``b = final``."""
+        final = hi(final)
+        return torch.cat([final, torch.zeros_like(final)], dim=-1)
+
+
+def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A, B, C, D=None, z=None,
+                      delta_bias=None, delta_softplus=False, return_last_state=False, **kwargs):
+    """``selective_scan_fn`` for this rank's shard ``[b, d, l]``, with the state of the earlier shards passed in."""
+    batch = ctx.take_batch(kwargs)
+    if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
+        seg = Mamba1Segment(kernel, hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, kwargs)
+        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0]
+    group, size, layout, strategy = ctx.resolve(batch)
+    packed = getattr(batch, "doc_ids", None) is not None
+    if size == 1 and not packed:
+        return kernel(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                      return_last_state=return_last_state, **kwargs)
+    check_call_kwargs(ctx.path, kwargs)
+    if return_last_state:
+        raise RuntimeError(f"{ctx.path}: a cache (final SSM state) is not supported under CP or with packed rows; "
+                           "run the model with use_cache=False")
+    if B.dim() != 3 or C.dim() != 3:
+        raise NotImplementedError(f"{ctx.path}: selective scan with grouped B/C of shape {tuple(B.shape)}; ringmaster "
+                                  "passes state for B, C of shape [batch, d_state, seq] only")
+    n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
+    rank = dist.get_rank(group) if size > 1 else 0
+    docs = local_documents(batch, ctx.path, size, rank, layout, (hidden_states.shape[0], hidden_states.shape[-1]), n)
+    parts = [split_local(t, n, dim=-1) for t in (hidden_states, dt, B, C)]
+    gates = split_local(z, n, dim=-1) if z is not None else [None] * n
+    segments = with_documents([Mamba1Segment(kernel, u, d, A, b, c, D, g, delta_bias, delta_softplus, kwargs)
+                               for u, d, b, c, g in zip(*parts, gates)], docs)
+    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+    return outs[0] if n == 1 else torch.cat(outs, dim=-1)
+
+
+def _route_around_fused(ctx: LayerContext, namespace: dict, name: str):
+    """``mamba_inner_fn`` (conv + scan + out_proj fused, mamba-ssm only) takes no incoming state: under CP
+    or for a packed row return None (what the torch fallback returns), so the mixer runs its unfused
+    path, which ringmaster intercepts."""
+    def call(*args, **kwargs):
+        batch = ctx.take_batch(kwargs)
+        if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
+            return None
+        return namespace[name](*args, **kwargs)
+    return call
+
+
+def wire_mamba1_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
+    """Route one Mamba1 mixer instance through exact CP; returns the undo. ``names``: role -> the
+    kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
+    names = {**KERNELS, **OPTIONAL, **(names or {})}
+    namespace = inspect.unwrap(type(module).forward).__globals__
+
+    def conv(x, weight, bias=None, activation=None, **kwargs):
+        kernel = namespace[names["conv"]]
+        batch = ctx.take_batch(kwargs)
+        if ctx.probe is not None:
+            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
+        group, size, layout, _ = ctx.resolve(batch)
+        if size > 1:
+            check_call_kwargs(ctx.path, kwargs)
+        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
+
+    def scan(*args, **kwargs):
+        return cp_selective_scan(namespace[names["scan"]], ctx, *args, **kwargs)
+
+    replacements: dict[str, Any] = {
+        names["conv"]: conv,
+        names["scan"]: scan,
+        names["fused"]: _route_around_fused(ctx, namespace, names["fused"]),
+        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
+        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
+    }
+    return rebind_forward(module, ctx.path, replacements, [names[r] for r in KERNELS], guard=call_guard(ctx))
+
+
+KIND = RecurrentKind(name="mamba1", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba1_layer,
+                     description="Mamba1 mixer: causal conv1d + selective scan (diagonal per-channel decay, "
+                                 "state [d_inner, d_state])")

@@ -1,0 +1,230 @@
+"""RWKV (v4) under CP: the WKV recurrence with its normaliser, and the token shifts.
+
+**WKV.** Per channel, with ``w = -exp(time_decay)`` and ``u = time_first``::
+
+    num_t = e^{w} num_{t-1} + e^{k_t} v_t,     den_t = e^{w} den_{t-1} + e^{k_t}
+    out_t = (num_{t-1} + e^{u + k_t} v_t) / (den_{t-1} + e^{u + k_t})
+
+The state ``(num, den)`` is a linear map of the incoming state: over ``L`` tokens
+``(num, den)_end = e^{wL} (num, den)_start + b``. transformers keeps it *stabilised* as
+``(num', den', m)`` with ``(num, den) = e^m (num', den')`` (a running max ``m`` so the exponentials
+never overflow). That is a change of representation, not of the recurrence, so composition stays
+exact: decaying a stabilised state is ``m += wL`` and adding two is a log-sum-exp merge
+(``m = max(m1, m2)``, each part rescaled by ``e^{m_i - m}``), exactly what the kernel does token by
+token. The gradient is exact too: the represented value does not depend on ``m`` (its derivative
+with respect to the stabiliser is zero), so whichever branch ``max`` routes it through is right.
+What the stabiliser does not allow is the additive output correction of the other kinds: each
+output is a *ratio* of two affine functions of the incoming state. So ``scan`` all-gathers the
+per-chunk maps (``b`` stabilised, ``wL`` per channel), composes the prefix with the merge above
+and reruns the chunk's WKV from the composed state (2x the WKV compute of ``sequential``, which
+passes the stabilised state rank to rank).
+
+The layers call ``rwkv_linear_attention`` by module-level name; under CP (or packed rows) ringmaster
+runs its torch loop ``rwkv_linear_attention_cpu`` for every chunk: transformers' CUDA WKV kernel
+takes an incoming state but its backward returns no gradient for it, so the state passing would
+train silently wrong through it (and the torch loop is slow on long shards: not yet run on a GPU).
+
+**Token shift.** Both the time-mixing and the channel-mixing block mix each token with the one
+before it (``time_shift``, a ``ZeroPad2d`` that shifts the sequence by one): a causal conv of width
+2, so it gets a halo of one token from the previous shard (:func:`~ringmaster.recurrent.conv.
+cp_causal_conv1d`, the module's own shift run on ``[halo | shard]``). Packed or padded rows: the
+shift reads zero at every document start and the WKV state restarts there.
+
+The blocks are called without any kwargs: the ``ringmaster_batch`` reaches the layers through the
+pre-hook :mod:`ringmaster.recurrent.wiring` puts on the model itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UnsupportedLayerError
+from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .context import LayerContext
+from .documents import local_documents, with_documents
+from .intercept import interceptable, rebind_attributes, rebind_forward
+from .kind import RecurrentKind
+from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+
+# time mixing: the token shift lives in ``extract_key_value`` (called from forward), the WKV kernel is
+# called by name; channel mixing: only the shift
+KERNELS = {"conv": "extract_key_value", "scan": "rwkv_linear_attention"}
+OPTIONAL = {"torch_scan": "rwkv_linear_attention_cpu"}
+SHIFT_KERNELS = {"conv": "time_shift"}
+
+_NEG = -1e38   # transformers' "no state" stabiliser (e^m = 0)
+
+
+def merge(a, b):
+    """Two stabilised states ``(num, den, m)`` stacked on the last dim ``[..., 3]``: their sum."""
+    m = torch.maximum(a[..., 2], b[..., 2])
+    ea, eb = torch.exp(a[..., 2] - m), torch.exp(b[..., 2] - m)
+    return torch.stack([ea * a[..., 0] + eb * b[..., 0], ea * a[..., 1] + eb * b[..., 1], m], dim=-1)
+
+
+class WkvSegment:
+    """One chunk of ``rwkv_linear_attention_cpu(time_decay [c], time_first [c], key, value [b, l, c])``;
+    the state ``[b, c, 3]`` is the stabilised ``(num, den, max)``."""
+
+    def __init__(self, kernel: Callable, time_decay, time_first, key, value):
+        self.kernel, self.time_decay, self.time_first, self.key, self.value = kernel, time_decay, time_first, key, value
+
+    def state_meta(self):
+        b, _, c = self.key.shape
+        return (b, c, 3), state_dtype(self.key, self.value, self.time_decay), self.key.device
+
+    def run(self, state_in):
+        state = None if state_in is None else list(state_in.unbind(-1))
+        out, final = self.kernel(self.time_decay, self.time_first, self.key, self.value, state=state,
+                                 return_state=True)
+        return out, torch.stack([hi(f) for f in final], dim=-1)
+
+    def local_map(self):
+        y0, final = self.run(None)
+        log_decay = -torch.exp(hi(self.time_decay).to(final.dtype)) * self.key.shape[1]     # w·L per channel
+        return torch.cat([final, log_decay.expand(final.shape[0], -1)[..., None]], dim=-1), y0
+
+    def combine(self, state, packed):
+        b = packed[..., :3]
+        if state is None:
+            return b
+        decayed = torch.stack([state[..., 0], state[..., 1], state[..., 2] + packed[..., 3]], dim=-1)
+        return merge(decayed, b)
+
+    def finish(self, y0, state_in):
+        return y0 if state_in is None else self.run(state_in)[0]
+
+    def sub(self, rows, start, stop):
+        def cut(t):
+            t = t[:, start:stop]
+            return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
+        return WkvSegment(self.kernel, self.time_decay, self.time_first, cut(self.key), cut(self.value))
+
+    def state_map(self, final):
+        """A chunk the incoming state cannot cross (a document starts in it): the incoming state decays
+        by ``e^{-1e38}`` (= 0), ``b = final``."""
+        final = hi(final)
+        return torch.cat([final, final.new_full((*final.shape[:-1], 1), _NEG)], dim=-1)
+
+
+def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, value, state=None, return_state=False):
+    """``rwkv_linear_attention`` for this rank's shard, with the earlier shards' state."""
+    batch = ctx.take_batch({})
+    if ctx.probe is not None:
+        seg = WkvSegment(kernel, time_decay, time_first, key, value)
+        injected = ctx.probe.state("scan", *seg.state_meta())
+        if injected is not None:   # a valid stabilised state: positive num/den scale, finite max
+            injected = torch.stack([injected[..., 0], injected[..., 1].abs() + 1, injected[..., 2]], dim=-1)
+        return seg.run(injected)[0], None
+    group, size, layout, strategy = ctx.resolve(batch)
+    if state is not None or return_state:
+        raise RuntimeError(f"{ctx.path}: a cache (the WKV state) is not supported under CP or with packed rows; "
+                           "run the model with use_cache=False")
+    n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
+    rank = dist.get_rank(group) if size > 1 else 0
+    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(key.shape[:2]), n)
+    parts = [split_local(t, n, dim=1) for t in (key, value)]
+    segments = with_documents([WkvSegment(kernel, time_decay, time_first, k, v) for k, v in zip(*parts)], docs)
+    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    ys = [o[0] if isinstance(o, tuple) else o for o in outs]
+    return (ys[0] if n == 1 else torch.cat(ys, dim=1)), None
+
+
+def _shift(ctx: LayerContext, pad) -> Callable:
+    """``time_shift(hidden [b, l, c])`` for this rank's shard: the module's own shift on ``[halo | shard]``."""
+    pad_forward = type(pad).forward
+
+    def kernel(x, weight=None, bias=None, activation=None, **kwargs):      # [b, c, l] -> shifted by one
+        return pad_forward(pad, x.transpose(1, 2)).transpose(1, 2)
+
+    def shift(hidden):
+        batch = ctx.take_batch({})
+        x = hidden.transpose(1, 2)
+        weight = x.new_zeros(x.shape[1], 2)          # width 2: a halo of one token (the taps are the shift's)
+        if ctx.probe is not None:
+            return probe_conv(ctx, kernel, x, weight).transpose(1, 2)
+        group, size, layout, _ = ctx.resolve(batch)
+        docs = conv_documents(batch, ctx.path, size, x)
+        if size == 1 and docs is None:
+            return pad_forward(pad, hidden)
+        return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
+                                docs=docs).transpose(1, 2)
+    return shift
+
+
+def _check_shift(module, path: str) -> None:
+    pad = getattr(module, "time_shift", None)
+    if not isinstance(pad, torch.nn.ZeroPad2d) or tuple(pad.padding) != (0, 0, 1, -1):
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({type(module).__name__}): its time_shift is not the one-token ZeroPad2d((0, 0, 1, -1)) "
+            "transformers 5.24 uses; ringmaster cannot give it the previous shard's token. Use a CP size of 1")
+
+
+def _guard(ctx: LayerContext) -> Callable:
+    def guard(args, kwargs):
+        state = kwargs.get("state", args[1] if len(args) > 1 else None)
+        if state is not None and ctx.size > 1:
+            raise RuntimeError(f"{ctx.path}: the model was called with an RWKV state under CP; "
+                               "run it with use_cache=False in training")
+    return guard
+
+
+def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
+    """Route one RWKV time-mixing block through exact CP (token shift halo + WKV state); returns the undo."""
+    names = {**KERNELS, **OPTIONAL, **(names or {})}
+    _check_shift(module, ctx.path)
+    forward = interceptable(module, ctx.path, [names["conv"], names["scan"]])
+    namespace = inspect.unwrap(forward).__globals__
+    if names["torch_scan"] not in namespace:
+        raise UnsupportedLayerError(f"layer {ctx.path!r}: its module has no {names['torch_scan']!r} (the torch WKV "
+                                    "loop ringmaster runs under CP); the installed transformers changed the layer")
+
+    def wkv(time_decay, time_first, key, value, state=None, return_state=False):
+        batch = ctx.batch
+        if ctx.probe is None and ctx.size == 1 and getattr(batch, "doc_ids", None) is None:
+            return namespace[names["scan"]](time_decay, time_first, key, value, state=state,
+                                            return_state=return_state)
+        return cp_wkv(namespace[names["torch_scan"]], ctx, time_decay, time_first, key, value, state, return_state)
+
+    undo_shift = rebind_attributes(module.time_shift, ctx.path + ".time_shift", {"forward": _shift(ctx, module.time_shift)})
+    try:
+        undo_forward = rebind_forward(module, ctx.path, {names["scan"]: wkv}, [names["scan"]], guard=_guard(ctx))
+    except BaseException:
+        undo_shift()
+        raise
+
+    def undo():
+        undo_forward()
+        undo_shift()
+    return undo
+
+
+def wire_rwkv_channel_mix(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
+    """Route one RWKV channel-mixing block (a token shift, then per-token MLP) through CP: the shift's halo."""
+    names = {**SHIFT_KERNELS, **(names or {})}
+    _check_shift(module, ctx.path)
+    forward = interceptable(module, ctx.path, [names["conv"]])
+    guard = _guard(ctx)
+
+    def guarded(*args, **kwargs):
+        guard(args, kwargs)
+        return forward(module, *args, **kwargs)
+
+    undos = [rebind_attributes(module.time_shift, ctx.path + ".time_shift", {"forward": _shift(ctx, module.time_shift)}),
+             rebind_attributes(module, ctx.path, {"forward": guarded, "_ringmaster_recurrent": ctx.path})]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+    return undo
+
+
+KIND = RecurrentKind(name="rwkv", kernels=KERNELS, optional=OPTIONAL, wire=wire_rwkv_layer,
+                     description="RWKV time mixing: token shift (halo of one token) + WKV with its normaliser "
+                                 "(stabilised state, log-sum-exp composition)")
+CHANNEL_MIX = RecurrentKind(name="rwkv_channel_mix", kernels=SHIFT_KERNELS, wire=wire_rwkv_channel_mix,
+                            description="RWKV channel mixing: token shift (halo of one token), then per-token MLP")

@@ -1,0 +1,278 @@
+"""Linear-recurrence kinds beyond Mamba2 / gated DeltaNet, exact under CP at model level: MiniMax
+lightning attention (scalar decay per head), Kimi Delta Attention (per-channel gated delta rule),
+Recurrent Gemma's RG-LRU (diagonal gated recurrence + conv1d).
+
+Per family: fp64 end to end (HF's torch kernels kept in fp64) every parameter within 1e-5 at P=2
+and P=4, Ulysses and Ring, scan and sequential; fp32 loss / logits / whole gradient; packed rows
+against every document alone; a padded batch; and a mutation (the incoming state dropped, or the
+conv halo) that the same fp64 check catches by a wide margin. Function-level checks of each
+kind's Segment against its float64 token-by-token reference are in test_recurrent_unit.py style
+below (single process).
+"""
+
+import jobs_linear_recurrent as jl
+import pytest
+import torch
+
+from ringmaster.recurrent import naive
+from ringmaster.recurrent.documents import DocumentSegment
+from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+
+FP64_PARAM_TOL = 1e-5   # every parameter, fp64
+FP64_TOL = 1e-10        # fp64 loss and gathered logits
+TOL = 1e-4              # fp32 loss and gathered logits
+TOTAL_TOL = 2e-4        # fp32 whole gradient
+MARGIN = 100            # a mutation must break the fp64 bound by this factor
+
+# --------------------------------------------------------------------------- function level (single process)
+
+SPLITS = {"whole": [0, 24], "equal4": [0, 6, 12, 18, 24], "uneven": [0, 1, 2, 9, 24],
+          "head_tail4": [0, 3, 6, 9, 12, 15, 18, 21, 24]}
+
+
+def _lightning_inputs(b=2, l=24, h=3, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, l, h, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    return dict(q=q, k=k, v=v), torch.tensor([1e-4, 0.05, 1.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_lightning_state_passing_exact_float64(split, strategy):
+    from ringmaster.recurrent.lightning import LightningSegment
+
+    inputs, slope = _lightning_inputs()
+    ref, _ = naive.lightning_recurrence(inputs["q"], inputs["k"], inputs["v"], slope)
+    W = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    ref_grads = torch.autograd.grad((ref * W).sum(), list(inputs.values()))
+    b = SPLITS[split]
+    segs = [LightningSegment(*(t[:, x:y] for t in inputs.values()), slope[:, None, None], 5) for x, y in zip(b, b[1:])]
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+    grads = torch.autograd.grad((y * W).sum(), list(inputs.values()))
+    assert (y - ref).abs().max() <= 1e-11 * ref.abs().max()
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-11 * r.abs().max()
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+def test_lightning_resets_at_document_starts(strategy):
+    from ringmaster.recurrent.lightning import LightningSegment
+
+    inputs, slope = _lightning_inputs(b=1)
+    lens = [2, 15, 7]
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))[None]
+    ref, start = [], 0
+    for n in lens:
+        ref.append(naive.lightning_recurrence(*(t[:, start:start + n] for t in inputs.values()), slope)[0])
+        start += n
+    ref = torch.cat(ref, dim=1)
+    b = SPLITS["head_tail4"]
+    segs = [DocumentSegment(LightningSegment(*(t[:, x:y] for t in inputs.values()), slope[:, None, None], 5),
+                            docs[:, x:y], docs[:, x - 1] if x else None) for x, y in zip(b, b[1:])]
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+    assert (y - ref).abs().max() <= 1e-11 * ref.abs().max()
+
+
+# --------------------------------------------------------------------------- model level
+
+
+def check(results, P, fp64, needed=(), model_type=None):
+    for rank, r in enumerate(results):
+        assert r["cp_size"] == P and r["recurrent_layers"] >= 1, r
+        assert r["attention_layers"] >= 1 or model_type == "rwkv", r   # RWKV has no softmax attention
+        assert not r["missing_grads"] and r["n_grads"] == r["n_params"], r["missing_grads"]
+        for name in needed:
+            assert any(name in k for k in r["grad_errs"]), (name, sorted(r["grad_errs"]))
+        if fp64:
+            assert r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r["loss_err"], r["logits_err"])
+            worst = {k: v for k, v in r["grad_errs"].items() if v > FP64_PARAM_TOL}
+        else:
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r["loss_err"], r["logits_err"])
+            assert r["grad_err_total"] <= TOTAL_TOL, (rank, r["grad_err_total"])
+            worst = {}
+        assert not worst, (rank, worst)
+
+
+# family -> parameters whose gradient only the recurrent state passing gets right
+NEEDED = {"minimax": ("qkv_proj.weight",), "kimi_linear": ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight"),
+          "recurrent_gemma": ("rg_lru.recurrent_param", "rg_lru.recurrent_gate_weight", "conv_1d.weight"),
+          "rwkv": ("attention.time_decay", "attention.time_first", "attention.time_mix_key",
+                   "feed_forward.time_mix_key")}
+FAMILIES = ["minimax", "kimi_linear", "recurrent_gemma", "rwkv"]
+FULL_GRID = [(backend, P, strategy) for backend in ("ulysses", "ring") for P in (2, 4)
+             for strategy in ("scan", "sequential")]
+# transformers' torch KDA kernel loops over its 64-token chunk rows in Python (slow on CPU): one strategy per
+# (backend, P) cell, alternating
+SHORT_GRID = [("ulysses", 2, "scan"), ("ring", 2, "sequential"), ("ulysses", 4, "sequential"), ("ring", 4, "scan")]
+GRID = [(m, *c) for m in FAMILIES for c in (FULL_GRID if m == "minimax" else SHORT_GRID)]
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c[0]}-{c[1]}-P{c[2]}-{c[3]}")
+def test_exact_fp64_per_parameter(pool, case):
+    model_type, backend, P, strategy = case
+    check(pool.run(jl.parity, model_type, P, strategy, backend, fp64=True), P, True, NEEDED[model_type], model_type)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_head_tail_dense_fp64(pool, model_type):
+    """Ring with the head_tail layout (2 chunks a rank, composed in sequence order), one dense row."""
+    results = pool.run(jl.parity, model_type, 4, "sequential", "ring", fp64=True,
+                       cfg_kwargs=dict(load_balance="head_tail"))
+    assert all(r["layout"] == "head_tail" for r in results)
+    check(results, 4, True, NEEDED[model_type], model_type)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_fp32_loss_and_whole_gradient(pool, model_type):
+    check(pool.run(jl.parity, model_type, 4, "scan", "ulysses"), 4, False, model_type=model_type)
+
+
+PACKED = [("ulysses", 4, "scan", None), ("ring", 2, "sequential", dict(load_balance="head_tail")),
+          ("ring", 4, "scan", dict(load_balance="head_tail")), ("ulysses", 2, "sequential", None)]
+PACKED_CASES = [(m, *c) for m in FAMILIES for c in (PACKED if m == "minimax" else PACKED[:2])]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-P{c[2]}-{c[3]}{'-ht' if c[4] else ''}")
+def test_packed_rows_match_documents_alone(pool, case):
+    model_type, backend, P, strategy, cfg_kwargs = case
+    check(pool.run(jl.packed_parity, model_type, P, strategy, backend, cfg_kwargs, fp64=True), P, True,
+          model_type=model_type)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_padded_rows(pool, model_type):
+    for r in pool.run(jl.padded_parity, model_type, 4, "scan"):
+        assert not r["nan"], r
+        assert r["loss_err"] <= TOL and r["logits_err"] <= TOL and r["grad_err_total"] <= TOTAL_TOL, r
+
+
+MUTATIONS = [("lightning_state_dropped", "minimax", 4, "scan", "qkv_proj.weight"),
+             ("lightning_state_dropped", "minimax", 2, "sequential", "qkv_proj.weight"),
+             ("kda_state_dropped", "kimi_linear", 4, "sequential", "forget_gate.A_log"),
+             ("kda_conv_halo_dropped", "kimi_linear", 2, "scan", "conv1d.weight"),
+             ("rglru_state_dropped", "recurrent_gemma", 4, "scan", "rg_lru.recurrent_param"),
+             ("rglru_state_dropped", "recurrent_gemma", 2, "sequential", "rg_lru.recurrent_param"),
+             ("conv_halo_dropped", "recurrent_gemma", 4, "sequential", "conv_1d.weight"),
+             ("rwkv_state_dropped", "rwkv", 4, "scan", "attention.time_decay"),
+             ("rwkv_state_dropped", "rwkv", 2, "sequential", "attention.time_decay"),
+             ("conv_halo_dropped", "rwkv", 4, "scan", "feed_forward.time_mix_key")]
+
+
+@pytest.mark.parametrize("case", MUTATIONS, ids=lambda c: f"{c[0]}-{c[1]}-P{c[2]}-{c[3]}")
+def test_mutation_fails_fp64_parity(pool, case):
+    mutation, model_type, P, strategy, param = case
+    for rank, out in enumerate(pool.run(jl.mutated_parity, mutation, model_type, P, strategy)):
+        assert "raised" not in out, out["raised"]   # the parity check must catch it, not a refusal
+        r = out["mutated"]
+        errs = {k: v for k, v in r["grad_errs"].items() if param in k}
+        print(f"{mutation} {model_type} P={P} {strategy} rank {rank}: worst {r['worst_param']} {r['grad_err']:.2e}, "
+              f"logits {r['logits_err']:.2e}")
+        assert errs and max(errs.values()) >= MARGIN * FP64_PARAM_TOL, (rank, errs)
+        clean = out["clean"]
+        assert max(clean["grad_errs"].values()) <= FP64_PARAM_TOL, (rank, clean["worst_param"])
+
+
+# --------------------------------------------------------------------------- function level: KDA, RG-LRU, WKV
+
+
+def _run(segs, strategy):
+    outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
+    return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _check_grads(y, ref, leaves, tol):
+    W = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    g_ref = torch.autograd.grad((ref * W).sum(), leaves, retain_graph=True)
+    g = torch.autograd.grad((y * W).sum(), leaves)
+    assert _rel(y, ref) <= tol, _rel(y, ref)
+    for a, b in zip(g, g_ref):
+        assert _rel(a, b) <= tol, _rel(a, b)
+
+
+def _kda_inputs(b=2, l=24, h=3, dk=4, dv=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    rate = torch.logspace(-4, 0, dk, dtype=dtype)                 # per channel: from ~no decay to fast
+    return dict(q=torch.randn(b, l, h, dk, generator=g, dtype=dtype), k=torch.randn(b, l, h, dk, generator=g, dtype=dtype),
+                v=torch.randn(b, l, h, dv, generator=g, dtype=dtype),
+                g=-rate * torch.rand(b, l, h, dk, generator=g, dtype=dtype),
+                beta=torch.rand(b, l, h, generator=g, dtype=dtype))
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+@pytest.mark.parametrize("kernel", ["ref", "hf"])
+def test_kda_state_passing_exact(kernel, split, strategy):
+    """Per-channel decays through gated DeltaNet's segment: float64 reference kernel exact to rounding,
+    transformers' torch KDA kernel (fp32, 64-token chunks) to fp32 rounding."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+
+    dtype = torch.float64 if kernel == "ref" else torch.float32
+    fn = naive.chunk_kda_ref if kernel == "ref" else chunk_kimi_delta_attention
+    inputs = {k: v.requires_grad_(True) for k, v in _kda_inputs(dtype=dtype).items()}
+    ref = naive.kda_recurrence(*(t.double() for t in inputs.values()))[0]
+    b = SPLITS[split]
+    segs = [GatedDeltaSegment(fn, *(t[:, x:y] for t in inputs.values()), kwargs=dict(use_qk_l2norm_in_kernel=True))
+            for x, y in zip(b, b[1:])]
+    y = _run(segs, strategy).double()
+    if kernel == "ref":
+        _check_grads(y, ref, list(inputs.values()), 1e-11)
+    else:
+        assert _rel(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+def test_rglru_state_passing_exact_float64(split, strategy):
+    """transformers' own ``_rnn_scan`` per chunk (kept in float64), resets at position 0 inside a chunk."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from ringmaster.recurrent.rglru import RglruSegment
+    from ringmaster.testing.parity import keep_fp64
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    a = (1 - torch.logspace(-4, -0.3, 6, dtype=torch.float64) * torch.rand(2, 24, 6, generator=g, dtype=torch.float64))
+    a = a.requires_grad_(True)
+    reset = torch.zeros(2, 24, 1, dtype=torch.bool)
+    reset[1, 13] = True                                  # a document starts inside a chunk of row 1
+
+    def kernel(**kw):
+        return RecurrentGemmaRglru._rnn_scan(None, **kw)
+
+    with keep_fp64():
+        ref = naive.rglru_recurrence(x, a, reset)[0]
+        b = SPLITS[split]
+        y = _run([RglruSegment(kernel, x[:, s:e], a[:, s:e], reset[:, s:e]) for s, e in zip(b, b[1:])], strategy)
+        _check_grads(y, ref, [x, a], 1e-11)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
+@pytest.mark.parametrize("keys", [1.0, 30.0])
+def test_wkv_state_passing_exact_float64(keys, split, strategy):
+    """transformers' stabilised WKV loop per chunk, composed by the log-sum-exp merge, against the
+    unstabilised float64 recurrence; ``keys=30``: the chunks' running maxima differ by e^30 and more."""
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    from ringmaster.recurrent.rwkv import WkvSegment
+    from ringmaster.testing.parity import keep_fp64
+
+    g = torch.Generator().manual_seed(0)
+    k = (keys * torch.randn(2, 24, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    v = torch.randn(2, 24, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    decay = torch.linspace(-6, 1, 5, dtype=torch.float64).requires_grad_(True)     # e^w from ~1 to ~0.07
+    first = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    with keep_fp64():
+        ref = naive.wkv_recurrence(decay, first, k, v)[0]
+        b = SPLITS[split]
+        y = _run([WkvSegment(rwkv_linear_attention_cpu, decay, first, k[:, s:e], v[:, s:e]) for s, e in zip(b, b[1:])],
+                 strategy)
+        _check_grads(y, ref, [k, v, decay, first], 1e-10)
