@@ -26,7 +26,9 @@ together and no collective is left waiting.
   (global RoPE positions), which is exactly what the reusing layer's CP attention expects. It
   does not go through the KV cache, so ``use_cache=False`` does not disable it.
 * **ALiBi**: no family of the installed transformers that dispatches through the attention
-  interface uses it (bloom, falcon and mpt call their own attention, so they are not wired);
+  interface uses it; bloom and mpt compute theirs inline and reach the CP function through a site
+  that passes per-head ``alibi_slopes`` (:mod:`ringmaster.attention.selfattn`; the kernels add
+  ``slope * (k_pos - q_pos)`` from global positions);
   a ``alibi`` / ``position_bias`` tensor reaching the CP function is refused.
 """
 
