@@ -262,6 +262,11 @@ def check_setup_path(model) -> None:
         raise UnsupportedLayerError(
             f"layer {path!r} ({type(module).__name__}) is an absolute position table: only rm.wire learns how the "
             f"model numbers it and numbers each shard from the full row; {_USE_WIRE}")
+    sites = [path for path, m in model.named_modules() if type(m).__name__ in spec.self_attention]
+    if sites:
+        raise UnsupportedLayerError(
+            f"layer {sites[0]!r} ({type(dict(model.named_modules())[sites[0]]).__name__}) computes attention itself; "
+            f"only rm.wire routes it through CP attention (a self-attention site); {_USE_WIRE}")
     bridged = bridge.bridge_paths(model, layers.attention)
     if bridged:
         raise UnsupportedLayerError(
