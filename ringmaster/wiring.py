@@ -25,6 +25,7 @@ from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
+from .attention.selfattn import check_sites, wire_sites
 from .attention.ulysses import kv_replication
 from .config import LoadBalance, RingmasterConfig
 from .errors import UnsupportedLayerError
@@ -154,6 +155,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
+    check_sites(model, spec, layers.attention)
     # each attention layer's own split (per-layer head counts, MQA, tiled KV): architectures/heads.py
     splits = head_splits(model, layers.attention, tcfg, spec.num_heads_attr, spec.num_kv_heads_attr)
     if splits:
@@ -190,7 +192,12 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []
-        if rt.attn_implementation is not None:
+        if rt.attn_implementation is not None and spec.self_attention:
+            # attention computed by the modules themselves: each gets its CP site; attn_implementation
+            # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
+            modules = dict(model.named_modules())
+            undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention}))
+        elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
             bridged, handles = bridge.install(model, layers.attention)
             undo.extend(handle.remove for handle in handles)
@@ -255,6 +262,11 @@ def check_setup_path(model) -> None:
         raise UnsupportedLayerError(
             f"layer {path!r} ({type(module).__name__}) is an absolute position table: only rm.wire learns how the "
             f"model numbers it and numbers each shard from the full row; {_USE_WIRE}")
+    sites = [path for path, m in model.named_modules() if type(m).__name__ in spec.self_attention]
+    if sites:
+        raise UnsupportedLayerError(
+            f"layer {sites[0]!r} ({type(dict(model.named_modules())[sites[0]]).__name__}) computes attention itself; "
+            f"only rm.wire routes it through CP attention (a self-attention site); {_USE_WIRE}")
     bridged = bridge.bridge_paths(model, layers.attention)
     if bridged:
         raise UnsupportedLayerError(

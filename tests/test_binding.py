@@ -121,7 +121,8 @@ def test_kernel_names_come_from_the_family_spec(pool):
 
 @pytest.mark.parametrize("model_type,fragment", [("opt", "absolute position table"),
                                                  ("stablelm", "without **kwargs"),
-                                                 ("nemotron_h", "not wired for CP")])
+                                                 ("nemotron_h", "not wired for CP"),
+                                                 ("falcon", "computes attention itself")])
 def test_setup_path_refuses_what_only_wire_installs(pool, model_type, fragment):
     """rm.setup + set_attn_implementation swaps the attention kernel only: OPT's mask-counted position
     table, stablelm's kwargs-dropping decoder layer and an unwired Mamba2 mixer are refused at the

@@ -9,8 +9,79 @@ anything stateful it does not know.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _REGISTRY: dict[str, "ArchitectureSpec"] = {}
+
+
+@dataclass(frozen=True)
+class SelfAttentionSite:
+    """Where ringmaster reaches the attention of a module that computes it itself (its forward never
+    reads transformers' ``ALL_ATTENTION_FUNCTIONS``), and what that attention is, as data.
+
+    ``kind``:
+
+    * ``"method"``: the module calls an instance method ``method`` with q, k, v ``[B, H, S, D]`` (k
+      ``[B, H, D, S]`` when ``key_layout="bhds"``) and the model's own mask, positional parameters
+      ``args``; ringmaster gives *this instance* a replacement that runs the CP attention and returns
+      ``[B, H, S, D]`` as ``returns`` says (``"pair"``: ``(out, None)``; ``"list"``: ``[out]``).
+    * ``"sdpa"``: the forward calls ``torch.nn.functional.scaled_dot_product_attention`` by the
+      module-global name ``torch`` (or ``F``); this instance's forward is re-bound
+      (:mod:`ringmaster.recurrent.intercept`) so that name reaches the CP attention.
+    * ``"fused_qkv"``: the forward computes scores inline (no call holds q, k and v), from one fused
+      projection: this instance's forward is replaced by the generic one the data describes, ``out(
+      CP(split(qkv(x))))``: ``qkv`` / ``out`` (child Linear names), ``qkv_layout`` (``"per_head"``:
+      ``[.., H, 3, D]``, bloom; ``"chunked"``: ``[.., 3, H, D]``, mpt; or three names: separate query, key
+      and value projections, BERT-style, and ``out=""`` when the module returns the context unprojected),
+      ``causal_attr`` (a module bool that says whether it attends causally, BERT's ``is_decoder``;
+      default causal), ``cross_arg`` (the argument that makes it cross-attention: refused), ``heads_attr`` (the module's head
+      count), ``clip_attr`` (clamp the fused q/k/v, mpt's ``clip_qkv``), ``residual_arg`` (a forward
+      argument added to the output, bloom), ``args`` (the forward's positional parameters), and
+      ``alibi_slopes`` (module -> ``[H]`` per-head slopes: the bias ``slope * (k_pos - q_pos)`` from global
+      positions, which differs from bloom's ``slope * k_pos`` and mpt's ``slope * (k_pos - S + 1)`` by a
+      constant per query row, so the softmax is the same). Rotary applied inside the module from a table
+      the model looked up for the *local* length (roformer: ``rotary_arg`` = ``sinusoidal_pos``): the site
+      looks the table (the module at path suffix ``rotary_table``) up at the shard's global positions
+      instead and applies it with the module's own ``rotary_apply`` (to v too when the module attribute
+      ``rotary_value_attr`` is set).
+
+    The model's own mask is dropped: it was built for the local shard. What it encoded must be
+    declared here and is rebuilt from global positions: causal (always), padding / packed documents
+    (from the batch), a sliding window on the layers where ``window_when = (module attribute, value)``
+    holds, of ``window_config`` tokens (``config`` attribute; key visible iff ``0 <= q - k < w``).
+    Scale: ``scale`` (a number; ``None``: ``1/sqrt(head_dim)``), or, when ``scale_if`` names a module
+    bool attribute, ``1/sqrt(head_dim)`` if it is true and 1 otherwise, or the module attribute
+    ``scale_attr`` holds it. ``refuse_config``: ``(attribute, reason)`` pairs refused at wire time when
+    the module's (else the config's) attribute is truthy; ``refuse_kwargs``:
+    call kwargs that send the forward down a path that bypasses the site (refused per call).
+    """
+
+    kind: str
+    method: str = ""
+    args: tuple[str, ...] = ("query", "key", "value", "attention_mask")
+    key_layout: str = "bhsd"
+    returns: str = "pair"
+    scale: float | None = None
+    scale_if: str = ""
+    scale_attr: str = ""
+    window_when: tuple[str, str] | None = None
+    window_config: str = ""
+    refuse_config: tuple[tuple[str, str], ...] = ()
+    refuse_kwargs: tuple[str, ...] = ()
+    qkv: str | tuple[str, str, str] = ""
+    qkv_layout: str = ""
+    causal_attr: str = ""
+    cross_arg: str = ""
+    out: str = ""
+    heads_attr: str = "num_heads"
+    clip_attr: str = ""
+    residual_arg: str = ""
+    alibi_slopes: Any = None
+    rotary_arg: str = ""
+    rotary_table: str = ""
+    rotary_apply: str = ""
+    rotary_value_attr: str = ""
+
 
 @dataclass(frozen=True)
 class ArchitectureSpec:
@@ -40,6 +111,9 @@ class ArchitectureSpec:
     ignore_classes: tuple[str, ...] = ()
     supported_inner: tuple[str, ...] | None = None  # None: every kernel the model itself supports
     recurrent_kernels: dict = field(default_factory=dict)
+    # attention class -> SelfAttentionSite, for attention modules that compute attention themselves
+    # (attention.selfattn re-binds each instance; the model's attn_implementation is left as it is)
+    self_attention: dict = field(default_factory=dict)
     notes: str = ""
     # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
     # feature and the fix) instead of wiring it, even when the generic path would accept the model

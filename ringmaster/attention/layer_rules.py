@@ -26,7 +26,9 @@ together and no collective is left waiting.
   (global RoPE positions), which is exactly what the reusing layer's CP attention expects. It
   does not go through the KV cache, so ``use_cache=False`` does not disable it.
 * **ALiBi**: no family of the installed transformers that dispatches through the attention
-  interface uses it (bloom, falcon and mpt call their own attention, so they are not wired);
+  interface uses it; bloom and mpt compute theirs inline and reach the CP function through a site
+  that passes per-head ``alibi_slopes`` (:mod:`ringmaster.attention.selfattn`; the kernels add
+  ``slope * (k_pos - q_pos)`` from global positions);
   a ``alibi`` / ``position_bias`` tensor reaching the CP function is refused.
 """
 
@@ -86,7 +88,7 @@ def global_temperature(module, query: torch.Tensor, cpb) -> torch.Tensor:
 def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     """``(cpb, query)`` for this layer's CP call: the batch as this layer masks it (chunks) and the
     query as one device computes it; raises (before any collective) what CP cannot make exact."""
-    local = cpb.seq_len // cpb.size
+    local = cpb.seq_len // cpb.size if cpb is not None else query.shape[2]
     if key.shape[2] == query.shape[2] != local:
         raise NotImplementedError(
             f"{_where(module)}: an attention call over {query.shape[2]} tokens, but this rank holds {local} of the "

@@ -121,11 +121,25 @@ def kernel_mask(inner: str, cpb, causal: bool, window, query: torch.Tensor, kwar
         ~mask, torch.finfo(query.dtype).min)
 
 
+def alibi_mask(cpb, causal: bool, window, slopes: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The eager kernel's additive mask with ALiBi (bloom, mpt): ``slopes[h] * (k - q)`` over global positions
+    plus the batch's mask, ``[B|1, h, S, S]``. Dense, like the eager kernel it feeds (its scores are
+    ``[B, h, S, S]`` anyway, as in the modules that use ALiBi: bloom and mpt compute eager attention
+    themselves, so Ulysses runs the eager kernel for them whatever ``attn_implementation`` says)."""
+    S = q.shape[2]
+    pos = torch.arange(S, device=q.device)
+    bias = slopes.to(q.dtype).view(1, -1, 1, 1) * (pos[None, :] - pos[:, None]).to(q.dtype)
+    mask = cpb.dense_mask(causal, window, q.device, materialize=True)
+    return bias.masked_fill(~mask, torch.finfo(q.dtype).min)
+
+
 def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
     """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
-    if binding.inner_kernel is not None:
-        return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
     inner = binding.inner
+    if kwargs.get("alibi_slopes") is not None:  # bloom/mpt compute eager S x S attention themselves: so does CP
+        inner = "eager"
+    elif binding.inner_kernel is not None:
+        return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
     if inner == "sdpa" and kwargs.get("softcap") is not None:  # HF's sdpa raises too, but after the all-to-all
         raise NotImplementedError(
             f"{type(module).__name__}: the model caps attention logits (softcap={kwargs['softcap']}) and sdpa has "
@@ -149,11 +163,16 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     s_aux = kwargs.get("s_aux")
     if isinstance(s_aux, torch.Tensor) and s_aux.shape[0] == num_heads:
         kwargs["s_aux"] = s_aux[heads]
+    alibi = kwargs.pop("alibi_slopes", None)
     for name in _LOCAL_ONLY_KWARGS:
         kwargs.pop(name, None)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     window = kwargs.get("sliding_window")
     fn = _inner_attention(inner, module)
+    if alibi is not None:  # ALiBi slopes are per head: this rank's heads only
+        out, _ = fn(_HeadSliceModule(module, overrides), q, k, v,
+                    alibi_mask(cpb, causal, window, local_heads(alibi, rank, hq), q), **kwargs)
+        return head_to_seq(out, group), None
     if inner == "sdpa" and tiled.needs_tiles(cpb, window):  # no S x S mask: one call per query tile
         out = tiled.tiled_attention(fn, _HeadSliceModule(module, overrides), q, k, v, cpb, causal, window, kwargs)
         return head_to_seq(out, group), None

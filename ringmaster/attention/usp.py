@@ -23,5 +23,7 @@ def usp_attention_hf(module, query, key, value, *, binding: AttentionBinding, cp
     sinks = module_sinks(module, kwargs)
     if sinks is not None:
         sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]
+    if kwargs.get("alibi_slopes") is not None:  # per-head, like the sinks: this rank's heads only
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"][i * q.shape[1]:(i + 1) * q.shape[1]]
     out = ring_core(binding, cpb, module, q, k, v, binding.ring_group, "contiguous", kwargs, sinks)
     return head_to_seq(out.transpose(1, 2), ug), None

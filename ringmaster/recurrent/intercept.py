@@ -76,9 +76,12 @@ def interceptable(module, path: str, required: Sequence[str]) -> Callable:
 
 
 def rebind_forward(module, path: str, replacements: dict[str, Callable], required: Sequence[str],
-                   guard: Callable[[tuple, dict], None] | None = None) -> Callable[[], None]:
+                   guard: Callable[[tuple, dict], None] | None = None,
+                   tag: str = "_ringmaster_recurrent") -> Callable[[], None]:
     """Give ``module`` (this instance only) a copy of its class forward whose kernel names resolve to
-    ``replacements``; returns the undo. ``guard(args, kwargs)`` runs before every call."""
+    ``replacements``; returns the undo. ``guard(args, kwargs)`` runs before every call. ``tag``: the
+    instance attribute that marks the module as re-bound (recurrent layers; ``attention.selfattn``
+    uses its own)."""
     forward = interceptable(module, path, required)
     inner = inspect.unwrap(forward)
     rebound = _rebuild_chain(forward, _Overlay(inner.__globals__, replacements))
@@ -92,11 +95,11 @@ def rebind_forward(module, path: str, replacements: dict[str, Callable], require
         module.forward = guarded
     else:
         module.forward = bound
-    module._ringmaster_recurrent = path
+    setattr(module, tag, path)
 
     def restore() -> None:
         module.__dict__.pop("forward", None)
-        module.__dict__.pop("_ringmaster_recurrent", None)
+        module.__dict__.pop(tag, None)
 
     return restore
 

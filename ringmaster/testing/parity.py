@@ -184,6 +184,9 @@ STRUCTURAL_ZEROS: dict[str, tuple[str, ...]] = {
     **{mt: ("*.attention.self.key.bias",) for mt in (
         "bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie", "roberta",
         "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl")},
+    # BERT-style self-attention: a key bias adds q.b, one constant per query row, which the softmax cancels
+    "megatron-bert": ("*.attention.self.key.bias",),
+    "rembert": ("*.attention.self.key.bias",),
 }
 
 

@@ -118,16 +118,25 @@ def _math_tiles_backward(dout, q, k, v, out, lse, scale, m, softcap, tile_rows):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _tile_bias(m, tm, r0, r1, k0, k1, q):
+    """A tile's additive mask: 0 / -inf from its bool mask, plus the ALiBi bias ``[1, H, t, k]`` if any."""
+    bias = None if tm is None else additive(tm, q.dtype)
+    alibi = m.bias(r0, r1, k0, k1, q.device, q.dtype)
+    if alibi is None:
+        return bias
+    return alibi if bias is None else (bias + alibi).contiguous()
+
+
 def _cpu_forward(q, k, v, scale, m, tile_rows):
     g = q.shape[1] // k.shape[1]
     kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     acc = acc_dtype(q)
-    if m.full or m.causal_square:
+    if (m.full or m.causal_square) and m.alibi_slopes is None:
         out, lse = _CPU_FWD(q.contiguous(), kx, vx, 0.0, m.causal_square, scale=scale)
         return out.to(acc), lse.to(acc)
     out, lse = empty_result(q)
     for r0, r1, k0, k1, tm in tiles(m, q.device, tile_rows):
-        bias = None if tm is None else additive(tm, q.dtype)
+        bias = _tile_bias(m, tm, r0, r1, k0, k1, q)
         o, l = _CPU_FWD(q[..., r0:r1, :].contiguous(), kx[..., k0:k1, :], vx[..., k0:k1, :], 0.0, False,
                         attn_mask=bias, scale=scale)
         seen = rows_seen(tm)
@@ -142,7 +151,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, m, tile_rows):
     g = q.shape[1] // k.shape[1]
     kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     dout, out, lse = dout.to(q.dtype), out.to(q.dtype), finite_lse(lse, acc_dtype(q))
-    if m.full or m.causal_square:
+    if (m.full or m.causal_square) and m.alibi_slopes is None:
         dq, dk, dv = _CPU_BWD(dout.contiguous(), q.contiguous(), kx, vx, out.contiguous(), lse, 0.0,
                               m.causal_square, scale=scale)
         return dq, reduce_groups(dk, g), reduce_groups(dv, g)
@@ -151,7 +160,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, m, tile_rows):
     dk = torch.zeros(kx.shape, dtype=acc, device=q.device)
     dv = torch.zeros(vx.shape, dtype=acc, device=q.device)
     for r0, r1, k0, k1, tm in tiles(m, q.device, tile_rows):
-        bias = None if tm is None else additive(tm, q.dtype)
+        bias = _tile_bias(m, tm, r0, r1, k0, k1, q)
         rows = slice(r0, r1)
         gq, gk, gv = _CPU_BWD(dout[..., rows, :].contiguous(), q[..., rows, :].contiguous(), kx[..., k0:k1, :],
                               vx[..., k0:k1, :], out[..., rows, :].contiguous(), lse[..., rows].contiguous(), 0.0,

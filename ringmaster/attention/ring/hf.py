@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...config import RingImpl
 from ...sharding import balancers
 from ..binding import AttentionBinding
 from . import distflash
@@ -36,6 +37,17 @@ def check_call(binding: AttentionBinding, module, query, value, kwargs) -> None:
         raise NotImplementedError(f"{where}: the distflash ring schedule does not implement {what}; "
                                   "use load_balance='head_tail' (or 'none')")
     binding.ring_kernel.check(query, value, softcap)
+    alibi = kwargs.get("alibi_slopes")
+    if alibi is not None:
+        from_kernel = getattr(binding.ring_kernel, "name", None)
+        if (binding.schedule == "distflash" or softcap or from_kernel not in (RingImpl.MATH, RingImpl.ATEN)
+                or (from_kernel is RingImpl.ATEN and query.device.type != "cpu")):
+            raise NotImplementedError(
+                f"{where}: ALiBi (alibi_slopes) runs in the ring's math kernel and aten's CPU kernel only (got "
+                f"ring_impl={from_kernel}, schedule={binding.schedule}, softcap={softcap}, device={query.device.type}); "
+                "use ring_impl='math' (or 'aten' on CPU), load_balance='head_tail' or 'none', or backend='ulysses'")
+        if alibi.shape != (query.shape[1],):
+            raise ValueError(f"{where}: {tuple(alibi.shape)} ALiBi slopes for {query.shape[1]} query heads")
 
 
 def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
@@ -50,7 +62,8 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
                                              scale=kwargs.get("scaling"), sinks=sinks)
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
-                    causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device))
+                    causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
+                    alibi=kwargs.get("alibi_slopes"))
     return ring_attention(query, key, value, group, plan, binding.ring_kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"))
 

@@ -42,6 +42,7 @@ class RingPlan:
     causal: bool = True
     window: int | None = None  # HF sliding_window: key visible iff 0 <= q - k < window
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
+    alibi: torch.Tensor | None = field(default=None, compare=False)  # ALiBi slopes [Hq] (bloom, mpt)
 
     def chunks(self, rank: int) -> list[int]:
         return balancers.shard_chunks(self.layout, self.size, rank)
@@ -93,7 +94,8 @@ def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, BlockM
                 if _docs_disjoint(plan, a, b):
                     continue
                 docs = dict(q_docs=plan.docs[:, a * c:(a + 1) * c], k_docs=plan.docs[:, b * c:(b + 1) * c])
-            pairs.append((qi, kj, BlockMask(c, c, lo=band[0], hi=band[1], **docs)))
+            pairs.append((qi, kj, BlockMask(c, c, lo=band[0], hi=band[1], alibi_slopes=plan.alibi,
+                                            alibi_offset=(b - a) * c, **docs)))
     return pairs
 
 

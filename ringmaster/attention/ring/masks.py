@@ -27,11 +27,23 @@ class BlockMask:
     q_docs: torch.Tensor | None = field(default=None, compare=False)   # [B, sq]
     k_docs: torch.Tensor | None = field(default=None, compare=False)   # [B, sk]
     dense: torch.Tensor | None = field(default=None, compare=False)    # bool [sq, sk] or [B, 1, sq, sk]
+    # ALiBi (bloom, mpt): score bias slopes[h] * (k_pos - q_pos), global positions k_pos - q_pos = offset + j - i
+    alibi_slopes: torch.Tensor | None = field(default=None, compare=False)  # [H] of the block's query heads
+    alibi_offset: int = 0
 
     # ---- what kind of block this is
     @property
     def full(self) -> bool:
         return self.lo is None and self.hi is None and self.q_docs is None and self.dense is None
+
+    def bias(self, r0: int, r1: int, k0: int, k1: int, device, dtype) -> torch.Tensor | None:
+        """The ALiBi score bias ``[1, H, r1-r0, k1-k0]`` of that tile (``None`` without ALiBi): a tile's worth,
+        never the block's."""
+        if self.alibi_slopes is None:
+            return None
+        d = (self.alibi_offset + torch.arange(k0, k1, device=device)[None, :]
+             - torch.arange(r0, r1, device=device)[:, None]).to(dtype)
+        return self.alibi_slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * d
 
     @property
     def has_docs(self) -> bool:
@@ -165,8 +177,8 @@ def flash_calls(m: BlockMask):
       :meth:`BlockMask.segments`), one call per distinct window among the block's documents.
 
     An empty list: nothing visible. Arbitrary dense masks are not flash-shaped (``ValueError``)."""
-    if m.dense is not None:
-        raise ValueError("an arbitrary dense block mask has no flash form")
+    if m.dense is not None or m.alibi_slopes is not None:
+        raise ValueError("an arbitrary dense block mask (or an ALiBi bias) has no flash form here")
     if m.is_band:
         region = m.region()
         return [] if region is None else [("dense", region, flash_window(*region, m.lo, m.hi))]

@@ -28,7 +28,11 @@ class MathKernel:
     def _probs(self, q, k, scale, mask, lse=None, softcap=None):
         dt = acc_dtype(q)
         s, th = capped(torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale, softcap)
-        m = as_block_mask(mask, q.shape[-2], k.shape[-2]).to_dense(q.device)
+        block = as_block_mask(mask, q.shape[-2], k.shape[-2])
+        bias = block.bias(0, q.shape[-2], 0, k.shape[-2], q.device, dt)
+        if bias is not None:  # ALiBi: a constant added to the scaled scores (its gradient is ds itself)
+            s = s + bias
+        m = block.to_dense(q.device)
         if m is not None:
             s = s.masked_fill(~m, NEG_INF)
         if lse is None:

@@ -1,0 +1,323 @@
+"""Attention modules that compute attention themselves, run under CP through a declared *site*.
+
+Some families never read transformers' ``ALL_ATTENTION_FUNCTIONS`` (falcon calls torch's SDPA
+directly, gpt_neo / gpt_neox_japanese / openai-gpt multiply and softmax in a ``_attn`` method),
+so switching ``attn_implementation`` cannot reach them. Their spec names, per attention class, a
+:class:`~ringmaster.architectures.spec.SelfAttentionSite` (data): the point where the module holds
+q, k, v ``[B, H, S/P, D]`` and what its attention computes (scale, window). ``rm.wire`` gives each
+such *instance* a replacement at that point (an instance attribute for a method; a re-bound copy
+of its forward for the ``torch`` / ``F`` names, :mod:`ringmaster.recurrent.intercept`), which
+calls the runtime's CP attention function, the same one the interface families call: Ulysses,
+Ring and USP, ``require_batch``, the per-layer rules and the first-forward accounting all apply
+unchanged. Nothing shared (the class, the transformers module, ``torch``) is patched.
+
+The model's own mask is dropped (it was built for the local shard from the local length); the
+site declares what it encoded and the CP attention rebuilds it from global positions: causal,
+padding and packed documents (the batch), sliding windows (``window_when``/``window_config``).
+
+These modules are called with a fixed argument list by their decoder layers, so the
+``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
+current forward's batch in a :class:`BatchSlot` bound to that model (not a process global), read
+by its sites. The slot keeps the batch until the next forward, so a gradient-checkpointing replay
+in backward sees the batch of its own forward; a forward without one leaves it empty and the CP
+attention raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedLayerError
+from ..recurrent import intercept
+from ..sharding import balancers
+from ..sharding.documents import BATCH_KWARG
+from .binding import AttentionBinding
+from .register import cp_attention
+
+_TAG = "_ringmaster_selfattn"
+
+
+class BatchSlot:
+    """The ``ringmaster_batch`` of one wired model's current forward (written by its pre-hook)."""
+
+    def __init__(self):
+        self.batch = None
+
+    def capture(self, module, args, kwargs):
+        self.batch = kwargs.get(BATCH_KWARG)
+
+
+class _Namespace:
+    """A read-through view of a module (``torch``, ``torch.nn``, ``torch.nn.functional``) with some
+    names replaced: what a re-bound forward sees under the global name ``torch`` / ``nn`` / ``F``."""
+
+    def __init__(self, base, overrides: dict):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+
+def _where(path: str, module) -> str:
+    return f"layer {path!r} ({type(module).__name__})"
+
+
+def site_scale(site, module, head_dim: int) -> float:
+    """The softmax scale the module applies (see ``SelfAttentionSite``)."""
+    if site.scale_attr:
+        return float(getattr(module, site.scale_attr))
+    if site.scale_if:
+        return head_dim ** -0.5 if getattr(module, site.scale_if) else 1.0
+    return head_dim ** -0.5 if site.scale is None else float(site.scale)
+
+
+def site_window(site, module, path: str = "") -> int | None:
+    """The sliding window of this layer (HF convention: key visible iff ``0 <= q - k < w``), or None."""
+    if site.window_when is None:
+        return None
+    attr, value = site.window_when
+    if getattr(module, attr, None) != value:
+        return None
+    window = getattr(getattr(module, "config", None), site.window_config, None)
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedLayerError(f"{_where(path, module)} is a {value!r} layer but its config.{site.window_config}"
+                                    f"={window!r}; ringmaster needs the window length to rebuild its mask")
+    return window
+
+
+def check_site(path: str, module, site, config) -> None:
+    """Raise, before anything changes, what the site cannot run exactly for this module."""
+    where = _where(path, module)
+    for attr, reason in site.refuse_config:
+        owner, label = (module, "") if hasattr(module, attr) else (config, "config.")
+        if getattr(owner, attr, None):
+            raise UnsupportedLayerError(f"{where}: {label}{attr}={getattr(owner, attr)!r} is not supported under CP: "
+                                        f"{reason}")
+    if site.kind == "method":
+        if not callable(getattr(type(module), site.method, None)):
+            raise UnsupportedLayerError(
+                f"{where} has no method {site.method!r} (a different transformers version?); ringmaster cannot reach "
+                "its attention. Leave CP off for this model or register a spec matching its code")
+    elif site.kind == "sdpa":
+        intercept.interceptable(module, path, ("scaled_dot_product_attention",))
+    elif site.kind == "fused_qkv":
+        if "forward" in vars(module):
+            raise UnsupportedLayerError(f"{where} has an instance-level forward (another patch); unwire that first")
+        names = site.qkv if isinstance(site.qkv, tuple) else (site.qkv,)
+        for child in names + ((site.out,) if site.out else ()):
+            if not isinstance(getattr(module, child, None), nn.Linear):
+                raise UnsupportedLayerError(
+                    f"{where} has no Linear {child!r} (a different transformers version?); its declared fused_qkv "
+                    "site does not match the module, so ringmaster cannot rebuild its attention")
+        if not isinstance(site.qkv, tuple) and site.qkv_layout not in ("per_head", "chunked"):
+            raise ValueError(f"SelfAttentionSite(qkv_layout={site.qkv_layout!r}) for {where}: 'per_head' or 'chunked'")
+    else:
+        raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method', 'sdpa' or 'fused_qkv'")
+
+
+def site_causal(site, module) -> bool:
+    """Whether the module attends causally (``causal_attr``: a module bool such as BERT's ``is_decoder``)."""
+    return bool(getattr(module, site.causal_attr, True)) if site.causal_attr else True
+
+
+def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None):
+    """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
+    kwargs = {BATCH_KWARG: slot.batch, "is_causal": site_causal(site, module), "dropout": dropout,
+              "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
+    if alibi is not None:
+        kwargs["alibi_slopes"] = alibi
+    window = site_window(site, module, path)
+    if window is not None:
+        kwargs["sliding_window"] = window
+    out, _ = fn(module, q, k, v, None, **kwargs)
+    return out.transpose(1, 2)
+
+
+def _method(fn, module, site, slot, path) -> Callable:
+    names = site.args
+
+    def attention(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = (bound[n] for n in names[:3])
+        if site.key_layout == "bhds":
+            k = k.transpose(-1, -2)
+        out = _call(fn, module, site, slot, path, q, k, v)
+        return [out] if site.returns == "list" else (out, None)
+
+    return attention
+
+
+def _global_rotary(site, module, table, slot, path, q, k, v):
+    """q, k (and v) rotated at the shard's *global* positions: the model looked its rotary table up for
+    positions 0..S/P-1 of the local input; look it up at this shard's positions and apply it with the
+    module's own function."""
+    cpb = slot.batch
+    if cpb is None:
+        raise RuntimeError(f"{_where(path, module)}: no `ringmaster_batch` in this forward, so the shard's global "
+                           "positions are unknown; shard the batch with context_parallel_region")
+    positions = balancers.shard_positions(cpb.seq_len, cpb.size, cpb.rank, cpb.layout, device=q.device)
+    if positions.shape[0] != q.shape[2]:
+        raise RuntimeError(f"{_where(path, module)}: {q.shape[2]} tokens, but the batch's shard has "
+                           f"{positions.shape[0]} positions")
+    table_rows = table(q.shape[:1] + q.shape[2:3], 0, positions)[None, None]
+    apply = getattr(module, site.rotary_apply)
+    if site.rotary_value_attr and getattr(module, site.rotary_value_attr, False):
+        return apply(table_rows, q, k, v)
+    return (*apply(table_rows, q, k), v)
+
+
+def _fused_qkv(fn, module, site, slot, path, table=None) -> Callable:
+    """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
+    names = site.args
+
+    def forward(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        for name in site.refuse_kwargs:
+            if bound.get(name) is not None and bound.get(name) is not False:
+                raise NotImplementedError(
+                    f"{_where(path, module)} was called with {name}={type(bound[name]).__name__}: ringmaster CP runs "
+                    "training forwards without a KV cache or attention weights; call the model with use_cache=False, "
+                    "output_attentions=False")
+        x = bound[names[0]]
+        B, S, _ = x.shape
+        H = getattr(module, site.heads_attr)
+        if site.cross_arg and bound.get(site.cross_arg) is not None:
+            raise NotImplementedError(f"{_where(path, module)} was called as cross-attention ({site.cross_arg}); "
+                                      "ringmaster CP shards one self-attended sequence")
+        if isinstance(site.qkv, tuple):  # separate query / key / value projections
+            parts = (getattr(module, name)(x).view(B, S, H, -1) for name in site.qkv)
+        else:
+            qkv = getattr(module, site.qkv)(x)
+            if site.clip_attr and getattr(module, site.clip_attr, None):
+                c = getattr(module, site.clip_attr)
+                qkv = qkv.clamp(min=-c, max=c)
+            if site.qkv_layout == "per_head":
+                parts = qkv.view(B, S, H, 3, -1).unbind(3)
+            else:
+                parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
+        q, k, v = (t.transpose(1, 2) for t in parts)
+        if site.rotary_arg and bound.get(site.rotary_arg) is not None:  # its local lookup is not used
+            q, k, v = _global_rotary(site, module, table, slot, path, q, k, v)
+        slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
+        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes).transpose(1, 2).reshape(B, S, -1)
+        if site.out:
+            out = getattr(module, site.out)(out)
+        if site.residual_arg:
+            out = out + bound[site.residual_arg]
+        return out, None
+
+    return forward
+
+
+def _sdpa_names(fn, module, site, slot, path) -> dict:
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        # attn_mask / is_causal describe the local shard; the batch and the site give the global mask
+        return _call(fn, module, site, slot, path, query, key, value, dropout=dropout_p, scale=scale)
+
+    functional = _Namespace(torch.nn.functional, {"scaled_dot_product_attention": scaled_dot_product_attention})
+    nn_ns = _Namespace(torch.nn, {"functional": functional})
+    return {"torch": _Namespace(torch, {"nn": nn_ns}), "nn": nn_ns, "F": functional}
+
+
+def _guard(site, path, module):
+    """Per call, before the re-bound forward: refuse what would send it down a branch that never reaches
+    the site (a refused kwarg; a config no longer on "sdpa", which falcon's forward tests every call)."""
+
+    def guard(args, kwargs):
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", "sdpa")
+        if impl != "sdpa":
+            raise NotImplementedError(
+                f"{_where(path, module)}: its config now says attn_implementation={impl!r}, so its forward would not "
+                "call torch's SDPA (where ringmaster put the CP attention); keep 'sdpa' while wired")
+        for name in site.refuse_kwargs:
+            if kwargs.get(name):
+                raise NotImplementedError(
+                    f"{_where(path, module)} was called with {name}={kwargs[name]!r}, which sends it down a path that "
+                    "computes attention over the local shard only; call the model without it under CP")
+    return guard
+
+
+def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callable[[], None]:
+    """Give every attention module of ``modules`` (path -> module) whose class ``spec.self_attention``
+    names its CP site; returns the undo (also run here if any step fails)."""
+    fn = cp_attention(binding)
+    slot = BatchSlot()
+    undos: list = []
+    try:
+        for path, module in modules.items():
+            site = spec.self_attention.get(type(module).__name__)
+            if site is None:
+                continue
+            if site.kind == "method":
+                name, replacement = site.method, _method(fn, module, site, slot, path)
+            elif site.kind == "fused_qkv":
+                table = rotary_table(model, site) if site.rotary_table else None
+                name, replacement = "forward", _fused_qkv(fn, module, site, slot, path, table)
+            if site.kind in ("method", "fused_qkv"):
+                setattr(module, name, replacement)
+                setattr(module, _TAG, path)
+                undos.append(functools.partial(_drop, module, (name, _TAG)))
+            else:
+                undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, slot, path),
+                                                      ("scaled_dot_product_attention",),
+                                                      guard=_guard(site, path, module), tag=_TAG))
+        undos.append(model.register_forward_pre_hook(slot.capture, with_kwargs=True).remove)
+    except BaseException:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def restore():
+        for undo in reversed(undos):
+            undo()
+    return restore
+
+
+def rotary_table(model, site):
+    """The model's rotary table module for ``site.rotary_table`` (a path suffix; exactly one must match)."""
+    found = [m for p, m in model.named_modules() if p == site.rotary_table or p.endswith("." + site.rotary_table)]
+    if len(found) != 1:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: {len(found)} modules at path suffix {site.rotary_table!r} (the rotary table its "
+            "SelfAttentionSite names); ringmaster needs exactly one to look positions up globally")
+    return found[0]
+
+
+def _drop(module, names) -> None:
+    for name in names:
+        module.__dict__.pop(name, None)
+
+
+def check_sites(model, spec, paths) -> None:
+    """Validate every site of the model (wire calls it before changing anything). A family with sites is
+    registered, so the generic path's hazard checks do not run for it; dropout is checked here (each CP
+    rank would draw the same mask stream for different tokens)."""
+    if not spec.self_attention:
+        return
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for path in paths:
+        module = modules[path]
+        site = spec.self_attention.get(type(module).__name__)
+        if site is not None:
+            check_site(path, module, site, config)
+            if site.rotary_table:
+                rotary_table(model, site)
+    for path, module in modules.items():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise UnsupportedLayerError(
+                f"layer {path!r} ({type(module).__name__}) drops with p={module.p}: each CP rank draws its mask "
+                "from the same random stream, so the shards reuse one mask pattern; set the model's dropout "
+                "to 0.0 for CP training")
