@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsupportedLayerError
+from ..recurrent.registry import known_kinds
 from .spec import ArchitectureSpec
 
 # class names that carry state along the sequence: sharding them without state passing is
@@ -43,13 +44,13 @@ def stateful_layers(model, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
 
 def unsupported_message(path: str, cls: str, model_type: str | None = None) -> str:
     who = f"model_type {model_type!r}" if model_type else "this model's family"
+    kinds = known_kinds()
     return (
         f"layer {path!r} ({cls}) carries recurrent state along the sequence and {who} does not declare how to "
-        "pass it across CP ranks; sharding it would train silently wrong. ringmaster passes state exactly for "
-        "Mamba1 mixers ('mamba1'), Mamba2 mixers ('mamba2'), gated-DeltaNet layers ('gated_deltanet') and short "
-        "convolutions ('short_conv') that call the transformers kernels; another recurrence is not supported. "
-        "If the layer is one of those kinds, declare it in an ArchitectureSpec "
-        f"(recurrent_classes={{{cls!r}: 'mamba1' | 'mamba2' | 'gated_deltanet' | 'short_conv'}}) and register it with "
+        "pass it across CP ranks; sharding it would train silently wrong. ringmaster passes state exactly for the "
+        f"recurrent kinds {kinds} (ringmaster.recurrent.registry) when the layer calls the kernels its kind "
+        "intercepts; another recurrence is not supported. If the layer is one of those kinds, declare it in an "
+        f"ArchitectureSpec (recurrent_classes={{{cls!r}: <kind>}}) and register it with "
         "rm.register_architecture(spec, override=True); otherwise use a CP size of 1 for this model"
     )
 
