@@ -38,18 +38,16 @@ masks every tap that crosses a document start and each chunk is cut at its docum
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
-from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
-from .intercept import rebind_forward
+from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .naive import mamba1_dt
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
@@ -188,46 +186,12 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     return outs[0] if n == 1 else torch.cat(outs, dim=-1)
 
 
-def _route_around_fused(ctx: LayerContext, namespace: dict, name: str):
-    """``mamba_inner_fn`` (conv + scan + out_proj fused, mamba-ssm only) takes no incoming state: under CP
-    or for a packed row return None (what the torch fallback returns), so the mixer runs its unfused
-    path, which ringmaster intercepts."""
-    def call(*args, **kwargs):
-        batch = ctx.take_batch(kwargs)
-        if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
-            return None
-        return namespace[name](*args, **kwargs)
-    return call
-
 
 def wire_mamba1_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one Mamba1 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
     names = {**KERNELS, **OPTIONAL, **(names or {})}
-    namespace = inspect.unwrap(type(module).forward).__globals__
-
-    def conv(x, weight, bias=None, activation=None, **kwargs):
-        kernel = namespace[names["conv"]]
-        batch = ctx.take_batch(kwargs)
-        if ctx.probe is not None:
-            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
-        group, size, layout, _ = ctx.resolve(batch)
-        if size > 1:
-            check_call_kwargs(ctx.path, kwargs)
-        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
-
-    def scan(*args, **kwargs):
-        return cp_selective_scan(namespace[names["scan"]], ctx, *args, **kwargs)
-
-    replacements: dict[str, Any] = {
-        names["conv"]: conv,
-        names["scan"]: scan,
-        names["fused"]: _route_around_fused(ctx, namespace, names["fused"]),
-        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
-        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
-    }
-    return rebind_forward(module, ctx.path, replacements, [names[r] for r in KERNELS], guard=call_guard(ctx))
+    return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_selective_scan)
 
 
 KIND = RecurrentKind(name="mamba1", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba1_layer,

@@ -21,18 +21,16 @@ has decay 0 in its map), so state never flows from one document into the next, a
 
 from __future__ import annotations
 
-import inspect
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .naive import mamba2_dt
-from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
-from .intercept import rebind_forward
+from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
@@ -133,51 +131,13 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
 
 
-def _route_around_fused(ctx: LayerContext, namespace: dict, name: str):
-    """The fused conv+scan kernel takes no incoming state: under CP return None (what the torch
-    fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
-    def call(*args, **kwargs):
-        batch = ctx.take_batch(kwargs)
-        if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
-            return None   # under CP, or a packed row: the unfused path resets at document starts
-        return namespace[name](*args, **kwargs)
-    return call
-
-
-def _live(namespace: dict, name: str) -> Callable:
-    """The module's current kernel for ``name`` (looked up per call: a kernel swapped in later is used)."""
-    return namespace[name]
 
 
 def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one Mamba2 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
     names = {**KERNELS, **OPTIONAL, **(names or {})}
-    namespace = inspect.unwrap(type(module).forward).__globals__
-
-    def conv(x, weight, bias=None, activation=None, **kwargs):
-        kernel = _live(namespace, names["conv"])
-        batch = ctx.take_batch(kwargs)
-        if ctx.probe is not None:
-            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
-        group, size, layout, _ = ctx.resolve(batch)
-        if size > 1:
-            check_call_kwargs(ctx.path, kwargs)
-        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
-
-    def scan(*args, **kwargs):
-        return cp_mamba2_chunk_scan(_live(namespace, names["scan"]), ctx, *args, **kwargs)
-
-    replacements: dict[str, Any] = {
-        names["conv"]: conv,
-        names["scan"]: scan,
-        names["fused"]: _route_around_fused(ctx, namespace, names["fused"]),
-        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
-        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
-    }
-    return rebind_forward(module, ctx.path, replacements, [names[r] for r in KERNELS], guard=call_guard(ctx))
-
+    return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_mamba2_chunk_scan)
 
 
 KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer,

@@ -1,0 +1,56 @@
+"""Wiring shared by the Mamba mixers (Mamba1 and Mamba2): a causal conv1d followed by a scan, with
+an optional fused conv+scan kernel and cached-decoding kernels. Each kind supplies only its CP scan;
+the conv halo, the route around the fused kernel and the decode refusal are the same for both."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .intercept import rebind_forward
+
+
+def route_around_fused(ctx: LayerContext, namespace: dict, name: str):
+    """The fused conv+scan kernel (``mamba_inner_fn`` / ``mamba_split_conv1d_scan_combined``, mamba-ssm only)
+    takes no incoming state: under CP, in the wire probe, or for a packed row return None (what the torch
+    fallback returns), so the mixer takes its unfused path, which ringmaster intercepts."""
+    def call(*args, **kwargs):
+        batch = ctx.take_batch(kwargs)
+        if ctx.size > 1 or ctx.probe is not None or getattr(batch, "doc_ids", None) is not None:
+            return None
+        return namespace[name](*args, **kwargs)
+    return call
+
+
+def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[str],
+                         cp_scan: Callable[..., Any]) -> Callable[[], None]:
+    """Route one mixer instance through exact CP: ``names`` maps the roles ``conv``, ``scan``, ``fused``,
+    ``conv_update`` and ``state_update`` to the kernel names its forward calls; ``cp_scan(kernel, ctx,
+    *args, **kwargs)`` is the kind's CP scan. Kernels are looked up per call (one swapped in later is
+    used). Returns the undo."""
+    namespace = inspect.unwrap(type(module).forward).__globals__
+
+    def conv(x, weight, bias=None, activation=None, **kwargs):
+        kernel = namespace[names["conv"]]
+        batch = ctx.take_batch(kwargs)
+        if ctx.probe is not None:
+            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
+        group, size, layout, _ = ctx.resolve(batch)
+        if size > 1:
+            check_call_kwargs(ctx.path, kwargs)
+        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
+
+    def scan(*args, **kwargs):
+        return cp_scan(namespace[names["scan"]], ctx, *args, **kwargs)
+
+    replacements: dict[str, Any] = {
+        names["conv"]: conv,
+        names["scan"]: scan,
+        names["fused"]: route_around_fused(ctx, namespace, names["fused"]),
+        names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
+        names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
+    }
+    return rebind_forward(module, ctx.path, replacements, required, guard=call_guard(ctx))
