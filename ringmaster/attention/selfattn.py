@@ -217,7 +217,7 @@ def _empty_cache(site, module, path, bound) -> None:
 def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callable:
     """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
     names = site.args
-    causal = site_causal(site, module, config)
+    causal = site_causal(site, module, config) if site.causal_config else None   # else per call, from the module
 
     def forward(*args, **kwargs):
         bound = dict(zip(names, args))
