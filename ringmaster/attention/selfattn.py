@@ -14,6 +14,11 @@ unchanged. Nothing shared (the class, the transformers module, ``torch``) is pat
 The model's own mask is dropped (it was built for the local shard from the local length); the
 site declares what it encoded and the CP attention rebuilds it from global positions: causal,
 padding and packed documents (the batch), sliding windows (``window_when``/``window_config``).
+What the model derives from the local shard elsewhere is handled per family, as site data: a
+``batch_rule`` refuses a batch the family cannot run exactly (xlm's padding mask, counted on the
+shard: right padding only), a ``position_table`` gets the shard's global positions from a pre-hook
+(trocr), a ``mean_loss`` (a mean over the shard's labels) is rescaled to the global mean, and
+``cross_modules`` (idle cross-attention instances) refuse any call.
 
 These modules are called with a fixed argument list by their decoder layers, so the
 ``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
