@@ -25,7 +25,7 @@ from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
-from .attention.selfattn import check_sites, wire_sites
+from .attention.selfattn import check_sites, split_cross, wire_sites
 from .attention.ulysses import kv_replication
 from .config import LoadBalance, RingmasterConfig
 from .errors import UnsupportedLayerError
@@ -155,6 +155,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         raise ValueError(f"family {spec.name!r} supports attn_implementation in {spec.supported_inner} under CP, "
                          f"the model uses {inner!r}")
     layers = classify_layers(model, spec)
+    layers.attention, cross = split_cross(spec, layers.attention)
     check_sites(model, spec, layers.attention)
     # each attention layer's own split (per-layer head counts, MQA, tiled KV): architectures/heads.py
     splits = head_splits(model, layers.attention, tcfg, spec.num_heads_attr, spec.num_kv_heads_attr)
@@ -196,7 +197,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             # attention computed by the modules themselves: each gets its CP site; attn_implementation
             # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
             modules = dict(model.named_modules())
-            undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention}))
+            undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention},
+                                   cross={p: modules[p] for p in cross}))
         elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
             bridged, handles = bridge.install(model, layers.attention)

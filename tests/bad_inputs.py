@@ -93,8 +93,10 @@ def unknown_model(ctx):
     # an unregistered family the generic path cannot make exact is refused naming the layer
     # (gpt2's learned positions are numbered from the full row now: tests/test_position_embeddings.py)
     # (falcon, bloom, gpt_neo, roformer, ... compute attention themselves and are wired through declared
-    # sites: tests/test_selfattn.py; trocr has none)
-    _wire(ctx, model=tiny_model("trocr", "eager", num_attention_heads=4))
+    # sites: tests/test_selfattn.py, trocr too): a trocr model under a model_type no family registers is one
+    model = tiny_model("trocr", "eager", num_attention_heads=4)
+    model.config.model_type = "trocr_unregistered"
+    _wire(ctx, model=model)
 
 
 def unknown_stateful_layer(ctx):

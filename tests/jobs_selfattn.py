@@ -36,17 +36,21 @@ TINY = {
                      attention_probs_dropout_prob=0.0),
     "roformer_rv": dict(num_attention_heads=4, is_decoder=True, rotary_value=True, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0),
+    "xlm": dict(n_heads=4, n_layers=2, dropout=0.0, attention_dropout=0.0, pad_index=2),  # 2: not in the batch
+    "xlm_causal": dict(n_heads=4, n_layers=2, dropout=0.0, attention_dropout=0.0, pad_index=2, causal=True),
+    "trocr": dict(decoder_attention_heads=4, decoder_layers=2, dropout=0.0, attention_dropout=0.0,
+                  activation_dropout=0.0),
     "openai-gpt": dict(n_embd=64, n_head=4, n_layer=2, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
                        embd_pdrop=0.0),
 }
 # parameters with no gradient even without CP: cls.predictions.bias (the decoder's bias is the one used), and
-# roformer's frozen sinusoid table
-UNUSED = {"megatron-bert": 1, "roformer": 2}
+# roformer's frozen sinusoid table; trocr's idle cross-attention (encoder_attn and its layer norm, 2 layers)
+UNUSED = {"megatron-bert": 1, "roformer": 2, "trocr": 20}
 KEYS = ("loss_err", "logits_err", "grad_err", "worst_param", "n_grads", "n_params", "attention_layers", "backend")
 
 
 def model_type_of(case: str) -> str:
-    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0].split("_bidi")[0].split("_rv")[0]
+    return case.split("_gqa")[0].split("_mha")[0].split("_6h")[0].split("_bidi")[0].split("_rv")[0].split("_causal")[0]
 
 
 def _attn(case):
@@ -107,10 +111,10 @@ def not_causal():
 
     original = selfattn._call
 
-    def call(fn, module, site, slot, path, q, k, v, dropout=0.0, scale=None, alibi=None):
+    def call(fn, module, site, slot, path, q, k, v, dropout=0.0, scale=None, alibi=None, causal=None):
         def bidirectional(module, q, k, v, mask, **kwargs):
             return fn(module, q, k, v, mask, **{**kwargs, "is_causal": False})
-        return original(bidirectional, module, site, slot, path, q, k, v, dropout, scale, alibi)
+        return original(bidirectional, module, site, slot, path, q, k, v, dropout, scale, alibi, causal)
 
     return [("ringmaster.attention.selfattn", "_call", call)]
 
@@ -132,8 +136,8 @@ def one_site_unwired():
 
     original = wiring.wire_sites
 
-    def wire_sites(model, spec, binding, modules):
-        return original(model, spec, binding, dict(list(modules.items())[1:]))
+    def wire_sites(model, spec, binding, modules, **kw):
+        return original(model, spec, binding, dict(list(modules.items())[1:]), **kw)
 
     return [("ringmaster.wiring", "wire_sites", wire_sites)]
 
@@ -157,7 +161,54 @@ def ring_alibi_offset_ignored():
     return [("ringmaster.attention.ring.loop", "block_pairs", block_pairs)]
 
 
-MUTATIONS = {f.__name__: f for f in (window_ignored, scale_ignored, not_causal, causality_ignored, one_site_unwired,
+def positions_not_steered():
+    """trocr: the position table keeps the local numbering (0..S/P-1 on every rank): no pre-hook."""
+    from types import SimpleNamespace
+
+    return [("ringmaster.attention.selfattn", "_steer_positions",
+             lambda model, site, slot: SimpleNamespace(remove=lambda: None))]
+
+
+def batch_rule_skipped():
+    """xlm: no batch rule, so a row with leading pad tokens runs with each shard's local padding mask."""
+    from ringmaster.attention import selfattn
+
+    return [("ringmaster.attention.selfattn", "_check_batch", lambda *a: None)]
+
+
+def local_mean_loss():
+    """xlm / trocr: each rank's loss stays the mean over its own shard's labels."""
+    from types import SimpleNamespace
+
+    return [("ringmaster.attention.selfattn", "_global_mean_loss",
+             lambda model, site, slot, group: SimpleNamespace(remove=lambda: None))]
+
+
+def xlm_padded(ctx, case, P, backend="ulysses", left=0, real=41, S=64, mutation=None):
+    """xlm on B=2 rows (row 1: ``left`` pad tokens, ``real`` tokens, pad tokens up to ``S``; input_ids are
+    pad_index where attention_mask is 0) against the same padded batch without CP (XLMModel's own
+    padding mask is the truth). Returns the errors, or ``{"raised": (type, message)}``."""
+    model_type = model_type_of(case)
+    batch = padded_rows(128, S, left, real)
+    batch["input_ids"][batch["attention_mask"] == 0] = 2   # XLMConfig.pad_index
+    cfg = rm.RingmasterConfig(size=P, backend=backend)
+    try:
+        with applied(mutation) if mutation else _nothing():
+            r = compare(model_type, cfg, device_mesh=ctx.mesh(P), fp64=True, batch=batch,
+                        attn_implementation="eager", **TINY[case])
+    except Exception as exc:  # the test asserts on the type and message
+        return {"raised": (type(exc).__name__, str(exc))}
+    finally:
+        rm.teardown()
+    return {k: r[k] for k in KEYS}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+MUTATIONS = {f.__name__: f for f in (window_ignored, positions_not_steered, batch_rule_skipped, local_mean_loss, scale_ignored, not_causal, causality_ignored, one_site_unwired,
                                      rotary_at_local_positions,
                                      alibi_slopes_not_sliced, ring_alibi_offset_ignored)}
 

@@ -148,19 +148,62 @@ def test_unwired_site_fails_first_forward_accounting(pool):
         assert "first-forward accounting" in msg and "transformer.h.0.self_attention" in msg, msg
 
 
-@pytest.mark.parametrize("model_type,layer", [("xlm", "XLMModel")])
-def test_families_without_a_site_are_refused_naming_the_layer(model_type, layer):
-    from transformers import AutoConfig
+# xlm (bidirectional by default, causal=True too) and trocr: separate q/k/v sites; trocr's position table gets
+# the shard's global positions, both losses (local means) are rescaled to the global mean
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("case", ["xlm", "trocr"])
+def test_xlm_trocr_exact(pool, case, backend, P):
+    check(pool.run(js.parity, case, P, backend))
 
-    spec = rm.get_architecture(AutoConfig.for_model(model_type))
-    assert spec.refuse and layer in spec.refuse, spec
+
+@pytest.mark.parametrize("case,backend,P", [("xlm_causal", "ring", 4), ("xlm", "ulysses", 2), ("xlm", "ring", 4)])
+def test_xlm_right_padded_exact(pool, case, backend, P):
+    """Right-padded rows (pad tokens where attention_mask is 0): XLMModel's shard-local padding mask is
+    still the row's (valid tokens come first on every shard), against the padded batch without CP."""
+    results = pool.run(js.xlm_padded, case, P, backend, 0)
+    for r in results:
+        assert "raised" not in r, r
+    check(results)
 
 
-def test_trocr_refused_by_the_generic_path_naming_the_layer():
-    model = tiny_model("trocr", attn_implementation="eager", num_attention_heads=4)
-    layer = r"'model\.decoder\.layers\.0\.self_attn' \(TrOCRAttention\)"
-    with pytest.raises(UnsupportedLayerError, match=layer + ".*attention interface"):
-        rm.get_architecture(model)
+def test_xlm_leading_pad_refused(pool):
+    """A row with pad tokens before real ones: refused (on every rank alike) before the CP attention."""
+    for r in pool.run(js.xlm_padded, "xlm", 2, "ring", 3):
+        kind, msg = r["raised"]
+        assert kind == "NotImplementedError" and "pad_index=2" in msg and "transformer.attentions.0" in msg, msg
+
+
+def test_xlm_batch_rule_skipped_is_caught(pool):
+    for r in pool.run(js.xlm_padded, "xlm", 2, "ring", 3, mutation="batch_rule_skipped"):
+        assert "raised" not in r, r
+        assert r["logits_err"] > DETECT and r["grad_err"] > DETECT, r
+
+
+def test_trocr_positions_not_steered_is_caught(pool):
+    _assert_wrong(pool.run(js.mutated_parity, "positions_not_steered", "trocr", 2, "ulysses"))
+
+
+def test_local_mean_loss_is_caught(pool):
+    """Without the rescale, the group's mean of per-shard means is not the batch mean (logits unchanged)."""
+    for r in pool.run(js.mutated_parity, "local_mean_loss", "xlm", 4, "ring"):
+        assert r["clean"]["loss_err"] <= TOL, r["clean"]
+        # the tiny batch's shards hold similar label counts: the loss moves little (measured 3e-4), gradients by 0.3
+        assert r["mutated"]["loss_err"] > 100 * TOL and r["mutated"]["grad_err"] > DETECT, r["mutated"]
+
+
+def test_trocr_sinusoidal_positions_and_cross_attention_refused():
+    from ringmaster.architectures.selfattn import TROCR
+    from ringmaster.attention import selfattn
+
+    model = tiny_model("trocr", attn_implementation="eager", **{**js.TINY["trocr"],
+                                                                "use_learned_position_embeddings": False})
+    with pytest.raises(UnsupportedLayerError, match=r"embed_positions.*position_ids"):
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
+    paths = ["model.decoder.layers.0.self_attn", "model.decoder.layers.0.encoder_attn"]
+    assert selfattn.split_cross(TROCR, paths) == (paths[:1], paths[1:])
+    with pytest.raises(NotImplementedError, match="encoder_attn.*cross-attention"):
+        selfattn._refuse_cross(paths[1])(None, (), {})
 
 
 def test_falcon_alibi_and_output_attentions_refused():

@@ -13,7 +13,6 @@ import sys
 
 import torch
 
-from .generic import refuse
 from .spec import ArchitectureSpec, SelfAttentionSite, register_architecture
 
 # falcon: FalconAttention calls torch.nn.functional.scaled_dot_product_attention itself while its config
@@ -124,10 +123,83 @@ ROFORMER = register_architecture(ArchitectureSpec(
         "rotary_apply": "apply_rotary_position_embeddings", "rotary_value_attr": "rotary_value"})},
     notes="BERT-style; rotary table looked up at the shard's global positions",
 ))
-# trocr is left to the generic path, which refuses TrOCRAttention (attention outside the interface); a site
-# would not be enough: TrOCRDecoder numbers its position embeddings from the local input and takes no
-# position_ids. xlm's MultiHeadAttention would fit a fused_qkv site; what stops it is elsewhere:
-XLM = refuse(("xlm",), (
-    "XLMModel derives each row's length and its padding mask from the local input_ids (tokens equal to "
-    "pad_index), which under CP describe the shard, not the row (its MultiHeadAttention itself could run "
-    "through a SelfAttentionSite). Use a CP size of 1"))
+# trocr: BART-style separate q/k/v (query scaled by head_dim**-0.5), out_proj, causal; TrOCRDecoder numbers its
+# learned position table from 0 over the *local* input and takes no position_ids: the site's pre-hook on that
+# table passes this shard's global positions (the table's own forward accepts them)
+TROCR = register_architecture(ArchitectureSpec(
+    name="trocr", model_types=("trocr",), attention_classes=("TrOCRAttention",),
+    self_attention={"TrOCRAttention": SelfAttentionSite(
+        kind="fused_qkv", args=("hidden_states", "key_value_states", "cache", "attention_mask", "output_attentions"),
+        qkv=("q_proj", "k_proj", "v_proj"), out="out_proj", heads_attr="num_heads",
+        cross_arg="key_value_states", refuse_kwargs=_NO_CACHE, position_table="embed_positions",
+        cross_modules=("encoder_attn",), mean_loss=".",
+        refuse_config=(("dropout", _DROP), ("config.dropout", _DROP), ("config.activation_dropout", _DROP),
+                       ("config.decoder_layerdrop", "decoder layerdrop skips layers at random per rank; set it "
+                                                    "to 0.0")))},
+    notes="fused_qkv site (separate q/k/v); learned position table given the shard's global positions",
+))
+
+
+def _xlm_batch(batch, kwargs, config) -> None:
+    """Refuse an xlm batch its CP run would not match exactly.
+
+    XLMModel zeroes the hidden states of positions ``>= lengths`` (``lengths``: the count of non-pad
+    tokens in the row it sees, or the given ``attention_mask``); under CP it sees the shard. When
+    every row's pad tokens are trailing, a shard's non-pad tokens come first in both layouts
+    (contiguous; head_tail's head chunk precedes its tail chunk, and a row is padded only after its
+    head chunk is full), so the shard's count gives exactly the row's mask there. Its non-causal
+    attention masks pad keys: the batch must then say where they are (an ``attention_mask`` equal
+    to ``input_ids != pad_index``). Packed rows: XLMModel attends across documents on one device,
+    the CP attention would not."""
+    if kwargs.get("lengths") is not None:
+        raise NotImplementedError("XLMModel got `lengths`, which under CP would be compared with the shard's "
+                                  "local positions; pass an attention_mask instead")
+    rows = batch.rows
+    if rows is None:
+        raise NotImplementedError("the batch brought its own position_ids, so ringmaster cannot see the full "
+                                  "rows' pad tokens XLMModel derives its padding mask from; pass the batch "
+                                  "without position_ids")
+    ids, mask = rows["input_ids"], rows["attention_mask"]
+    if ids is None:
+        if mask is not None and bool((mask == 0).any()):
+            raise NotImplementedError("XLMModel with inputs_embeds and a padding attention_mask: under CP the "
+                                      "shard's mask cannot be rebuilt; pass input_ids")
+        real = None
+    else:
+        real = ids != config.pad_index
+        after = (real[:, 1:] & ~real[:, :-1]).nonzero()
+        if after.numel():
+            row, pos = (int(x) for x in after[0])
+            raise NotImplementedError(
+                f"row {row} has a pad token (pad_index={config.pad_index}) before a real token at position "
+                f"{pos + 1}: XLMModel counts pad tokens to mask the row's last positions, which a CP shard cannot "
+                "reproduce; pad rows on the right only (tokenizer padding_side='right')")
+        if mask is not None and not torch.equal(mask != 0, real):
+            raise NotImplementedError(f"the attention_mask differs from input_ids != pad_index ({config.pad_index})"
+                                      ": under CP XLMModel masks by its pad tokens; pass a mask that matches them")
+        if mask is None and not config.causal and not bool(real.all()):
+            raise NotImplementedError("right-padded rows without an attention_mask: XLM's bidirectional attention "
+                                      "masks the pad keys, so the CP attention needs the batch's attention_mask")
+    docs = batch.doc_ids
+    if docs is not None:
+        docs = docs.expand(real.shape if real is not None else docs.shape)
+        split = (docs != docs[:, :1]) if real is None else ((docs != docs[:, :1]) & real)
+        if bool(split.any()):
+            raise NotImplementedError("packed rows: XLMModel attends across the documents of a row on one device "
+                                      "(it reads no position_ids restarts), which the CP attention would not; "
+                                      "train xlm on unpacked rows")
+
+
+# xlm: MultiHeadAttention with separate q_lin/k_lin/v_lin (query scaled by head_dim**-0.5), out_lin; causal iff
+# config.causal; XLMModel always passes a fresh (empty) cache; the batch rule keeps its padding mask exact
+XLM = register_architecture(ArchitectureSpec(
+    name="xlm", model_types=("xlm",), attention_classes=("MultiHeadAttention",),
+    self_attention={"MultiHeadAttention": SelfAttentionSite(
+        kind="fused_qkv", args=("input", "mask", "kv", "cache", "output_attentions"),
+        qkv=("q_lin", "k_lin", "v_lin"), out="out_lin", heads_attr="n_heads", causal_config="causal",
+        cross_arg="kv", empty_cache_arg="cache", refuse_kwargs=("output_attentions",), batch_rule=_xlm_batch,
+        mean_loss="pred_layer", refuse_config=(
+            ("dropout", _DROP), ("config.dropout", _DROP),
+            ("config.asm", "an adaptive softmax head's loss is a mean over the local shard; use asm=False")))},
+    notes="fused_qkv site (separate q/k/v); causal per config; right-padded rows only (batch rule)",
+))

@@ -43,7 +43,18 @@ class SelfAttentionSite:
       the model looked up for the *local* length (roformer: ``rotary_arg`` = ``sinusoidal_pos``): the site
       looks the table (the module at path suffix ``rotary_table``) up at the shard's global positions
       instead and applies it with the module's own ``rotary_apply`` (to v too when the module attribute
-      ``rotary_value_attr`` is set).
+      ``rotary_value_attr`` is set). ``causal_config``: a config bool that says whether the model attends
+      causally (xlm's ``causal``), read at wire time; ``empty_cache_arg``: a forward argument the model
+      always fills with a fresh cache (xlm): allowed while it holds nothing; ``batch_rule``: ``(batch,
+      model kwargs, config) -> None``, raising for a batch the family cannot run exactly under CP
+      (checked per forward before the CP attention); ``position_table``: a position embedding module
+      (path suffix) whose forward takes ``position_ids`` but is called without them (trocr): a forward
+      pre-hook passes it this shard's global positions; ``mean_loss``: a module (path suffix) called
+      ``(x, labels)`` that returns ``(loss, ...)`` with the loss a mean over its *local* labels != -100
+      (xlm's ``pred_layer``): under CP its loss is rescaled to ``sum * P / (global count)``, so the mean
+      over the CP group is the single-device mean. ``cross_modules``: attribute names of the instances of
+      this class that are cross-attention (trocr's ``encoder_attn``, idle in a causal LM): left out of
+      the attention layers and refused if called under CP.
 
     The model's own mask is dropped: it was built for the local shard. What it encoded must be
     declared here and is rebuilt from global positions: causal (always), padding / packed documents
@@ -81,6 +92,12 @@ class SelfAttentionSite:
     rotary_table: str = ""
     rotary_apply: str = ""
     rotary_value_attr: str = ""
+    causal_config: str = ""
+    empty_cache_arg: str = ""
+    batch_rule: Any = None
+    position_table: str = ""
+    mean_loss: str = ""
+    cross_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

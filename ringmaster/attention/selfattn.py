@@ -14,6 +14,11 @@ unchanged. Nothing shared (the class, the transformers module, ``torch``) is pat
 The model's own mask is dropped (it was built for the local shard from the local length); the
 site declares what it encoded and the CP attention rebuilds it from global positions: causal,
 padding and packed documents (the batch), sliding windows (``window_when``/``window_config``).
+What the model derives from the local shard elsewhere is handled per family, as site data: a
+``batch_rule`` refuses a batch the family cannot run exactly (xlm's padding mask, counted on the
+shard: right padding only), a ``position_table`` gets the shard's global positions from a pre-hook
+(trocr), a ``mean_loss`` (a mean over the shard's labels) is rescaled to the global mean, and
+``cross_modules`` (idle cross-attention instances) refuse any call.
 
 These modules are called with a fixed argument list by their decoder layers, so the
 ``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
@@ -26,11 +31,13 @@ attention raises.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from ..comm import all_reduce_sum
 from ..errors import UnsupportedLayerError
 from ..recurrent import intercept
 from ..sharding import balancers
@@ -46,9 +53,11 @@ class BatchSlot:
 
     def __init__(self):
         self.batch = None
+        self.kwargs: dict = {}
 
     def capture(self, module, args, kwargs):
         self.batch = kwargs.get(BATCH_KWARG)
+        self.kwargs = kwargs   # what a site's batch_rule reads (xlm's `lengths`)
 
 
 class _Namespace:
@@ -97,7 +106,10 @@ def check_site(path: str, module, site, config) -> None:
     """Raise, before anything changes, what the site cannot run exactly for this module."""
     where = _where(path, module)
     for attr, reason in site.refuse_config:
-        owner, label = (module, "") if hasattr(module, attr) else (config, "config.")
+        if attr.startswith("config."):   # the config's, even where the module has an attribute of that name
+            owner, label, attr = config, "config.", attr[len("config."):]
+        else:
+            owner, label = (module, "") if hasattr(module, attr) else (config, "config.")
         if getattr(owner, attr, None):
             raise UnsupportedLayerError(f"{where}: {label}{attr}={getattr(owner, attr)!r} is not supported under CP: "
                                         f"{reason}")
@@ -123,14 +135,19 @@ def check_site(path: str, module, site, config) -> None:
         raise ValueError(f"SelfAttentionSite(kind={site.kind!r}) for {where}: use 'method', 'sdpa' or 'fused_qkv'")
 
 
-def site_causal(site, module) -> bool:
-    """Whether the module attends causally (``causal_attr``: a module bool such as BERT's ``is_decoder``)."""
+def site_causal(site, module, config=None) -> bool:
+    """Whether the module attends causally (``causal_attr``: a module bool such as BERT's ``is_decoder``;
+    ``causal_config``: a config bool such as xlm's ``causal``)."""
+    if site.causal_config:
+        return bool(getattr(config, site.causal_config))
     return bool(getattr(module, site.causal_attr, True)) if site.causal_attr else True
 
 
-def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None):
+def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None,
+          causal=None):
     """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
-    kwargs = {BATCH_KWARG: slot.batch, "is_causal": site_causal(site, module), "dropout": dropout,
+    causal = site_causal(site, module) if causal is None else causal
+    kwargs = {BATCH_KWARG: slot.batch, "is_causal": causal, "dropout": dropout,
               "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
     if alibi is not None:
         kwargs["alibi_slopes"] = alibi
@@ -175,13 +192,43 @@ def _global_rotary(site, module, table, slot, path, q, k, v):
     return (*apply(table_rows, q, k), v)
 
 
-def _fused_qkv(fn, module, site, slot, path, table=None) -> Callable:
+def _check_batch(site, module, slot, path, config) -> None:
+    """The family's ``batch_rule`` on this forward's batch (once per batch; every rank holds the same
+    full rows, so every rank raises alike, before the CP attention's first collective)."""
+    cpb = slot.batch
+    if site.batch_rule is None or cpb is None:
+        return
+    key = ("batch_rule", id(site))
+    if key not in cpb._cache:
+        try:
+            site.batch_rule(cpb, slot.kwargs, config)
+        except (NotImplementedError, ValueError) as exc:
+            raise type(exc)(f"{_where(path, module)}: {exc}") from None
+        cpb._cache[key] = True
+
+
+def _empty_cache(site, module, path, bound) -> None:
+    cache = bound.get(site.empty_cache_arg) if site.empty_cache_arg else None
+    if cache is None:
+        return
+    length = getattr(cache, "get_seq_length", None)
+    if length is None or length() != 0:
+        raise NotImplementedError(
+            f"{_where(path, module)} was called with a {site.empty_cache_arg} holding past tokens "
+            f"({type(cache).__name__}): ringmaster CP runs training forwards over whole rows; call the model "
+            "without a filled cache")
+
+
+def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callable:
     """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
     names = site.args
+    causal = site_causal(site, module, config) if site.causal_config else None   # else per call, from the module
 
     def forward(*args, **kwargs):
         bound = dict(zip(names, args))
         bound.update(kwargs)
+        _empty_cache(site, module, path, bound)
+        _check_batch(site, module, slot, path, config)
         for name in site.refuse_kwargs:
             if bound.get(name) is not None and bound.get(name) is not False:
                 raise NotImplementedError(
@@ -209,7 +256,8 @@ def _fused_qkv(fn, module, site, slot, path, table=None) -> Callable:
         if site.rotary_arg and bound.get(site.rotary_arg) is not None:  # its local lookup is not used
             q, k, v = _global_rotary(site, module, table, slot, path, q, k, v)
         slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
-        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes).transpose(1, 2).reshape(B, S, -1)
+        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes, causal=causal)
+        out = out.transpose(1, 2).reshape(B, S, -1)
         if site.out:
             out = getattr(module, site.out)(out)
         if site.residual_arg:
@@ -248,12 +296,30 @@ def _guard(site, path, module):
     return guard
 
 
-def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callable[[], None]:
+def split_cross(spec, paths: list[str]) -> tuple[list[str], list[str]]:
+    """``paths`` without, and the list of, the cross-attention instances the sites name (``cross_modules``)."""
+    names = {n for site in spec.self_attention.values() for n in site.cross_modules}
+    cross = [p for p in paths if p.rsplit(".", 1)[-1] in names]
+    return [p for p in paths if p not in cross], cross
+
+
+def _refuse_cross(path):
+    def pre(module, args, kwargs):
+        raise NotImplementedError(f"{_where(path, module)} is cross-attention over encoder states, which ringmaster "
+                                  "CP does not run (it shards one self-attended sequence); use the model as a causal "
+                                  "LM without encoder_hidden_states, or a CP size of 1")
+    return pre
+
+
+def wire_sites(model, spec, binding: AttentionBinding, modules: dict, cross: dict | None = None) -> Callable[[], None]:
     """Give every attention module of ``modules`` (path -> module) whose class ``spec.self_attention``
-    names its CP site; returns the undo (also run here if any step fails)."""
+    names its CP site; the ``cross`` instances (path -> module) refuse any call. Returns the undo (also
+    run here if any step fails)."""
     fn = cp_attention(binding)
     slot = BatchSlot()
     undos: list = []
+    config = _config(model)
+    tables = set()
     try:
         for path, module in modules.items():
             site = spec.self_attention.get(type(module).__name__)
@@ -263,7 +329,7 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
                 name, replacement = site.method, _method(fn, module, site, slot, path)
             elif site.kind == "fused_qkv":
                 table = rotary_table(model, site) if site.rotary_table else None
-                name, replacement = "forward", _fused_qkv(fn, module, site, slot, path, table)
+                name, replacement = "forward", _fused_qkv(fn, module, site, slot, path, table, config)
             if site.kind in ("method", "fused_qkv"):
                 setattr(module, name, replacement)
                 setattr(module, _TAG, path)
@@ -272,6 +338,14 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
                 undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, slot, path),
                                                       ("scaled_dot_product_attention",),
                                                       guard=_guard(site, path, module), tag=_TAG))
+            if site.position_table and site.position_table not in tables:
+                tables.add(site.position_table)
+                undos.append(_steer_positions(model, site, slot).remove)
+            if site.mean_loss and site.mean_loss not in tables:
+                tables.add(site.mean_loss)
+                undos.append(_global_mean_loss(model, site, slot, binding.cp_group).remove)
+        for path, module in (cross or {}).items():
+            undos.append(module.register_forward_pre_hook(_refuse_cross(path), with_kwargs=True).remove)
         undos.append(model.register_forward_pre_hook(slot.capture, with_kwargs=True).remove)
     except BaseException:
         for undo in reversed(undos):
@@ -282,6 +356,93 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict) -> Callabl
         for undo in reversed(undos):
             undo()
     return restore
+
+
+def _config(model):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def position_table(model, site):
+    """The module at path suffix ``site.position_table`` (exactly one), whose forward takes ``position_ids``."""
+    found = [(p, m) for p, m in model.named_modules()
+             if p == site.position_table or p.endswith("." + site.position_table)]
+    if len(found) != 1:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: {len(found)} modules at path suffix {site.position_table!r} (the position "
+            "embedding its SelfAttentionSite names); ringmaster needs exactly one to number it globally")
+    path, module = found[0]
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        raise UnsupportedLayerError(
+            f"layer {path!r} ({type(module).__name__}) takes no position_ids (e.g. a sinusoidal table numbered "
+            "from the local input), so ringmaster cannot give it this shard's global positions; use a CP size of 1 "
+            "or a config with learned position embeddings")
+    return path, module
+
+
+def _steer_positions(model, site, slot):
+    """A forward pre-hook on the model's position table: ``position_ids`` = this shard's global positions
+    (``arange`` of the whole row, cut in the batch's layout: the numbering the model uses itself on one
+    device, where it numbers the local input from 0). Without a CP batch it passes nothing (the CP attention
+    then refuses the forward)."""
+    path, module = position_table(model, site)
+
+    def pre(mod, args, kwargs):
+        cpb = slot.batch
+        if cpb is None:
+            return None
+        if kwargs.get("cache_length", 0) or (len(args) > 1 and args[1]):
+            raise NotImplementedError(f"layer {path!r} ({type(mod).__name__}) was called with a cache length: "
+                                      "ringmaster CP runs training forwards without a KV cache")
+        ref = args[0] if args else kwargs.get("input_ids")
+        positions = balancers.shard_positions(cpb.seq_len, cpb.size, cpb.rank, cpb.layout, device=mod.weight.device)
+        if ref is not None and ref.shape[1] != positions.shape[0]:
+            raise RuntimeError(f"layer {path!r}: {ref.shape[1]} tokens, but the batch's shard has "
+                               f"{positions.shape[0]} positions")
+        return args, {**kwargs, "position_ids": positions}
+
+    return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def _global_mean_loss(model, site, slot, group):
+    """A forward hook on the module that returns a mean loss over its *local* labels != -100 (``mean_loss``:
+    a path suffix, called ``(x, labels)`` and returning ``(loss, scores, ...)``; or ``"."``: the wired model
+    itself, called with ``labels=`` and returning ``.loss`` / ``.logits``). Under CP that mean is over this
+    shard's labels only, so the group's mean of the ranks' losses would weigh every shard alike; rescale it
+    to ``local sum * P / global count`` (the count summed over the CP group: the module runs on every rank).
+    A shard without a label returns 0 (its mean is NaN)."""
+    top = site.mean_loss == "."
+    path, module = ("", model) if top else _one(model, site.mean_loss, "loss module")
+
+    def post(mod, args, kwargs, output):
+        cpb = slot.batch
+        labels = kwargs.get("labels") if top else (args[1] if len(args) > 1 else None)
+        if isinstance(output, tuple):
+            loss, scores = (output[0], output[1]) if len(output) > 1 else (None, None)
+        else:
+            loss, scores = getattr(output, "loss", None), getattr(output, "logits", None)
+        if cpb is None or labels is None or loss is None:
+            return None
+        local = labels.ne(-100).sum()
+        total = all_reduce_sum(local, group, tag=f"{path or type(model).__name__} loss count")
+        if int(local) == 0:
+            loss = scores.sum() * 0.0
+        else:
+            loss = loss * (local.to(loss.dtype) * cpb.size / total.to(loss.dtype))
+        if isinstance(output, tuple):
+            return (loss,) + tuple(output[1:])
+        output["loss"] = loss
+        return output
+
+    return module.register_forward_hook(post, with_kwargs=True)
+
+
+def _one(model, suffix, what):
+    found = [(p, m) for p, m in model.named_modules() if p == suffix or p.endswith("." + suffix)]
+    if len(found) != 1:
+        raise UnsupportedLayerError(f"{type(model).__name__}: {len(found)} modules at path suffix {suffix!r} (the "
+                                    f"{what} its SelfAttentionSite names); ringmaster needs exactly one")
+    return found[0]
 
 
 def rotary_table(model, site):
@@ -315,6 +476,10 @@ def check_sites(model, spec, paths) -> None:
             check_site(path, module, site, config)
             if site.rotary_table:
                 rotary_table(model, site)
+            if site.position_table:
+                position_table(model, site)
+            if site.mean_loss and site.mean_loss != ".":
+                _one(model, site.mean_loss, "loss module")
     for path, module in modules.items():
         if isinstance(module, nn.Dropout) and module.p > 0:
             raise UnsupportedLayerError(
