@@ -13,7 +13,6 @@ indexing, autograd edges), so the sites run forward only and the model's own for
 from __future__ import annotations
 
 import contextlib
-import math
 from types import SimpleNamespace
 
 import torch

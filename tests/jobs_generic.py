@@ -3,7 +3,6 @@ first-forward accounting guard (run on every rank of the pool)."""
 
 from __future__ import annotations
 
-import copy
 
 import torch
 

@@ -171,8 +171,6 @@ def positions_not_steered():
 
 def batch_rule_skipped():
     """xlm: no batch rule, so a row with leading pad tokens runs with each shard's local padding mask."""
-    from ringmaster.attention import selfattn
-
     return [("ringmaster.attention.selfattn", "_check_batch", lambda *a: None)]
 
 
