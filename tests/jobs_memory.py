@@ -65,6 +65,13 @@ def _eager_flex(attn: str):
         yield
 
 
+# Each S is measured REPEATS times and the smallest peak kept: a collective's input buffer is released when
+# gloo's background thread drops its reference, so whether it is still alive at the peak op varies from run
+# to run (measured: one extra [2, B, H, S/P, D] all-to-all input, +18% on a flex row, in 1 run of 3). A term
+# quadratic in S is there in every run, so the minimum keeps it.
+REPEATS = 2
+
+
 def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa", cfg_kwargs=None,
                 backward: bool = True):
     """Peak bytes of tensors alive at once during one CP forward+backward on this rank, per S.
@@ -93,13 +100,17 @@ def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa",
             _step(model, batch_of(kind, vocab, sizes[0]), backward)
         for S in sizes:
             batch = batch_of(kind, vocab, S)
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            with _eager_flex(attn), track_tensor_memory() as mem:
-                _step(model, batch, backward)
-            rows.append({"S": S, "peak": mem.peak_bytes, "peak_op": mem.peak_op,
-                         "largest": mem.largest_bytes, "largest_op": mem.largest_op,
-                         "largest_wide": mem.largest_wide_bytes, "largest_wide_op": mem.largest_wide_op})
+            best = None
+            for _ in range(REPEATS):
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+                with _eager_flex(attn), track_tensor_memory() as mem:
+                    _step(model, batch, backward)
+                row = {"S": S, "peak": mem.peak_bytes, "peak_op": mem.peak_op,
+                       "largest": mem.largest_bytes, "largest_op": mem.largest_op,
+                       "largest_wide": mem.largest_wide_bytes, "largest_wide_op": mem.largest_wide_op}
+                best = row if best is None or row["peak"] < best["peak"] else best
+            rows.append(best)
     finally:
         rm.unwire(model)
         rm.teardown()

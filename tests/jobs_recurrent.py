@@ -396,12 +396,13 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
 def packed_hybrid_without_resets(ctx, model_type, P, doc_lens, strategy="scan"):
     """Negative control: the same packed comparison with the recurrent layers' document resets switched
     off (state and conv halo flow across document starts; attention stays packed-exact)."""
-    from ringmaster.recurrent import gated_deltanet as linear_attn, mamba2 as mamba
+    from ringmaster.recurrent import gated_deltanet as linear_attn, mamba2 as mamba, mixer
 
-    saved = [(mod, name, getattr(mod, name)) for mod in (mamba, linear_attn)
-             for name in ("with_documents", "conv_documents")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in
+             ((mamba, "with_documents"), (linear_attn, "with_documents"), (mixer, "conv_documents"),
+              (linear_attn, "conv_documents"))]
     mamba.with_documents = linear_attn.with_documents = lambda segments, docs: list(segments)
-    mamba.conv_documents = linear_attn.conv_documents = lambda *args: None
+    mixer.conv_documents = linear_attn.conv_documents = lambda *args: None   # the Mamba mixers' conv: mixer.py
     try:
         return packed_hybrid_parity(ctx, model_type, P, strategy, "ulysses", None, doc_lens)
     finally:
