@@ -46,11 +46,12 @@ def padded_parity(ctx, model_type, P, strategy="scan", backend="ulysses", S=64, 
 
 
 def drop_short_conv_documents():
-    """``ringmaster.recurrent.short_conv.conv_documents``: the document ids never reach the short conv,
-    so its taps (and the halo) reach across document starts in a packed row."""
-    from ringmaster.recurrent import short_conv
+    """``ringmaster.recurrent.conv.conv_documents``: the document ids never reach the short conv (whose
+    kernel wrapper, ``conv.cp_conv_kernel``, looks them up there), so its taps (and the halo) reach across
+    document starts in a packed row."""
+    from ringmaster.recurrent import conv
 
-    return jm._patch(short_conv, "conv_documents", lambda *args: None)
+    return jm._patch(conv, "conv_documents", lambda *args: None)
 
 
 def drop_gated_delta_scan_state():

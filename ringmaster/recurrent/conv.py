@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather
+from .context import LayerContext, check_call_kwargs
 from .documents import global_documents
 from .scan import chunk_ids, split_local, tie
 
@@ -147,3 +148,22 @@ def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bia
     halo = ctx.probe.state("conv", (*x.shape[:-1], width), x.dtype, x.device)
     return conv_with_halo(kernel, x, x.new_zeros(*x.shape[:-1], width) if halo is None else halo, weight, bias,
                           activation, **kwargs)
+
+
+def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
+    """``causal_conv1d_fn`` for one wired layer (a short conv, a Mamba mixer's conv): the halo of the
+    previous shard, no tap across a document start, the layer's own kernel (looked up per call) on
+    ``[halo | chunk]``; the wire probe's call goes to :func:`probe_conv`."""
+    def conv(x, weight, bias=None, activation=None, **kwargs):
+        kernel = namespace[name]
+        batch = ctx.take_batch(kwargs)
+        if ctx.probe is not None:
+            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
+        group, size, layout, _ = ctx.resolve(batch)
+        if size > 1:
+            check_call_kwargs(ctx.path, kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k != "seq_idx"}
+        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
+    return conv
+

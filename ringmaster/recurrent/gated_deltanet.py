@@ -30,7 +30,7 @@ import torch
 
 import torch.distributed as dist
 
-from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from .documents import local_documents, with_documents
 from .intercept import rebind_forward
@@ -133,22 +133,11 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
     names = {**KERNELS, **OPTIONAL, **(names or {})}
     namespace = inspect.unwrap(type(module).forward).__globals__
 
-    def conv(x, weight, bias=None, activation=None, **kwargs):
-        batch = ctx.take_batch(kwargs)
-        if ctx.probe is not None:
-            return probe_conv(ctx, namespace[names["conv"]], x, weight, bias, activation, **kwargs)
-        group, size, layout, _ = ctx.resolve(batch)
-        if size > 1:
-            check_call_kwargs(ctx.path, kwargs)
-        return cp_causal_conv1d(namespace[names["conv"]], x, weight, bias, activation,
-                                group=group if size > 1 else None, layout=layout,
-                                docs=conv_documents(batch, ctx.path, size, x), **kwargs)
-
     def rule(*args, **kwargs):
         return cp_chunk_gated_delta_rule(namespace[names["scan"]], ctx, *args, **kwargs)
 
     replacements: dict[str, Any] = {
-        names["conv"]: conv,
+        names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),
         names["scan"]: rule,
         names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
         names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),

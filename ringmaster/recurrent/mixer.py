@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
-from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .context import LayerContext, call_guard, decode_only_without_cp
+from .conv import cp_conv_kernel
 from .intercept import rebind_forward
 
 
@@ -32,22 +32,11 @@ def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[
     used). Returns the undo."""
     namespace = inspect.unwrap(type(module).forward).__globals__
 
-    def conv(x, weight, bias=None, activation=None, **kwargs):
-        kernel = namespace[names["conv"]]
-        batch = ctx.take_batch(kwargs)
-        if ctx.probe is not None:
-            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
-        group, size, layout, _ = ctx.resolve(batch)
-        if size > 1:
-            check_call_kwargs(ctx.path, kwargs)
-        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
-
     def scan(*args, **kwargs):
         return cp_scan(namespace[names["scan"]], ctx, *args, **kwargs)
 
     replacements: dict[str, Any] = {
-        names["conv"]: conv,
+        names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),
         names["scan"]: scan,
         names["fused"]: route_around_fused(ctx, namespace, names["fused"]),
         names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),

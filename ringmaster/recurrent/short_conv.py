@@ -28,31 +28,14 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .context import LayerContext, check_call_kwargs, decode_only_without_cp
-from .conv import conv_documents, cp_causal_conv1d, probe_conv
+from .context import LayerContext, decode_only_without_cp
+from .conv import cp_conv_kernel
 from .intercept import rebind_forward
 from .kind import RecurrentKind
 
 # role -> the module-level name transformers' short-conv layers call (a family spec may rename them)
 KERNELS = {"conv": "causal_conv1d_fn"}
 OPTIONAL = {"conv_update": "causal_conv1d_update"}
-
-
-def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
-    """``causal_conv1d_fn`` for one wired layer: the halo of the previous shard, no tap across a
-    document start, the layer's own kernel (looked up per call) on ``[halo | chunk]``."""
-    def conv(x, weight, bias=None, activation=None, **kwargs):
-        kernel = namespace[name]
-        batch = ctx.take_batch(kwargs)
-        if ctx.probe is not None:
-            return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
-        group, size, layout, _ = ctx.resolve(batch)
-        if size > 1:
-            check_call_kwargs(ctx.path, kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None or k != "seq_idx"}
-        return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
-    return conv
 
 
 def _call_guard(ctx: LayerContext, forward: Callable) -> Callable[[tuple, dict], None]:
