@@ -79,6 +79,22 @@ def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
         undo()
 
 
+def fla_cp_refused_for(ctx, model_type) -> str:
+    """``wire`` with ``recurrent="fla_cp"`` on a model whose recurrent kind does not offer it: the error."""
+    import ringmaster as rm
+    from ringmaster.testing.parity import tiny_model
+
+    model = tiny_model(model_type)
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses", recurrent="fla_cp"), device_mesh=ctx.mesh(2))
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return "wired"
+
+
 # --------------------------------------------------------------------------- mutations
 
 

@@ -78,6 +78,28 @@ def test_sequential_hands_the_state_to_mamba_chunk_scan_combined(standin_pool):
     check_fp64(standin_pool.run(jk.parity, "mamba2", "sequential"), FAMILIES["mamba2"])
 
 
+@pytest.mark.parametrize("case", [("qwen3_5_text", False), ("qwen3_5_text", True), ("kimi_linear", False)],
+                         ids=lambda c: f"{c[0]}-{'packed' if c[1] else 'dense'}")
+def test_fla_cp_strategy_with_the_standin(standin_pool, case):
+    """``recurrent="fla_cp"``: each row through FLA's ``cp_context`` (the stand-in's gathers the stream;
+    the real FLA's exchange of states is a GPU check, benchmarks/gpu_check.py)."""
+    model_type, packed = case
+    check_fp64(standin_pool.run(jk.parity, model_type, "fla_cp", packed), FAMILIES[model_type])
+
+
+def test_fla_cp_is_refused_where_it_cannot_run(standin_pool):
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from ringmaster.recurrent.fla_cp import unavailable_reason
+
+    # this process has no flash-linear-attention: transformers resolved the torch fallback
+    reason = unavailable_reason(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    assert reason and "not flash-linear-attention's" in reason, reason
+    for err in standin_pool.run(jk.fla_cp_refused_for, "mamba2"):
+        assert "UnsupportedLayerError" in err and "does not offer recurrent='fla_cp'" in err, err
+        assert "gated_deltanet" in err and "kda" in err, err
+
+
 MARGIN = 100
 
 

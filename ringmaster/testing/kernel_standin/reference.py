@@ -8,8 +8,14 @@ the real package function's signature and return convention; the packages under 
 from __future__ import annotations
 
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from ...comm import all_gather
 
 __ringmaster_standin__ = True
 
@@ -206,9 +212,12 @@ def check_fla_call(name: str, q, k, v, beta, initial_state, cu_seqlens, kwargs: 
     """The argument checks the real FLA entry points make (and what the stand-in does not emulate)."""
     if "head_first" in kwargs:
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
-    if kwargs.get("cp_context") is not None:
-        raise NotImplementedError(f"stand-in {name}: FLA's context-parallel path (cp_context) is not emulated; "
-                                  "it is a GPU check (benchmarks/gpu_check.py)")
+    cp_context = kwargs.get("cp_context")
+    if cp_context is not None:
+        assert initial_state is None, "Initial state is not supported for CP"
+        assert not kwargs.get("output_final_state"), "Output final state is not supported for CP"
+        assert cp_context.cu_seqlens is not None, "cu_seqlens is required for CP"
+        cu_seqlens = cp_context.cu_seqlens
     for flag in ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "state_v_first", "return_intermediate_states",
                  "safe_gate", "transpose_state_layout"):
         if kwargs.get(flag):
@@ -237,9 +246,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """FLA's ``chunk_gated_delta_rule`` (0.5.x): returns ``(o [B, T, HV, V], final_state [N, HV, K, V] | None)``."""
     check_fla_call("chunk_gated_delta_rule", q, k, v, beta, initial_state, cu_seqlens,
                    {**kwargs, "cp_context": cp_context, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
-                    "state_v_first": state_v_first}, (16, 32, 64))
+                    "state_v_first": state_v_first, "output_final_state": output_final_state}, (16, 32, 64))
     if scale is None:
         scale = k.shape[-1] ** -0.5
+    if cp_context is not None:
+        return cp_delta_rule(cp_context, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     return delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
@@ -252,8 +263,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     check_fla_call("chunk_kda", q, k, v, beta, initial_state, cu_seqlens,
                    {**kwargs, "cp_context": cp_context, "use_gate_in_kernel": use_gate_in_kernel,
                     "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel, "safe_gate": safe_gate,
-                    "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first},
-                   (32, 64))
+                    "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+                    "output_final_state": output_final_state}, (32, 64))
     if initial_state is not None and initial_state.dtype not in (torch.float32, torch.float64):
         # upstream: ``assert initial_state.dtype == torch.float32`` (float64 exists only in the stand-in)
         raise AssertionError("initial_state must be in float32.")
@@ -267,8 +278,66 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         raise AssertionError(f"beta must have shape [B, T, HV]={[Bsz, T, HV]}, got {list(beta.shape)}")
     if scale is None:
         scale = K ** -0.5
+    if cp_context is not None:
+        return cp_delta_rule(cp_context, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     return delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-__all__ = ["causal_conv1d_fn", "selective_scan_fn", "mamba_chunk_scan_combined", "chunk_gated_delta_rule",
+# --------------------------------------------------------------------------- FLA's context parallelism
+
+
+@dataclass
+class FLACPContext:
+    """``fla.ops.cp.FLACPContext``'s fields (rank-local ``cu_seqlens``); ``global_cu_seqlens`` is the
+    stand-in's own: its kernels gather the whole stream instead of exchanging states."""
+
+    group: Any = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    is_last_rank: bool | None = None
+    pre_num_ranks: int | None = None
+    is_first_rank: bool | None = None
+    post_num_ranks: int | None = None
+    conv1d_kernel_size: int | None = None
+    pre_num_conv_tokens: int | None = None
+    global_cu_seqlens: torch.Tensor | None = None
+
+
+def build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=None) -> FLACPContext:
+    """``fla.ops.cp.build_cp_context``: the global ``cu_seqlens`` of a batch-1 stream split into equal
+    contiguous parts over ``group``; this rank's local ``cu_seqlens``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).to(torch.long)
+    total = int(cu[-1])
+    if total < world:
+        raise ValueError(f"`total_tokens` ({total}) must be at least `world_size` ({world}) for context parallelism.")
+    if total % world:
+        raise ValueError(f"`total_tokens` ({total}) must be divisible by `world_size` ({world}) for context "
+                         "parallelism.")
+    part = total // world
+    local = (cu.clamp(min=part * rank, max=part * (rank + 1)) - part * rank).unique_consecutive().to(torch.int32)
+    return FLACPContext(group=group, cu_seqlens=local.to(cu_seqlens.device), cu_seqlens_cpu=local,
+                        conv1d_kernel_size=conv1d_kernel_size, global_cu_seqlens=cu)
+
+
+def cp_delta_rule(cp_context: FLACPContext, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """The chunk kernels with ``cp_context``: this rank's outputs of the whole stream (batch 1), exact, by
+    gathering every rank's part (differentiably) and running the rule over the global ``cu_seqlens``.
+    A test double of FLA's CP semantics, not of its state exchange."""
+    if q.shape[0] != 1:
+        raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+                         "Please flatten variable-length inputs before processing.")
+    group = cp_context.group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    T = q.shape[1]
+    if int(cp_context.global_cu_seqlens[-1]) != T * world:
+        raise ValueError(f"cp_context describes {int(cp_context.global_cu_seqlens[-1])} tokens, the ranks hold "
+                         f"{world} x {T}")
+    full = [torch.cat(list(all_gather(x.contiguous(), group, tag="standin_fla_cp")), dim=1)
+            for x in (q, k, v, g, beta)]
+    o, _ = delta_rule(*full, scale, None, False, use_qk_l2norm_in_kernel, cp_context.global_cu_seqlens)
+    return o[:, rank * T:(rank + 1) * T], None
+
+
+__all__ = ["FLACPContext", "build_cp_context", "causal_conv1d_fn", "selective_scan_fn", "mamba_chunk_scan_combined", "chunk_gated_delta_rule",
            "chunk_kda"]
