@@ -75,7 +75,7 @@ class RingImpl(_StrEnum):
     HF_KERNELS = "hf_kernels"
 
 
-RECURRENT_CHOICES = ("auto", "scan", "sequential")
+RECURRENT_CHOICES = ("auto", "scan", "sequential", "fla_cp")   # fla_cp: gated DeltaNet / KDA only
 
 
 def _divisors(n: int) -> list[int]:
