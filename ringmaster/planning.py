@@ -60,7 +60,7 @@ def alternative(heads: int, kv_heads: int, head_dim: int, seq: int, ulysses: int
         if rotate == "allgather":
             bwd += (r - 1) * kv_block_fp32
         else:
-            bwd += (r - 1) * kv_block + r * kv_block_fp32
+            bwd += (r - 1) * kv_block + (r - 1) * kv_block_fp32  # dK/dV: P-1 hops, the owner's share stays home
     if r == 1:
         resident = kv_block
     elif rotate == "allgather":
