@@ -41,12 +41,15 @@ COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single
 
 
 class DelayedWork:
-    """A request whose ``wait()`` returns no earlier than ``ready_at`` (``time.perf_counter`` seconds)."""
+    """A request whose ``wait()`` returns no earlier than ``ready_at`` (``time.perf_counter`` seconds);
+    its first ``wait()`` is logged in ``links.events`` as ``("wait", call)``."""
 
-    def __init__(self, inner, ready_at: float):
-        self.inner, self.ready_at = inner, ready_at
+    def __init__(self, inner, ready_at: float, links: "Links | None" = None, call: int = -1):
+        self.inner, self.ready_at, self.links, self.call = inner, ready_at, links, call
 
     def wait(self, *args, **kwargs):
+        if self.links is not None:
+            self.links.log("wait", self.call)
         result = self.inner.wait(*args, **kwargs)
         left = self.ready_at - time.perf_counter()
         if left > 0:
@@ -69,10 +72,38 @@ class Links:
     p2p_ops: int = 0
     collective_ops: int = 0
     issued_at: list = dataclasses.field(default_factory=list)  # (perf_counter, op name) per delayed call
+    # the order of what happened: ("issue", call), ("wait", call) (first wait of a p2p call's requests),
+    # and whatever a test logs itself (``log("compute", ...)`` from a wrapped kernel): overlap evidence
+    # that does not depend on a quiet machine
+    events: list = dataclasses.field(default_factory=list)
+    _waited: set = dataclasses.field(default_factory=set, repr=False)
+
+    def log(self, kind: str, what=None) -> None:
+        if kind == "wait":
+            if what in self._waited:
+                return
+            self._waited.add(what)
+        self.events.append((kind, what))
 
     def reset(self) -> None:
         self.p2p_ops = self.collective_ops = 0
         self.issued_at.clear()
+        self.events.clear()
+        self._waited.clear()
+
+    def hops_without_compute(self, compute: str = "compute") -> list[int]:
+        """The p2p calls with no ``compute`` event between their issue and their first wait."""
+        bare, open_calls = [], {}
+        for kind, what in self.events:
+            if kind == "issue":
+                open_calls[what] = False
+            elif kind == compute:
+                for call in open_calls:
+                    open_calls[call] = True
+            elif kind == "wait" and what in open_calls:
+                if not open_calls.pop(what):
+                    bare.append(what)
+        return bare
 
 
 _LOCK = threading.Lock()
@@ -85,8 +116,10 @@ def _p2p(fn, links: Links):
         issued = time.perf_counter()
         works = fn(*args, **kwargs)
         links.p2p_ops += 1
+        call = len(links.issued_at)
         links.issued_at.append((issued, fn.__name__))
-        return [DelayedWork(w, issued + links.p2p_s) for w in works]
+        links.log("issue", call)
+        return [DelayedWork(w, issued + links.p2p_s, links, call) for w in works]
 
     return delayed
 
