@@ -11,13 +11,17 @@ returns no earlier than X after it was issued; a collective sleeps X after it ra
 * ``calls``: p2p exchanges + collectives a rank issued in one step (counted by the injector);
 * ``step s``: median over reps of the slowest rank's step;
 * ``no-overlap s``: the step at X=0 plus ``calls * X``, what the step would cost if no hop overlapped;
-* ``hidden``: ``1 - (step(X) - step(0)) / (calls * X)``, the share of the injected latency the
-  schedule hid (the p2p ring should hide most of it while X is below ``block ms``, the forward
-  compute of one ring step);
-* ``model s`` / ``err``: ``ringmaster.step_model.predict`` with the kernel's rate and backward factor
-  measured here (every rank times one full block of the ring's kernel at once, so the cores are
-  shared as in the run) and the link's bandwidth measured (one exchange of a K/V block) and its
-  latency set to X;
+* ``hidden``: ``1 - growth / (calls * X)``, the share of the injected latency the schedule hid, where
+  ``growth`` is the median over reps of ``step(X) - step(0)`` within a rep (the reps run every X in
+  turn, so a drifting machine load cancels); the p2p ring should hide most of it while X is below the
+  block compute printed above the table (the forward compute of one ring step; a backward step
+  computes several times longer);
+* ``model s`` / ``err``: ``ringmaster.step_model.predict`` with the link's bandwidth measured (one
+  exchange of a K/V block), its latency set to X, the backward/forward factor of the block kernel
+  measured here (every rank times one full block at once, so the cores are shared as in the run), and
+  the compute rate fitted per system on its X=0 row ("fit": the block rate alone, printed above the
+  table, misses the merge, packing and scheduling costs); the X > 0 rows check how the model charges
+  and overlaps the latency;
 * ``same``: the output equals the X=0 output bit for bit (the delay changes no result).
 
 The slowest rank's step at X=0 is mostly compute. On a loaded 2-core machine P=4 shares two cores
@@ -111,27 +115,31 @@ def job(ctx, P, S, H, Hkv, D, latencies, reps):
     g = torch.Generator().manual_seed(r)
     n = S // P
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (H, Hkv, Hkv))
+    def step(fn, X):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        dist.barrier(group=group)
+        with inject_latency(p2p_ms=X, collective_ms=X) as links:
+            start = time.perf_counter()
+            o = fn(*leaves)
+            o.sum().backward()
+            elapsed = time.perf_counter() - start
+        result = torch.cat([o.detach().flatten()] + [t.grad.flatten() for t in leaves])
+        return elapsed, links.p2p_ops + links.collective_ops, result
+
     rows = {}
     for name, (split, fn) in systems.items():
-        ref = None
+        _, _, ref = step(fn, 0.0)  # warm-up, and the reference result
         for X in latencies:
-            times, calls, same = [], 0, True
-            for i in range(reps + (1 if X == latencies[0] else 0)):
-                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-                dist.barrier(group=group)
-                with inject_latency(p2p_ms=X, collective_ms=X) as links:
-                    start = time.perf_counter()
-                    o = fn(*leaves)
-                    o.sum().backward()
-                    elapsed = time.perf_counter() - start
-                calls = links.p2p_ops + links.collective_ops
-                result = torch.cat([o.detach().flatten()] + [t.grad.flatten() for t in leaves])
-                if ref is None:
-                    ref = result
-                same = same and torch.equal(result, ref)
-                if X != latencies[0] or i:  # the first run of a system warms up
-                    times.append(elapsed)
-            rows[(name, X)] = dict(split=split, times=times, calls=calls, same=same)
+            rows[(name, X)] = dict(split=split, times=[], calls=0, same=True)
+        # rep-major, the latencies in alternating order: a machine whose load drifts shifts every X of a
+        # rep alike, and the per-rep differences step(X) - step(0) cancel it
+        for i in range(reps):
+            for X in (latencies if i % 2 == 0 else latencies[::-1]):
+                elapsed, calls, result = step(fn, X)
+                row = rows[(name, X)]
+                row["times"].append(elapsed)
+                row["calls"] = calls
+                row["same"] = row["same"] and torch.equal(result, ref)
     return dict(rows=rows, flops=flops, bwd_factor=bwd_factor, bw=bw)
 
 
@@ -146,24 +154,37 @@ def table(P, S, H, Hkv, D, results, latencies) -> list[str]:
     block_ms = 2 * 4.0 * H * (S // (2 * P)) ** 2 * D / flops * 1e3  # one ring step forward: two full pairs
     lines = [f"P={P}: kernel {flops / 1e9:.1f} GFLOP/s forward per rank, backward x{bwd_factor:.2f}, "
              f"link {bw / 1e9:.2f} GB/s; ring p2p block compute (one step forward) {block_ms:.1f} ms"]
+    fits = []
     for name in dict.fromkeys(n for n, _ in rows0):
         base = None
+        u, r, rotate = rows0[(name, latencies[0])]["split"]
+        # a step waits for its slowest rank: per rep, the max over ranks
+        slowest = {X: [max(res["rows"][(name, X)]["times"][i] for res in results)
+                       for i in range(len(rows0[(name, X)]["times"]))] for X in latencies}
         for X in latencies:
-            # a step waits for its slowest rank: per rep, the max over ranks; then the median over reps
-            per_rep = [max(res["rows"][(name, X)]["times"][i] for res in results)
-                       for i in range(len(rows0[(name, X)]["times"]))]
-            t = statistics.median(per_rep)
+            t = statistics.median(slowest[X])
+            grown = statistics.median(a - b for a, b in zip(slowest[X], slowest[latencies[0]]))
             calls = max(res["rows"][(name, X)]["calls"] for res in results)
             same = all(res["rows"][(name, X)]["same"] for res in results)
-            base = t if base is None else base
+            if base is None:
+                base = t
+                # the model's compute rate for this system: the block kernel's, rescaled so that the
+                # X=0 step matches (merge, packing and the runtime's share of two cores are in it); the
+                # rows with X > 0 then check how the model charges and overlaps the latency
+                rate = flops
+                for _ in range(20):
+                    rate *= predict(shape, Hardware(rate, Link(bw, 0.0), bwd_factor=bwd_factor), u, r, rotate).total / t
+                first = predict(shape, Hardware(flops, Link(bw, 0.0), bwd_factor=bwd_factor), u, r, rotate).total
+                fits.append(f"{name}: {rate / 1e9:.1f} GFLOP/s effective (the block rate alone predicts "
+                            f"{first:.3f} s at X=0, measured {t:.3f} s)")
             no_overlap = base + calls * X / 1e3
-            hidden = (1 - (t - base) / (calls * X / 1e3)) if X else float("nan")
-            u, r, rotate = rows0[(name, X)]["split"]
-            pred = predict(shape, Hardware(flops, Link(bw, X / 1e3), bwd_factor=bwd_factor), u, r, rotate)
-            err = pred.total / t - 1
+            hidden = (1 - grown / (calls * X / 1e3)) if X else float("nan")
+            pred = predict(shape, Hardware(rate, Link(bw, X / 1e3), bwd_factor=bwd_factor), u, r, rotate)
+            err = f"{pred.total / t - 1:+.0%}" if X else "fit"
             lines.append(f"| {P} | {name} | {X:g} | {calls} | {t:.3f} | {no_overlap:.3f} | "
-                         f"{'-' if X == 0 else f'{hidden:.0%}'} | {pred.total:.3f} | {err:+.0%} | "
+                         f"{'-' if X == 0 else f'{hidden:.0%}'} | {pred.total:.3f} | {err} | "
                          f"{'yes' if same else 'NO'} |")
+    lines[0] += "\n  " + "\n  ".join(fits)
     return lines
 
 
@@ -175,7 +196,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--sizes", default="2,4")
     parser.add_argument("--latency-ms", default="0,2,5,10,20")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     latencies = [float(x) for x in args.latency_ms.split(",")]
     if latencies[0] != 0:
