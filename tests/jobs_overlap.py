@@ -77,6 +77,7 @@ def ring_under_latency(ctx, P, latency_ms, compute_ms=0.0, reps=1, S=32, H=4, Hk
             kernel.links = None
         events = list(links.events)
         calls = links.p2p_ops
+        hidden = 1 - links.exposed_s / (calls * latency_ms / 1e3)
         bare = links.hops_without_compute()
     # one exchange waited at once costs the whole latency
     buf = torch.ones(4)
@@ -93,7 +94,7 @@ def ring_under_latency(ctx, P, latency_ms, compute_ms=0.0, reps=1, S=32, H=4, Hk
     err = max([(out - ref.detach()[..., idx, :]).abs().max().item()]
               + [(g - t.grad[..., idx, :]).abs().max().item() for g, t in zip(grads, leaves)])
     same = torch.equal(out, base[-1][1]) and all(torch.equal(a, b) for a, b in zip(grads, base[-1][2]))
-    return dict(t0=min(b[0] for b in base), t=min(d[0] for d in delayed), calls=calls, bare=bare,
+    return dict(t0=min(b[0] for b in base), t=min(d[0] for d in delayed), calls=calls, bare=bare, hidden=hidden,
                 events=events, same=same, err=err, sync_hop=sync_hop,
                 probe_ok=bool(torch.equal(got, torch.ones(4) * ((r - 1) % P))))
 

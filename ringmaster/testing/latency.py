@@ -44,12 +44,15 @@ class DelayedWork:
     """A request whose ``wait()`` returns no earlier than ``ready_at`` (``time.perf_counter`` seconds);
     its first ``wait()`` is logged in ``links.events`` as ``("wait", call)``."""
 
-    def __init__(self, inner, ready_at: float, links: "Links | None" = None, call: int = -1):
-        self.inner, self.ready_at, self.links, self.call = inner, ready_at, links, call
+    def __init__(self, inner, ready_at: float, links: "Links | None" = None, call: int = -1, delay: float = 0.0):
+        self.inner, self.ready_at, self.links, self.call, self.delay = inner, ready_at, links, call, delay
 
     def wait(self, *args, **kwargs):
         if self.links is not None:
             self.links.log("wait", self.call)
+        entered = time.perf_counter()
+        if self.links is not None:  # the part of the latency window the caller did not fill with work
+            self.links.exposed_s += max(0.0, min(self.ready_at - entered, self.delay))
         result = self.inner.wait(*args, **kwargs)
         left = self.ready_at - time.perf_counter()
         if left > 0:
@@ -71,6 +74,9 @@ class Links:
     collective_s: float
     p2p_ops: int = 0
     collective_ops: int = 0
+    # injected latency not covered by work: per call, the part of [issue, issue + X] after its first
+    # wait() began (a collective: all of X). Peer lag does not count, only this rank's schedule does.
+    exposed_s: float = 0.0
     issued_at: list = dataclasses.field(default_factory=list)  # (perf_counter, op name) per delayed call
     # the order of what happened: ("issue", call), ("wait", call) (first wait of a p2p call's requests),
     # and whatever a test logs itself (``log("compute", ...)`` from a wrapped kernel): overlap evidence
@@ -87,6 +93,7 @@ class Links:
 
     def reset(self) -> None:
         self.p2p_ops = self.collective_ops = 0
+        self.exposed_s = 0.0
         self.issued_at.clear()
         self.events.clear()
         self._waited.clear()
@@ -119,7 +126,7 @@ def _p2p(fn, links: Links):
         call = len(links.issued_at)
         links.issued_at.append((issued, fn.__name__))
         links.log("issue", call)
-        return [DelayedWork(w, issued + links.p2p_s, links, call) for w in works]
+        return [DelayedWork(w, issued + links.p2p_s, links, call, links.p2p_s) for w in works]
 
     return delayed
 
@@ -132,10 +139,11 @@ def _collective(fn, links: Links):
         links.collective_ops += 1
         links.issued_at.append((issued, fn.__name__))
         if kwargs.get("async_op"):
-            return DelayedWork(result, issued + links.collective_s)
+            return DelayedWork(result, issued + links.collective_s, links, -1, links.collective_s)
         left = issued + links.collective_s - time.perf_counter()
         if left > 0:
             time.sleep(left)
+        links.exposed_s += links.collective_s
         return result
 
     return delayed
