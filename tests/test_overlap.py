@@ -8,10 +8,9 @@ of computing, with a generous margin. benchmarks/overlap.py measures the real th
 import jobs_overlap
 import pytest
 
+import ringmaster as rm
 from ringmaster.config import auto_select
 from ringmaster.step_model import Hardware, Link, Shape, auto_select_modelled, predict, step_cost
-
-import ringmaster as rm
 
 
 def test_latency_is_hidden_and_results_unchanged(pool):
