@@ -174,7 +174,8 @@ def _submodule_without_package_init(package: str, module: str):
         return importlib.import_module(f"{package}.{module}")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise Skip(f"{package} not installed; pip install -e '.[bench]'")
+        raise Skip(f"{package} not importable (ModuleNotFoundError: No module named '{package}'); "
+                   "pip install -e '.[bench]'")
     bare = types.ModuleType(package)
     bare.__path__, bare.__spec__ = list(spec.submodule_search_locations), spec
     saved = sys.modules.get(package)
