@@ -629,9 +629,35 @@ def peers_table(rows: list[dict]) -> str:
         lines.append(f"{r['P']:>2} {r['system']:<24} {r['class']:<7} {r['kernel']:<14} {r['err']:>11.1e} "
                      f"{fmt_bytes(r['fwd_bytes']):>10} {fmt_bytes(r['bwd_bytes']):>10} {fmt_bytes(rec):>10} "
                      f"{fmt_bytes(r['saved_bytes']):>10} {r['time']:>8.3f} {ratio}")
+    verdicts = peers_verdict(rows)
+    if verdicts:
+        lines += ["", f"ringmaster vs the fastest correct peer (max rel err <= {CORRECT:.0e}) of its class; "
+                      f"target <= {TARGET:.2f}x:"] + verdicts
     if skipped:
         lines += ["", "not run here:"] + list(dict.fromkeys(skipped))
     return "\n".join(lines)
+
+
+CORRECT = 1e-4   # a peer row counts as a correct answer below this max relative error
+TARGET = 1.05    # issue 18: ringmaster within 1.05x of the fastest peer of its class
+
+
+def peers_verdict(rows: list[dict]) -> list[str]:
+    """One line per (P, class): ringmaster's fastest system against the fastest correct peer.
+    Wrong peers (fp32 aliasing in ring-flash-attn / yunchang ring) are left out of the race."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    for P, cls in dict.fromkeys((r["P"], r["class"]) for r in ok):
+        mine = [r for r in ok if r["P"] == P and r["class"] == cls and r["system"] in RINGMASTER_SYSTEMS]
+        peers = [r for r in ok if r["P"] == P and r["class"] == cls and r["system"] not in RINGMASTER_SYSTEMS
+                 and not r["system"].startswith("baseline") and r["err"] <= CORRECT]
+        if not mine or not peers:
+            continue
+        a, b = min(mine, key=lambda r: r["time"]), min(peers, key=lambda r: r["time"])
+        x = a["time"] / b["time"]
+        out.append(f"  P={P} {cls:<7} {a['system']} {a['time']:.3f}s vs {b['system']} {b['time']:.3f}s: "
+                   f"{x:.2f}x {'(within target)' if x <= TARGET else '(NOT within target)'}")
+    return out
 
 
 PEER_CSV_FIELDS = ("P", "system", "class", "kernel", "status", "S", "H", "Hkv", "D", "err", "fwd_bytes", "bwd_bytes",
@@ -650,12 +676,13 @@ def write_peers_png(rows: list[dict], path: str) -> str:
         return f"matplotlib is not installed: skipped the plot {path} (pip install matplotlib)"
     ok = [r for r in rows if r["status"] == "ok"]
     fig, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in dict.fromkeys(r["system"] for r in ok):
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(dict.fromkeys(r["system"] for r in ok)):
         sub = sorted((r for r in ok if r["system"] == name), key=lambda r: r["P"])
-        style = "-" if name in RINGMASTER_SYSTEMS else "--"
+        style = dict(linestyle="-" if name in RINGMASTER_SYSTEMS else "--", marker="o", color=colors[i % 20])
         Ps = [r["P"] for r in sub]
-        ax_time.plot(Ps, [r["time"] for r in sub], style, marker="o", label=name)
-        ax_bytes.plot(Ps, [(r["fwd_bytes"] + r["bwd_bytes"]) / 2**20 for r in sub], style, marker="o", label=name)
+        ax_time.plot(Ps, [r["time"] for r in sub], label=name, **style)
+        ax_bytes.plot(Ps, [(r["fwd_bytes"] + r["bwd_bytes"]) / 2**20 for r in sub], label=name, **style)
     r0 = rows[0] if rows else {}
     for ax, ylabel, title in ((ax_time, "fwd+bwd step, slowest rank (s)", "step time vs P"),
                               (ax_bytes, "sent per rank, fwd+bwd (MiB)", "bytes vs P (c10d ops)")):
@@ -664,7 +691,7 @@ def write_peers_png(rows: list[dict], path: str) -> str:
         ax.set_title(f"{title}, S={r0.get('S')}")
         ax.set_xticks(sorted({r["P"] for r in ok}) or [2])
         ax.grid(True, alpha=0.3)
-    ax_bytes.legend(fontsize=7)
+    ax_bytes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
