@@ -615,18 +615,18 @@ def peers_table(rows: list[dict]) -> str:
              f"batch=1, fwd+bwd, slowest rank's median step. Sent: bytes per rank at the c10d op level (every "
              f"collective, any library); rm rec: ringmaster's own record. vs rm: step time over the fastest "
              f"ringmaster system of the same class (ulysses / ring) and P.", ""]
-    header = (f"{'P':>2} {'system':<24} {'class':<7} {'kernel':<14} {'max rel err':>11} {'fwd sent':>10} "
+    header = (f"{'P':>2} {'system':<26} {'class':<7} {'kernel':<14} {'max rel err':>11} {'fwd sent':>10} "
               f"{'bwd sent':>10} {'rm rec f+b':>10} {'saved/rank':>10} {'median s':>8} {'vs rm':>6}")
     lines += [header, "-" * len(header)]
     skipped = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"{r['P']:>2} {r['system']:<24} {r['class']:<7} {r['status']}: see below")
+            lines.append(f"{r['P']:>2} {r['system']:<26} {r['class']:<7} {r['status']}: see below")
             skipped.append(f"  P={r['P']} {r['system']}: {r['reason']}")
             continue
         rec = (r["rm_fwd_bytes"] or 0) + (r["rm_bwd_bytes"] or 0) if r.get("rm_fwd_bytes") is not None else None
         ratio = f"{r['ratio']:>6.2f}" if r.get("ratio") is not None else f"{'-':>6}"
-        lines.append(f"{r['P']:>2} {r['system']:<24} {r['class']:<7} {r['kernel']:<14} {r['err']:>11.1e} "
+        lines.append(f"{r['P']:>2} {r['system']:<26} {r['class']:<7} {r['kernel']:<14} {r['err']:>11.1e} "
                      f"{fmt_bytes(r['fwd_bytes']):>10} {fmt_bytes(r['bwd_bytes']):>10} {fmt_bytes(rec):>10} "
                      f"{fmt_bytes(r['saved_bytes']):>10} {r['time']:>8.3f} {ratio}")
     verdicts = peers_verdict(rows)
