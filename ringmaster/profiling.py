@@ -585,12 +585,12 @@ def _c10d_sent(op: str, args: tuple) -> tuple[str, int]:
     if op in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"):
         _, size = _pg_rank_size(a[2])
         return "all_reduce", 2 * _tensor_bytes(a[0]) * (size - 1) // size
-    if op == "broadcast_":  # (tensors, pg, root_rank, ...)
-        rank, size = _pg_rank_size(a[1])
-        return "broadcast", _tensor_bytes(a[0]) * (size - 1) if rank == a[2] else 0
-    if op in ("broadcast", "broadcast_") and len(a) == 3:  # functional: (input, src, group_name)
+    if op in ("broadcast", "broadcast_") and isinstance(a[1], int):  # functional: (input, src, group_name)
         rank, size = _pg_rank_size(a[2])
         return "broadcast", _tensor_bytes(a[0]) * (size - 1) if rank == a[1] else 0
+    if op == "broadcast_":  # c10d: (tensors, pg, root_rank, root_tensor, ...)
+        rank, size = _pg_rank_size(a[1])
+        return "broadcast", _tensor_bytes(a[0]) * (size - 1) if rank == a[2] else 0
     if op == "reduce_":  # (tensors, pg, op, root_rank, ...)
         rank, _ = _pg_rank_size(a[1])
         return "reduce", 0 if rank == a[3] else _tensor_bytes(a[0])

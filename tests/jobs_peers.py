@@ -29,12 +29,26 @@ def c10d_count_job(ctx, P: int):
         ops = [dist.P2POp(dist.isend, x, peers[0], group), dist.P2POp(dist.irecv, y, peers[1], group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()                                                           # x once
+        dist.broadcast(x.clone(), src=dist.get_global_rank(group, 0), group=group)  # the root: x to P-1 peers
         leaf = x.clone().requires_grad_(True)
         (funcol.all_to_all_single_autograd(leaf, None, None, group) * 2).sum().backward()  # (P-1)/P fwd and bwd
-    return {(r.kind, r.phase): seen.total_bytes(r.kind, r.phase) for r in seen.records}, x.numel() * F32
+    return {(r.kind, r.phase): seen.total_bytes(r.kind, r.phase) for r in seen.records}, x.numel() * F32, me
 
 
 def peers_tiny_job(ctx, P: int, systems):
+    """peers_job on tiny shapes; also what the peers left behind in this (shared) process."""
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
     from ringmaster.bench import peers_job
 
-    return peers_job(ctx, P, 64, 4, 2, 8, 1, systems)
+    out = peers_job(ctx, P, 64, 4, 2, 8, 1, systems)
+    if out is not None:
+        cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        dispatcher = DTensor._op_dispatcher
+        out["_left"] = {"cp handler": cpu_op in dispatcher._custom_op_handlers,
+                        "cp strategy": cpu_op in dispatcher.sharding_propagator.op_strategy_funcs,
+                        "flash_attn": getattr(sys.modules.get("flash_attn"), "STANDIN", None) is not None,
+                        "sdpa patched": torch.nn.functional.scaled_dot_product_attention.__name__ != "scaled_dot_product_attention"}
+    return out
