@@ -17,11 +17,11 @@ raises :class:`Skip` with the reason (not installed, a shape it refuses).
   whose Hugging Face adapter fails to import against transformers 5) and **yunchang** (Ulysses,
   zigzag ring): they call ``flash_attn``; they are imported inside
   :func:`ringmaster.testing.flash_standin.package.as_flash_attn`, which makes the CPU flash
-  stand-in importable as ``flash_attn`` for that import only. Their ring backward converts the
-  dq/dk/dv block buffers with ``.to(torch.float32)``, which for fp32 inputs returns the buffer
-  itself (no copy): the next block's backward overwrites the accumulator, so their fp32 gradients
-  are wrong (the table's error column shows it; in bf16, their target dtype, ``.to`` copies). Not
-  patched: the table reports what the library computes.
+  stand-in importable as ``flash_attn`` for that import only. Their ring backward starts the dq
+  accumulator as ``dq_buffer.to(torch.float32)``, which for fp32 inputs returns the block buffer
+  itself (no copy): the next block's backward overwrites it, so their fp32 dq is wrong (the
+  table's error column shows it; dk/dv are right; in bf16, their target dtype, or fp64, ``.to``
+  copies and dq is right). Not patched: the table reports what the library computes.
 """
 
 from __future__ import annotations
