@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 
-
 from jobs_peers import c10d_count_job, peers_tiny_job
 
 
