@@ -152,14 +152,19 @@ def check_fla_mixer(module, path: str, kind: str | None = None) -> str:
         raise UnsupportedLayerError(
             f"{where}: activation {view.activation!r} makes FLA's Mamba2 run nn.Conv1d itself, past the conv "
             "kernel ringmaster gives the previous shard's halo; use hidden_act silu, or leave CP off")
-    for name in RAW_WEIGHTS[found]:
-        sub = getattr(view, name, None)
-        if getattr(sub, "base_layer", None) is not None:
+    _check_raw_weights(view, where, found)
+    return found
+
+
+def _check_raw_weights(view, where: str, kind: str) -> None:
+    """No adapter (PEFT's layers hold the wrapped one as ``base_layer``) on a module whose weight FLA's
+    kernel path reads directly: it would be dropped, silently, on the path ringmaster runs."""
+    for name in RAW_WEIGHTS[kind]:
+        if getattr(getattr(view, name, None), "base_layer", None) is not None:
             raise UnsupportedLayerError(
                 f"{where}: an adapter wraps {name}, whose weight FLA's kernel path reads directly "
                 f"({name}.weight), so the adapter would be dropped on the GPU path ringmaster runs; target "
-                "in_proj / out_proj" + (" / x_proj" if found == "mamba1" else "") + " instead")
-    return found
+                "in_proj / out_proj" + (" / x_proj" if kind == "mamba1" else "") + " instead")
 
 
 def _torch_fallback(kind: str, name: str):
@@ -335,6 +340,7 @@ def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Call
             raise RuntimeError(f"{ctx.path}: {replaced} of its FLA view were replaced after ringmaster wired it "
                                "(axolotl binding its hub kernels late?); the state passing would be bypassed. "
                                "Unwire, rebuild or re-bind, then wire again")
+        _check_raw_weights(view, f"layer {ctx.path!r}", kind)   # an adapter added after wiring
         guard((hidden_states, *args), kwargs)
         if kwargs.get("_axolotl_segments") is not None and ctx.batch is not None:
             _documents_dropped(ctx, kwargs.pop("_axolotl_segments"))
