@@ -66,16 +66,24 @@ def build(bind: bool = True):
 
 
 def lora(targets=("in_proj", "out_proj")):
-    """PEFT LoRA on the mixers' projections (random A and B: no gradient is structurally zero)."""
+    """PEFT LoRA on the mixers' projections (random A and B: no gradient is structurally zero). axolotl's
+    FLA backend lets PEFT target in_proj / out_proj only (its wrapper of PEFT's Mamba target check); a
+    Mamba1 ``x_proj`` target goes through PEFT's own check instead (ringmaster keeps x_proj adapters live)."""
     def prepare(model):
-        from peft import LoraConfig, get_peft_model
+        from unittest import mock
 
-        get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets),
-                                         init_lora_weights=False))
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners import tuners_utils
+
+        check = tuners_utils._check_lora_target_modules_mamba
+        with mock.patch.object(tuners_utils, "_check_lora_target_modules_mamba",
+                               getattr(check, "__wrapped__", check) if "x_proj" in targets else check):
+            get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets),
+                                             init_lora_weights=False))
     return prepare
 
 
-def fla_parity(ctx, model_type, P=2, packed=False, peft=False, bind=True, seq_len=24, mutate=None, layers=1):
+def fla_parity(ctx, model_type, P=2, packed=False, peft=(), bind=True, seq_len=24, mutate=None, layers=1):
     """fp64 parity of the FLA-backed model under CP (Ulysses, contiguous) against the same model without CP:
     loss, logits, every parameter's gradient against its own norm. ``packed``: one packed row (the
     reference is axolotl's own packed path: position_ids -> its per-document split). ``mutate``: a
@@ -91,7 +99,7 @@ def fla_parity(ctx, model_type, P=2, packed=False, peft=False, bind=True, seq_le
     try:
         r = compare(model_type, cfg, seq_len=seq_len, device_mesh=mesh, build=build(bind), fp64=True,
                     attn_implementation="eager",
-                    prepare=lora() if peft else None, batch=batch, num_hidden_layers=layers)
+                    prepare=lora(peft) if peft else None, batch=batch, num_hidden_layers=layers)
     finally:
         undo()
     r["fla_mixers"] = r.pop("recurrent_layers")

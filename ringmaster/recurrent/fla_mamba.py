@@ -19,7 +19,9 @@ adapter guard (``view.cuda_kernels_forward``: a LoRA'd ``out_proj`` avoids the f
   (:func:`ringmaster.recurrent.mamba1.cp_selective_scan`, :func:`ringmaster.recurrent.mamba2.cp_mamba2_chunk_scan`),
   and the fused block (which takes no incoming state) to the same block built from the CP conv, the
   CP scan and the view's own ``x_proj`` / ``norm`` / ``out_proj`` modules (adapters on them stay
-  live); a cache-less call returns no final state (``None``) under CP;
+  live: PEFT LoRA on in_proj / out_proj, the targets axolotl allows, and on Mamba1's x_proj, which
+  axolotl's target check refuses and FLA's fused kernel outside CP would drop); a cache-less call
+  returns no final state (``None``) under CP;
 * ``view.causal_conv1d_fn``: the conv with the previous shard's halo (:func:`ringmaster.recurrent.conv.cp_conv_kernel`)
   around the bound kernel; the decode kernels refuse under CP;
 * ``view.slow_forward`` / ``view.torch_forward``: the same kernel path (their token loops cannot take
