@@ -155,7 +155,7 @@ def drop_conv_halo():
 MUTATIONS = {"state": drop_carried_state, "halo": drop_conv_halo}
 
 
-def plugin_step(ctx, P, model_type):
+def plugin_step(ctx, P, model_type, peft=False):
     """axolotl's own ContextParallelPlugin on a ``mamba_backend: fla`` model (hub kernels bound), the way
     tests/jobs_adapters.axolotl_plugin_step drives it: a HF Trainer, pre_model_load,
     post_trainer_create, one training_step, post_train_unload; float64 under keep_fp64, every
@@ -179,6 +179,11 @@ def plugin_step(ctx, P, model_type):
     out: dict = {}
     with keep_fp64(), tempfile.TemporaryDirectory() as tmp:
         model = build()(model_type, "eager", dtype=torch.float64, num_hidden_layers=1)
+        if peft:   # axolotl's adapter flow: the Trainer gets the PeftModel (in_proj / out_proj LoRA)
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                     target_modules=["in_proj", "out_proj"]))
         reference = copy.deepcopy(model)
         rows = ja.features([40])
         cfg = DictDefault({"context_parallel": {"size": P, "backend": "ulysses", "shard_in_collator": True},
@@ -199,6 +204,7 @@ def plugin_step(ctx, P, model_type):
             plugin.post_trainer_create(cfg, trainer)
             out["fla_mixers"] = len(fla_mamba_mixers(model))
             out["wired"] = [m._ringmaster_recurrent for m in fla_mamba_mixers(model)]
+            out["trained"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
             out["attn"] = model.config._attn_implementation
             batch = trainer.data_collator([dict(r) for r in rows])
             num_items = trainer._get_num_items_in_batch([batch], trainer.args.device)
