@@ -278,6 +278,8 @@ def mixers_and_refusals(ctx):
         refusal("unbound_on_cuda", model)
     model = build()("mamba2", **small)
     handle = rm.wire_recurrent_layers(model, group=ctx.mesh(2)["cp"].get_group())
+    group = ctx.mesh(2)["cp"].get_group()
+    refusal("wired_twice", model, lambda m: rm.wire_recurrent_layers(m, group=group))
     model.backbone.layers[0].mixer.fla_mixer._bind_kernels()     # axolotl binding again, after the wiring
     refusal("rebound_after_wire", model, lambda m: m(input_ids=torch.zeros(1, 8, dtype=torch.long)), RuntimeError)
     handle.restore()

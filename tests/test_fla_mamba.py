@@ -90,6 +90,7 @@ def test_fla_mamba_mixers_and_refusals(fla_pool):
     assert "FLA_CONV_BACKEND" in r["refused"]["triton_backend"]
     assert "CUDA" in r["refused"]["unbound_on_cuda"]
     assert "replaced after ringmaster wired it" in r["refused"]["rebound_after_wire"]
+    assert "already wired" in r["refused"]["wired_twice"]
 
 
 def test_axolotl_plugin_accepts_fla_backend(fla_pool):

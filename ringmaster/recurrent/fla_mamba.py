@@ -304,6 +304,9 @@ def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Call
     returns the undo. ``names`` is unused (FLA's kernel names are fixed: :data:`FLA_KERNELS`)."""
     kind = check_fla_mixer(module, ctx.path)
     view = fla_view(module)
+    if "_ringmaster_recurrent" in vars(module):
+        raise UnsupportedLayerError(f"layer {ctx.path!r} ({type(module).__name__}) is already wired for CP "
+                                    f"(as {module._ringmaster_recurrent!r}); unwire it first")
     roles = FLA_KERNELS[kind]
     fn, bound = _kernel_path(view)
     namespace = inspect.unwrap(fn).__globals__      # FLA's module globals, with axolotl's hub kernels when bound
