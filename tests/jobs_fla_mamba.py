@@ -83,7 +83,8 @@ def lora(targets=("in_proj", "out_proj")):
     return prepare
 
 
-def fla_parity(ctx, model_type, P=2, packed=False, peft=(), bind=True, seq_len=24, mutate=None, layers=1):
+def fla_parity(ctx, model_type, P=2, packed=False, peft=(), bind=True, seq_len=24, mutate=None, layers=1,
+               strategy="auto"):
     """fp64 parity of the FLA-backed model under CP (Ulysses, contiguous) against the same model without CP:
     loss, logits, every parameter's gradient against its own norm. ``packed``: one packed row (the
     reference is axolotl's own packed path: position_ids -> its per-document split). ``mutate``: a
@@ -94,7 +95,7 @@ def fla_parity(ctx, model_type, P=2, packed=False, peft=(), bind=True, seq_len=2
     _setup()
     mesh = ctx.mesh(P)
     batch = packed_batch(128, [9, 11, 4])  # a document crosses the shard boundary if packed else None
-    cfg = rm.RingmasterConfig(size=P, backend="ulysses")
+    cfg = rm.RingmasterConfig(size=P, backend="ulysses", recurrent=strategy)   # auto at P=2: sequential
     undo = MUTATIONS[mutate]() if mutate else (lambda: None)
     try:
         r = compare(model_type, cfg, seq_len=seq_len, device_mesh=mesh, build=build(bind), fp64=True,

@@ -54,18 +54,20 @@ def _exact(results):
 # ringmaster rebuilds around the adapted x_proj), in_proj + out_proj on Mamba2 (axolotl's adapter guard
 # takes the unfused path)
 LORA1, LORA2 = ("in_proj", "x_proj"), ("in_proj", "out_proj")
+# (strategy "auto" is sequential at P=2; two cases take the all-gathered scan)
 CASES = [
-    ("mamba", False, (), True),
-    ("mamba", True, LORA1, True),
-    ("mamba2", False, LORA2, True),
-    ("mamba2", True, (), False),
+    ("mamba", False, (), True, "auto"),
+    ("mamba", True, LORA1, True, "scan"),
+    ("mamba2", False, LORA2, True, "scan"),
+    ("mamba2", True, (), False, "auto"),
 ]
 
 
-@pytest.mark.parametrize("model_type,packed,peft,bind", CASES,
-                         ids=["mamba-dense", "mamba-packed-lora", "mamba2-dense-lora", "mamba2-packed-unbound"])
-def test_fla_mixer_parity(fla_pool, model_type, packed, peft, bind):
-    results = fla_pool.run(jobs_fla_mamba.fla_parity, model_type, packed=packed, peft=peft, bind=bind)
+@pytest.mark.parametrize("model_type,packed,peft,bind,strategy", CASES,
+                         ids=["mamba-dense", "mamba-packed-lora-scan", "mamba2-dense-lora-scan", "mamba2-packed-unbound"])
+def test_fla_mixer_parity(fla_pool, model_type, packed, peft, bind, strategy):
+    results = fla_pool.run(jobs_fla_mamba.fla_parity, model_type, packed=packed, peft=peft, bind=bind,
+                           strategy=strategy)
     _exact(results)
     if peft:   # only the adapters train: each targeted projection's LoRA matrices have their gradient checked
         names = set(results[0]["grad_errs"])
