@@ -234,12 +234,24 @@ def mixers_and_refusals(ctx):
     import ringmaster as rm
     from ringmaster.errors import UnsupportedLayerError
     from ringmaster.fla_mamba import fla_mamba_mixers
+    from ringmaster.testing.parity import keep_fp64
 
     _setup()
     small = {"num_hidden_layers": 1, "dtype": torch.float64}      # the parity cases' builds, reused
     out = {"found": {}, "refused": {}}
-    out["found"]["mamba"] = len(fla_mamba_mixers(build()("mamba", **small)))
-    out["found"]["mamba2"] = len(fla_mamba_mixers(build()("mamba2", **small)))
+    out["standin_err"] = {}
+    for model_type in ("mamba", "mamba2"):
+        model = build()(model_type, **small)
+        out["found"][model_type] = len(fla_mamba_mixers(model))
+        # the stand-in hub kernels (fused and unfused kernel path, no CP) against FLA's own torch path
+        view = model.backbone.layers[0].mixer.fla_mixer
+        x = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        with keep_fp64(), torch.no_grad():
+            torch_path = (view.slow_forward if model_type == "mamba" else view.torch_forward)(x)[0]
+            fused = view.cuda_kernels_forward(x)[0]
+            unfused = view.cuda_kernels_forward(x, None, True)[0]
+        out["standin_err"][model_type] = max((fused - torch_path).abs().max().item(),
+                                             (unfused - torch_path).abs().max().item())
     from ringmaster.testing.parity import tiny_model
     out["found"]["plain_mamba"] = len(fla_mamba_mixers(tiny_model("mamba", "eager", num_hidden_layers=1)))
     # a hybrid asking for FLA: axolotl backs only mamba / mamba2 models' mixers with FLA, so nothing is found
