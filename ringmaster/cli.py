@@ -61,8 +61,22 @@ def plan(args) -> int:
     from .planning import plan_table
 
     print(plan_table(args.heads, args.kv_heads, args.world, args.ranks_per_node, args.seq, args.hidden, args.layers,
-                     args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]))
+                     args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype], hardware=_plan_hardware(args)))
     return 0
+
+
+def _plan_hardware(args):
+    """The step model's inputs from ``plan``'s link flags, or None (then bytes and heads decide)."""
+    from .step_model import Hardware, Link
+
+    if args.tflops is None and args.intra_gbps is None:
+        return None
+    if args.tflops is None or args.intra_gbps is None:
+        raise SystemExit("ringmaster plan: the step-time model needs both --tflops and --intra-gbps "
+                         "(and --inter-gbps when ranks span nodes)")
+    inter = Link(args.inter_gbps * 1e9, args.inter_latency_us * 1e-6) if args.inter_gbps else None
+    return Hardware(args.tflops * 1e12, Link(args.intra_gbps * 1e9, args.intra_latency_us * 1e-6), inter,
+                    args.ranks_per_node, args.bwd_factor)
 
 
 def bench(args) -> int:
@@ -226,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=1, help="attention layers (for the whole-model column)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="attention kernel forward rate per rank, TFLOP/s (with --intra-gbps: model the step time)")
+    p.add_argument("--intra-gbps", type=float, default=None, help="intra-node link, GB/s per rank")
+    p.add_argument("--intra-latency-us", type=float, default=5.0, help="intra-node latency per call, us (default 5)")
+    p.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
+    p.add_argument("--inter-latency-us", type=float, default=20.0, help="inter-node latency per call, us (default 20)")
+    p.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
     p.set_defaults(func=plan)
 
     p = sub.add_parser(

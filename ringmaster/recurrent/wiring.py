@@ -16,7 +16,8 @@ from ..sharding.documents import BATCH_KWARG
 from .context import LayerContext, Probe
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
 from .intercept import interceptable
-from .registry import get_kind
+from .registry import get_kind, known_kinds
+from .scan import KERNEL_STRATEGIES
 
 
 def _spec_of(model):
@@ -106,6 +107,11 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
     try:
         for path, module, kind in layers:
+            if strategy in KERNEL_STRATEGIES and strategy not in get_kind(kind).strategies:
+                raise UnsupportedLayerError(
+                    f"layer {path!r} (kind {kind!r}) does not offer recurrent={strategy!r}; only kinds "
+                    f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
+                    "or 'sequential'")
             ctx = LayerContext(path, group, strategy)
             wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
             wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))

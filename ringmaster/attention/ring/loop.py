@@ -2,7 +2,9 @@
 
 Rotation ``alltoall`` ("p2p"): K/V blocks travel around the ring with isend/irecv; the next
 block is in flight while the current one computes. Backward walks the same ring with dK/dV
-accumulators travelling beside the blocks, so no rank ever holds more than two K/V blocks.
+partial sums travelling beside the blocks, so no rank ever holds more than two K/V blocks; both
+hops are waited for only after the block's compute (:func:`_p2p_backward`), so a link latency up
+to one block's compute is hidden (benchmarks/overlap.py measures it with injected latency).
 Rotation ``allgather``: K/V are gathered once (O(S) resident); backward reduce-scatters dK/dV.
 
 Blocks are planned per chunk pair from global positions (the layout's chunks), so causal,
@@ -153,15 +155,66 @@ def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap):
 
 
 def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv, lay: _KV, softcap):
+    _backward_pairs(kernel, plan, q, kv, block_pairs(plan, src, q.device), scale, dout, out, lse, dq, dkv, lay,
+                    softcap)
+
+
+def _own_split(pairs):
+    """The own block's pairs as (early, late): the off-diagonal pairs first, the diagonal ones last.
+
+    The own block needs no communication, so the p2p backward splits it to cover both ends of the
+    ring: ``early`` runs while the first K/V hop is in flight, ``late`` while the last dK/dV hop brings
+    this rank's own dK/dV home. head_tail's own block is one full off-diagonal pair and two causal
+    diagonals, about half the work each way; a contiguous shard's single diagonal pair all runs late
+    (the first K/V hop is then not covered)."""
+    early = [p for p in pairs if p[0] != p[1]]
+    late = [p for p in pairs if p[0] == p[1]]
+    return early, late
+
+
+def _backward_pairs(kernel, plan, q, kv, pairs, scale, dout, out, lse, dq, dkv, lay: _KV, softcap):
     c = plan.chunk
     k, v, dk, dv = lay.k(kv), lay.v(kv), lay.k(dkv), lay.v(dkv)
-    for qi, kj, mask in block_pairs(plan, src, q.device):
+    for qi, kj, mask in pairs:
         dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c),
                                            _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask,
                                            softcap=softcap)
         _sl(dq, qi, c).add_(dq_i.to(dq.dtype))
         _sl(dk, kj, c).add_(dk_j.to(dkv.dtype))
         _sl(dv, kj, c).add_(dv_j.to(dkv.dtype))
+
+
+def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _KV, softcap):
+    """The p2p ring backward with every hop in flight behind a block's compute; returns this rank's dK|dV.
+
+    Step ``s`` (1..P-1) holds the K/V block of rank ``r - s``: its K/V hop to ``r + 1`` starts before the
+    block's compute, and the block's dK/dV go into a fresh buffer. The partial sum for that block, sent
+    by rank ``r - 1`` at the end of its step ``s - 1``, is only waited for *after* the compute, added, and
+    sent on asynchronously (channel 1): so neither hop is waited for while there is compute to do. The
+    partial sum starts at the first rank after the owner (the owner's own share stays home), so a block's
+    dK/dV make P-1 hops, the last one into its owner, hidden behind the owner's ``late`` pairs
+    (:func:`_own_split`). Resident: two K/V blocks and four fp32 dK/dV buffers (home, the one computed,
+    the one received, the one being sent)."""
+    P, acc = plan.size, dq.dtype
+    home = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    early, late = _own_split(block_pairs(plan, plan.rank, q.device))
+    ring = _Ring(group) if P > 1 else None
+    pending_kv = ring.start(kv, "backward", "ring_kv") if ring else None
+    _backward_pairs(kernel, plan, q, kv, early, scale, dout, out, lse, dq, home, lay, softcap)
+    pending_dkv = None
+    for step in range(1, P):
+        cur = ring.wait(pending_kv)
+        pending_kv = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
+        part = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, part, lay,
+                        softcap)
+        if pending_dkv is not None:  # the earlier ranks' share of this block, sent during our compute
+            part.add_(ring.wait(pending_dkv))
+        pending_dkv = ring.start(part, "backward", "ring_dkv", channel=1)
+    _backward_pairs(kernel, plan, q, kv, late, scale, dout, out, lse, dq, home, lay, softcap)
+    if pending_dkv is not None:  # every other rank's share of our own block
+        home.add_(ring.wait(pending_dkv))
+    return home
 
 
 def _finish(acc, q, sinks, dv: int):
@@ -220,17 +273,7 @@ class RingAttention(torch.autograd.Function):
                                 softcap)
             dkv = _reduce_scatter(dkv_all, group, "backward", "ring_dkv")
         else:
-            ring = _Ring(group)
-            cur = lay.pack(k, v)
-            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
-            for step in range(P):
-                pending = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
-                _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv, lay,
-                                softcap)
-                # the accumulated dK/dV travel with their block; after P hops they are home
-                dkv = ring.wait(ring.start(dkv, "backward", "ring_dkv", channel=1))
-                if pending is not None:
-                    cur = ring.wait(pending)
+            dkv = _p2p_backward(kernel, plan, group, q, lay.pack(k, v), scale, dout, out, lse, dq, lay, softcap)
         dsinks = None
         if sinks is not None:
             delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
