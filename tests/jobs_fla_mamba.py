@@ -1,8 +1,9 @@
 """Jobs for tests/test_fla_mamba.py: axolotl 0.21's ``mamba_backend: fla`` mixers under CP, on CPU.
 
-These run in a pool of their own (``fla_pool`` in test_fla_mamba.py): each worker puts the stand-in
-``fla`` package (ringmaster/testing/fla_mamba_standin/root) on ``sys.path``, maps the hub kernel repos
-kernels-community/mamba-ssm and causal-conv1d to their stand-ins (LOCAL_KERNELS), and registers axolotl's
+These run in a pool of their own (``fla_pool`` in test_fla_mamba.py): each worker has the stand-in
+``fla`` package (ringmaster/testing/fla_mamba_standin/root) first on ``sys.path`` (``LocalPool(sys_path=)``),
+maps the hub kernel repos kernels-community/mamba-ssm and causal-conv1d to their stand-ins
+(LOCAL_KERNELS), and registers axolotl's
 own class patch mapping (``axolotl.model_support.mamba._patch_mappings``: transformers builds axolotl's
 MambaMixer / Mamba2Mixer) -- process-wide changes (axolotl's packing patch rewrites transformers' Mamba
 classes) that must not reach the shared pool's workers.
@@ -26,7 +27,8 @@ def _setup() -> None:
 
     from ringmaster.testing import fla_mamba_standin
 
-    sys.path.insert(0, fla_mamba_standin.root())
+    if fla_mamba_standin.root() not in sys.path:   # the pool's sys_path put it first already
+        sys.path.insert(0, fla_mamba_standin.root())
     os.environ["LOCAL_KERNELS"] = fla_mamba_standin.local_kernels(os.environ.get("LOCAL_KERNELS"))
     from axolotl.model_support.mamba import _patch_mappings
     from transformers.monkey_patching import register_patch_mapping

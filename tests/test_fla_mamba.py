@@ -34,9 +34,10 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 @pytest.fixture(scope="module")
 def fla_pool():
+    from ringmaster.testing import fla_mamba_standin
     from ringmaster.testing.pool import LocalPool
 
-    pool = LocalPool(2, timeout=240, grace=15)
+    pool = LocalPool(2, timeout=240, grace=15, sys_path=(fla_mamba_standin.root(),))
     yield pool
     # the idle workers are killed: a clean interpreter exit of a process holding transformers and axolotl
     # costs seconds, and nothing in them is left to flush
