@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 
 import torch
@@ -149,19 +150,25 @@ def grpo_loss_parity(ctx, P, cases):
     tok = tiny_tokenizer()
     data = Dataset.from_list([{"prompt": "t5 t6 t7"}] * 4)
     out = {}
-    with tempfile.TemporaryDirectory() as tmp, keep_fp64():
+    # transformers saves on world rank 0 only: one directory for every rank
+    shared = [tempfile.mkdtemp(prefix="rm_grpo_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    tmp = shared[0]
+    for model_type, _ in cases:
+        if dist.get_rank() == 0:
+            tiny_model(model_type, dtype=torch.float64).save_pretrained(os.path.join(tmp, model_type))
+    dist.barrier()
+    with keep_fp64():
         for model_type, backend in cases:
             path = os.path.join(tmp, model_type)
-            if not os.path.isdir(path):
-                tiny_model(model_type, dtype=torch.float64).save_pretrained(path)
-            args = GRPOConfig(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=4, num_generations=4,
-                              beta=0.1, temperature=0.8, use_cpu=True, report_to=[], max_completion_length=9,
-                              model_init_kwargs={"dtype": torch.float64, "attn_implementation": "sdpa"},
-                              save_strategy="no", bf16=False, epsilon=0.05)
 
             def build(cls, **kw):
                 from transformers import AutoModelForCausalLM
 
+                args = GRPOConfig(output_dir=os.path.join(tmp, f"out{dist.get_rank()}"), per_device_train_batch_size=4,
+                                  num_generations=4, beta=0.1, temperature=0.8, use_cpu=True, report_to=[], max_completion_length=9,
+                                  model_init_kwargs={"dtype": torch.float64, "attn_implementation": "sdpa"},
+                                  save_strategy="no", bf16=False, epsilon=0.05)
                 policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
                 g = torch.Generator().manual_seed(5)   # the policy moved away from the reference: the KL has a gradient
                 with torch.no_grad():
@@ -181,21 +188,24 @@ def grpo_loss_parity(ctx, P, cases):
                     old_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k, batch_size=2)
                 g = torch.Generator().manual_seed(9)   # an off-policy batch: ratios away from 1, some clipped
                 inputs = {**inputs, "ref_per_token_logps": ref_lp,
-                          "old_per_token_logps": old_lp + 0.1 * torch.randn(old_lp.shape, generator=g, dtype=old_lp.dtype)}
+                          "old_per_token_logps": old_lp + 0.1 * torch.randn(old_lp.shape, generator=g, dtype=torch.float64)}
+                with torch.no_grad():
+                    lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k,
+                                                                            compute_entropy=True)
                 loss = trainer._compute_loss(trainer.model, inputs)
                 loss.backward()
-                return loss.detach(), ref_lp, old_lp
+                return loss.detach(), ref_lp, old_lp, lp, ent
 
             reference = build(GRPOTrainer)
             inputs = grpo_inputs(reference.model.config.vocab_size)
-            ref_loss, ref_ref_lp, ref_old_lp = step(reference, inputs)
+            ref_loss, ref_ref_lp, ref_old_lp, ref_lp_, ref_ent = step(reference, inputs)
             _reset_accelerate()
             cp_trainer = build(CPGRPOTrainer, ringmaster_config=rm.RingmasterConfig(size=P, **BACKENDS[backend]),
                                device_mesh=ctx.mesh(P))
             try:
                 group = cp_trainer.cp_runtime.cp_group
                 wired = [m for m in (cp_trainer.model, cp_trainer.ref_model) if rm.runtime_of(m) is not None]
-                loss, ref_lp, old_lp = step(cp_trainer, inputs)
+                loss, ref_lp, old_lp, lp_, ent = step(cp_trainer, inputs)
                 errs, missing, _ = group_mean_grad_errors(cp_trainer.model, reference.model, group, P)
             finally:
                 cp_trainer.remove_context_parallel()
@@ -203,8 +213,11 @@ def grpo_loss_parity(ctx, P, cases):
             worst = max(errs, key=errs.get)
             out[f"{model_type}/{backend}"] = {
                 "wired_models": len(wired), "loss": float(ref_loss), "loss_err": rel_err(loss, ref_loss),
-                "ref_lp_err": rel_err(ref_lp, ref_ref_lp), "old_lp_err": rel_err(old_lp, ref_old_lp),
+                "ref_lp_err": rel_err(ref_lp, ref_ref_lp), "lp_err": rel_err(lp_, ref_lp_), "ent_err": rel_err(ent, ref_ent), "old_lp_err": rel_err(old_lp, ref_old_lp),
                 "grad_err": errs[worst], "worst_param": worst, "n_grads": len(errs), "missing": missing,
                 "restored": rm.runtime_of(cp_trainer.model) is None and rm.runtime.active(required=False) is None}
             del reference, cp_trainer
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -11,6 +11,9 @@ import torch
 import ringmaster as rm
 
 TOL = 1e-9   # float64
+# trl's fused LM head (the non-CP GRPOTrainer's log-probs) accumulates in float32 even for a float64 model:
+# its values carry ~1e-7 relative rounding, which bounds the GRPO comparison (not CP)
+GRPO_TOL = 1e-5
 
 
 def _check(results, what=("lp_err", "ent_err", "grad_err")):
@@ -90,8 +93,8 @@ def test_token_logprobs_memory_grows_with_the_chunk_not_s_times_vocab():
 
 @pytest.mark.parametrize("P,cases", [
     (2, [("llama", "ulysses"), ("llama", "ring"), ("qwen3_5_text", "ring")]),
-    (4, [("nemotron_h", "ring")]),
-], ids=["P2-ulysses-ring-qwen3.5", "P4-nemotron_h-ring"])
+    (4, [("llama", "ulysses"), ("nemotron_h", "ring")]),
+], ids=["P2-ulysses-ring-qwen3.5", "P4-ulysses-nemotron_h-ring"])
 def test_token_logprobs_parity(pool, P, cases):
     results = pool.run(jobs_logprobs.logprob_parity, P, cases)
     _check(results)
@@ -113,11 +116,13 @@ pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
 
 @pytest.mark.parametrize("P,cases", [
     (2, [("llama", "ulysses"), ("qwen3_5_text", "ring")]),
-], ids=["P2-ulysses-llama-ring-qwen3.5"])
+    (4, [("llama", "ring")]),
+], ids=["P2-ulysses-llama-ring-qwen3.5", "P4-ring-llama"])
 def test_cpgrpotrainer_loss_and_gradient_match(pool, P, cases):
-    for rank, per_case in enumerate(pool.run(jobs_logprobs.grpo_loss_parity, P, cases)):
+    results = pool.run(jobs_logprobs.grpo_loss_parity, P, cases)
+    for rank, per_case in enumerate(results):
         for case, r in per_case.items():
             assert r["wired_models"] == 2, (rank, case, r)   # policy and reference
-            for key in ("loss_err", "ref_lp_err", "old_lp_err", "grad_err"):
-                assert r[key] <= TOL, (rank, case, key, r)
+            for key in ("loss_err", "ref_lp_err", "old_lp_err", "lp_err", "ent_err", "grad_err"):
+                assert r[key] <= GRPO_TOL, (rank, case, key, r)
             assert not r["missing"] and r["restored"], (rank, case, r)
