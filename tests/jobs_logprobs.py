@@ -166,7 +166,8 @@ def grpo_loss_parity(ctx, P, cases):
                 from transformers import AutoModelForCausalLM
 
                 args = GRPOConfig(output_dir=os.path.join(tmp, f"out{dist.get_rank()}"), per_device_train_batch_size=4,
-                                  num_generations=4, beta=0.1, temperature=0.8, use_cpu=True, report_to=[], max_completion_length=9,
+                                  num_generations=4, beta=0.1, temperature=0.8, use_cpu=True, report_to=[],
+                                  max_completion_length=9,
                                   model_init_kwargs={"dtype": torch.float64, "attn_implementation": "sdpa"},
                                   save_strategy="no", bf16=False, epsilon=0.05)
                 policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
@@ -187,8 +188,8 @@ def grpo_loss_parity(ctx, P, cases):
                     ref_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, k)
                     old_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k, batch_size=2)
                 g = torch.Generator().manual_seed(9)   # an off-policy batch: ratios away from 1, some clipped
-                inputs = {**inputs, "ref_per_token_logps": ref_lp,
-                          "old_per_token_logps": old_lp + 0.1 * torch.randn(old_lp.shape, generator=g, dtype=torch.float64)}
+                noise = 0.1 * torch.randn(old_lp.shape, generator=g, dtype=torch.float64)
+                inputs = {**inputs, "ref_per_token_logps": ref_lp, "old_per_token_logps": old_lp + noise}
                 with torch.no_grad():
                     lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k,
                                                                             compute_entropy=True)
@@ -213,7 +214,8 @@ def grpo_loss_parity(ctx, P, cases):
             worst = max(errs, key=errs.get)
             out[f"{model_type}/{backend}"] = {
                 "wired_models": len(wired), "loss": float(ref_loss), "loss_err": rel_err(loss, ref_loss),
-                "ref_lp_err": rel_err(ref_lp, ref_ref_lp), "lp_err": rel_err(lp_, ref_lp_), "ent_err": rel_err(ent, ref_ent), "old_lp_err": rel_err(old_lp, ref_old_lp),
+                "ref_lp_err": rel_err(ref_lp, ref_ref_lp), "lp_err": rel_err(lp_, ref_lp_),
+                "ent_err": rel_err(ent, ref_ent), "old_lp_err": rel_err(old_lp, ref_old_lp),
                 "grad_err": errs[worst], "worst_param": worst, "n_grads": len(errs), "missing": missing,
                 "restored": rm.runtime_of(cp_trainer.model) is None and rm.runtime.active(required=False) is None}
             del reference, cp_trainer

@@ -63,7 +63,8 @@ def test_token_logprobs_reads_the_models_head_transform():
         batch = tiny_batch(model.config.vocab_size, 16, seed=2)
         labels = shift_labels(batch["labels"])
         out = model(input_ids=batch["input_ids"], output_hidden_states=True)
-        ref = torch.log_softmax(out.logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * (labels != -100)
+        ref = torch.log_softmax(out.logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+        ref = ref * (labels != -100)
         lp = rm.token_logprobs(out, labels, model=model, chunk_size=5)
         assert (lp - ref).abs().max() < 1e-12, model_type
 

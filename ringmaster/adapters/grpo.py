@@ -150,9 +150,11 @@ class CPGRPOTrainer(GRPOTrainer):
 
         while self._rm_restores:
             self._rm_restores.pop()()
+        wired = bool(self._rm_wired)
         while self._rm_wired:
             rm.unwire(self._rm_wired.pop())
-        rm.teardown()
+        if wired:   # a runtime the caller set up (a model wired before) stays
+            rm.teardown()
 
     def _generate_single_turn(self, *args, **kwargs):
         if not self.use_vllm and getattr(self, "rollout_func", None) is None:

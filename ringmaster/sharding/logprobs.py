@@ -64,7 +64,8 @@ def _hidden_of(hidden_or_output) -> torch.Tensor:
         return states[-1]
     raise TypeError(
         f"token_logprobs needs the final hidden states: a tensor [batch, seq, hidden], a backbone output with "
-        f"last_hidden_state, or a model output run with output_hidden_states=True; got {type(hidden_or_output).__name__}"
+        "last_hidden_state, or a model output run with output_hidden_states=True; got "
+        f"{type(hidden_or_output).__name__}"
     )
 
 
@@ -169,8 +170,8 @@ def _group_for(cpb: CPBatch, group, runtime: Runtime | None, model):
     return group
 
 
-def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None, batch: CPBatch | Mapping[str, Any] | None = None,
-                   runtime: Runtime | None = None, group=None, weight: torch.Tensor | None = None,
+def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None,
+                   batch: CPBatch | Mapping[str, Any] | None = None, runtime: Runtime | None = None, group=None, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, temperature: float = 1.0, logit_scale: float | None = None,
                    softcap: float | None = None, chunk_size: int = 1024, entropy: bool = False, gather: bool = True,
                    ignore_index: int = IGNORE_INDEX):
@@ -219,8 +220,8 @@ def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None, batch:
     if cp:   # every check that can fail runs before the collective
         cp_group = _group_for(cpb, group, runtime, model)
         if labels.shape[1] * cpb.size != cpb.seq_len:
-            raise ValueError(f"this shard holds {labels.shape[1]} tokens but the batch has {cpb.seq_len} over {cpb.size} "
-                             "ranks: pass the shard's own hidden states and shift_labels")
+            raise ValueError(f"this shard holds {labels.shape[1]} tokens but the batch has {cpb.seq_len} over "
+                             f"{cpb.size} ranks: pass the shard's own hidden states and shift_labels")
 
     B, N, H = hidden.shape
     flat_labels = labels.reshape(-1)
