@@ -7,6 +7,7 @@ import copy
 import os
 import shutil
 import tempfile
+import types
 
 import torch
 import torch.distributed as dist
@@ -134,12 +135,30 @@ def grpo_inputs(vocab: int, B: int = 4, prompt: int = 6, completion: int = 9, se
             "num_items_in_batch": completion_mask.sum().double()}
 
 
+def full_logit_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                     compute_aux_loss=False, **multimodal):
+    """GRPOTrainer's ``_get_per_token_logps_and_entropies`` by its definition, without trl's fused head
+    (which accumulates in float32 even for a float64 model): full logits / temperature, ``log_softmax``,
+    the next token's value and the entropy, 0 where trl masks (padding, the prompt)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    labels = labels[:, 1:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logp = torch.log_softmax(logits / self.temperature, dim=-1)
+    keep = labels != -100
+    lp = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * keep
+    ent = -(logp.exp() * logp).sum(-1) * keep
+    return lp[:, -logits_to_keep:], (ent[:, -logits_to_keep:] if compute_entropy else None), None
+
+
 def grpo_loss_parity(ctx, P, cases):
     """For each ``(model_type, backend)``: one GRPO loss (dapo, beta=0.1: policy, reference and old-policy
     log-probs, clipping, KL, the entropy metric) and its gradient, ``CPGRPOTrainer`` vs ``GRPOTrainer``
     without CP, on fixed completions, called as the trainer calls them (``_get_per_token_logps_and_entropies``
-    for the reference model and the old policy, then ``_compute_loss``). Generation is not driven: the
-    CP trainer cannot generate with the wired policy (vLLM or a rollout_func supplies completions)."""
+    for the reference model and the old policy, then ``_compute_loss``). The non-CP trainer's log-probs are
+    computed by their definition in float64 (:func:`full_logit_logps`): trl's fused head accumulates in
+    float32, so it is checked against that definition separately (``trl_head_err``). Generation is not
+    driven: the CP trainer cannot generate with the wired policy (vLLM or a rollout_func supplies it)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -199,6 +218,13 @@ def grpo_loss_parity(ctx, P, cases):
 
             reference = build(GRPOTrainer)
             inputs = grpo_inputs(reference.model.config.vocab_size)
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            with torch.no_grad():   # trl's own fused head, float32 inside
+                k = inputs["completion_ids"].shape[1]
+                trl_lp, trl_ent, _ = reference._get_per_token_logps_and_entropies(reference.model, ids, mask, k,
+                                                                                  compute_entropy=True)
+            reference._get_per_token_logps_and_entropies = types.MethodType(full_logit_logps, reference)
             ref_loss, ref_ref_lp, ref_old_lp, ref_lp_, ref_ent = step(reference, inputs)
             _reset_accelerate()
             cp_trainer = build(CPGRPOTrainer, ringmaster_config=rm.RingmasterConfig(size=P, **BACKENDS[backend]),
@@ -216,6 +242,7 @@ def grpo_loss_parity(ctx, P, cases):
                 "wired_models": len(wired), "loss": float(ref_loss), "loss_err": rel_err(loss, ref_loss),
                 "ref_lp_err": rel_err(ref_lp, ref_ref_lp), "lp_err": rel_err(lp_, ref_lp_),
                 "ent_err": rel_err(ent, ref_ent), "old_lp_err": rel_err(old_lp, ref_old_lp),
+                "trl_head_err": max(rel_err(trl_lp, ref_lp_), rel_err(trl_ent, ref_ent)),
                 "grad_err": errs[worst], "worst_param": worst, "n_grads": len(errs), "missing": missing,
                 "restored": rm.runtime_of(cp_trainer.model) is None and rm.runtime.active(required=False) is None}
             del reference, cp_trainer

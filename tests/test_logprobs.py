@@ -11,9 +11,6 @@ import torch
 import ringmaster as rm
 
 TOL = 1e-9   # float64
-# trl's fused LM head (the non-CP GRPOTrainer's log-probs) accumulates in float32 even for a float64 model:
-# its values carry ~1e-7 relative rounding, which bounds the GRPO comparison (not CP)
-GRPO_TOL = 1e-5
 
 
 def _check(results, what=("lp_err", "ent_err", "grad_err")):
@@ -47,7 +44,7 @@ def test_token_logprobs_matches_full_logits_single_process():
         assert (lp - ref_lp).abs().max() < 1e-13 and (ent - ref_ent).abs().max() < 1e-13, chunk
         for a, r in zip(grads, ref_g):
             assert (a - r).abs().max() / r.abs().max() < 1e-13, chunk
-        assert float(lp[~keep].abs().max()) == 0.0 and float(ent[~keep].abs().max()) == 0.0
+        assert float(lp.detach()[~keep].abs().max()) == 0.0 and float(ent.detach()[~keep].abs().max()) == 0.0
 
 
 def test_token_logprobs_reads_the_models_head_transform():
@@ -125,5 +122,6 @@ def test_cpgrpotrainer_loss_and_gradient_match(pool, P, cases):
         for case, r in per_case.items():
             assert r["wired_models"] == 2, (rank, case, r)   # policy and reference
             for key in ("loss_err", "ref_lp_err", "old_lp_err", "lp_err", "ent_err", "grad_err"):
-                assert r[key] <= GRPO_TOL, (rank, case, key, r)
+                assert r[key] <= TOL, (rank, case, key, r)
+            assert r["trl_head_err"] <= 1e-5, (rank, case, r)   # trl's float32 fused head vs the definition
             assert not r["missing"] and r["restored"], (rank, case, r)
