@@ -10,14 +10,18 @@ import torch
 
 import ringmaster as rm
 
-TOL = 1e-9   # float64
+# float64 (keep_fp64). Measured: values <= 7.4e-16; gradients <= 3.6e-15 for attention and Mamba2 parameters,
+# 7.4e-11 / 2.3e-10 for qwen3.5's A_log / dt_bias (sums that cancel, as in test_hybrid_parity); mutations: O(1)
+TOL = 1e-10
+GRAD_TOL = 1e-7
 
 
-def _check(results, what=("lp_err", "ent_err", "grad_err")):
+def _check(results):
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
-            for key in what:
+            for key in ("lp_err", "ent_err"):
                 assert r[key] <= TOL, (rank, case, key, r)
+            assert r["grad_err"] <= GRAD_TOL, (rank, case, r)
             assert not r["missing"], (rank, case, r)
 
 
@@ -98,8 +102,9 @@ def test_token_logprobs_parity(pool, P, cases):
     _check(results)
     for r in results[0].values():
         assert r["n_grads"] == r["n_params"], r
-    assert results[0]["llama/ring"]["layout"] == "head_tail" if P == 2 else True
-    assert all(r["recurrent"] > 0 for c, r in results[0].items() if not c.startswith("llama")), results[0]
+    for case, r in results[0].items():
+        assert r["layout"] == ("head_tail" if case.endswith("/ring") else "contiguous"), (case, r)
+        assert (r["recurrent"] > 0) == (not case.startswith("llama")), (case, r)   # the hybrids' layers wired
 
 
 @pytest.mark.parametrize("mutation", ["order", "local"])
@@ -121,7 +126,8 @@ def test_cpgrpotrainer_loss_and_gradient_match(pool, P, cases):
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
             assert r["wired_models"] == 2, (rank, case, r)   # policy and reference
-            for key in ("loss_err", "ref_lp_err", "old_lp_err", "lp_err", "ent_err", "grad_err"):
+            for key in ("loss_err", "ref_lp_err", "old_lp_err", "lp_err", "ent_err"):
                 assert r[key] <= TOL, (rank, case, key, r)
+            assert r["grad_err"] <= GRAD_TOL, (rank, case, r)
             assert r["trl_head_err"] <= 1e-5, (rank, case, r)   # trl's float32 fused head vs the definition
             assert not r["missing"] and r["restored"], (rank, case, r)
