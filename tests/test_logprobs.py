@@ -51,6 +51,23 @@ def test_token_logprobs_matches_full_logits_single_process():
         assert float(lp.detach()[~keep].abs().max()) == 0.0 and float(ent.detach()[~keep].abs().max()) == 0.0
 
 
+def test_token_logprobs_mixed_precision_under_autocast():
+    """bf16 activations with fp32 head weights under autocast (trl's GRPO runs in accelerator.autocast()):
+    the head runs in fp32 in the forward and in the recomputing backward, so values and the weight's
+    gradient are the fp32 ones of the bf16 hidden states."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(1, 12, 8, generator=g).bfloat16().requires_grad_()
+    W = torch.randn(50, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 12), generator=g)
+    ref = torch.log_softmax(h.detach().float() @ W.T, -1).gather(-1, labels[..., None]).squeeze(-1)
+    (ref_gw,) = torch.autograd.grad(ref.sum(), W)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = rm.token_logprobs(h, labels, weight=W, chunk_size=5)
+    lp.sum().backward()
+    assert lp.dtype == torch.float32 and h.grad.dtype == torch.bfloat16 and W.grad.dtype == torch.float32
+    assert (lp - ref).abs().max() < 1e-5 and (W.grad - ref_gw).abs().max() / ref_gw.abs().max() < 1e-5
+
+
 def test_token_logprobs_reads_the_models_head_transform():
     """Gemma 2's final-logit soft-capping and Cohere's logit scale come from the model: the values equal the
     model's own logits' log-softmax."""

@@ -20,6 +20,9 @@ hooks. Generation is *not* sharded: a wired model cannot run ``generate`` (its a
 shard's batch structure), so completions must come from vLLM (``use_vllm=True``, server or colocate)
 or a ``rollout_func``; every rank of a CP group must receive the same completions (the pre-hook
 refuses a batch the ranks disagree on). Multimodal inputs and the MoE auxiliary loss are refused.
+trl's cross-process statistics see each CP group's batch P times: token-weighted means and the dapo
+token count are unchanged, but ``top_entropy_quantile < 1`` takes its quantile over the repeated values
+(linear interpolation between them moves slightly); that option is not checked under CP.
 Checked on CPU (gloo) against ``GRPOTrainer`` without CP on fixed completions; not yet run on a GPU.
 """
 

@@ -69,12 +69,19 @@ def _hidden_of(hidden_or_output) -> torch.Tensor:
     )
 
 
+def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: the wider of the two (bf16 activations with fp32 master weights, as under
+    autocast, run the head in fp32), the same in forward and in the recomputing backward."""
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias, scale: float, softcap, temperature: float, acc):
     """One chunk's transformed logits ``z`` in the accumulation dtype, and ``dz/dy`` per element (None when
     it is the constant ``scale / temperature``)."""
-    y = h @ weight.T
+    dt = _head_dtype(h, weight)
+    y = h.to(dt) @ weight.to(dt).T
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(dt)
     y = y.to(acc)
     if scale != 1.0:
         y = y * scale
@@ -93,12 +100,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, weight, bias, scale, softcap, temperature, chunk, want_entropy):
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        acc = torch.promote_types(_head_dtype(hidden, weight), torch.float32)
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         ent = hidden.new_empty(n, dtype=acc) if want_entropy else None
-        with torch.no_grad():
+        # autocast off: the backward recomputes the same logits in the same dtypes (it runs outside autocast)
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 z, _ = _logits(hidden[s:e], weight, bias, scale, softcap, temperature, acc)
@@ -122,26 +130,29 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         gw = torch.zeros_like(weight, dtype=acc) if need_w else None
         gb = torch.zeros_like(bias, dtype=acc) if need_b and bias is not None else None
         n = hidden.shape[0]
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            h = hidden[s:e]
-            z, slope = _logits(h, weight, bias, scale, softcap, temperature, acc)
-            p = torch.exp(z - lse[s:e, None])
-            g = torch.zeros_like(z)
-            if g_logp is not None:   # d logp / dz = onehot(label) - p
-                gl = g_logp[s:e].to(acc)
-                g = g - p * gl[:, None]
-                g.scatter_add_(1, labels[s:e, None], gl[:, None])
-            if g_ent is not None:    # dH / dz = -p (z - lse + H)
-                g = g - g_ent[s:e].to(acc)[:, None] * p * (z - lse[s:e, None] + ent[s:e, None])
-            del z, p
-            g = g * slope if slope is not None else g * (scale / temperature)
-            if need_h:
-                gh[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                gw += (g.T.to(h.dtype) @ h).to(acc)
-            if gb is not None:
-                gb += g.sum(0)
+        with torch.autocast(hidden.device.type, enabled=False):   # the forward's dtypes
+            dt = _head_dtype(hidden, weight)
+            w = weight.to(dt)
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                h = hidden[s:e]
+                z, slope = _logits(h, weight, bias, scale, softcap, temperature, acc)
+                p = torch.exp(z - lse[s:e, None])
+                g = torch.zeros_like(z)
+                if g_logp is not None:   # d logp / dz = onehot(label) - p
+                    gl = g_logp[s:e].to(acc)
+                    g = g - p * gl[:, None]
+                    g.scatter_add_(1, labels[s:e, None], gl[:, None])
+                if g_ent is not None:    # dH / dz = -p (z - lse + H)
+                    g = g - g_ent[s:e].to(acc)[:, None] * p * (z - lse[s:e, None] + ent[s:e, None])
+                del z, p
+                g = g * slope if slope is not None else g * (scale / temperature)
+                if need_h:
+                    gh[s:e] = (g.to(dt) @ w).to(hidden.dtype)
+                if need_w:
+                    gw += (g.T.to(dt) @ h.to(dt)).to(acc)
+                if gb is not None:
+                    gb += g.sum(0)
         return (gh, None, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
                 None, None, None, None, None)
 
