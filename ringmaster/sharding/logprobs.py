@@ -182,7 +182,8 @@ def _group_for(cpb: CPBatch, group, runtime: Runtime | None, model):
 
 
 def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None,
-                   batch: CPBatch | Mapping[str, Any] | None = None, runtime: Runtime | None = None, group=None, weight: torch.Tensor | None = None,
+                   batch: CPBatch | Mapping[str, Any] | None = None, runtime: Runtime | None = None, group=None,
+                   weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, temperature: float = 1.0, logit_scale: float | None = None,
                    softcap: float | None = None, chunk_size: int = 1024, entropy: bool = False, gather: bool = True,
                    ignore_index: int = IGNORE_INDEX):
