@@ -69,22 +69,26 @@ def test_token_logprobs_mixed_precision_under_autocast():
 
 
 def test_token_logprobs_reads_the_models_head_transform():
-    """Gemma 2's final-logit soft-capping and Cohere's logit scale come from the model: the values equal the
-    model's own logits' log-softmax."""
+    """Gemma 2's final-logit soft-capping comes from the model: the values equal the model's own logits'
+    log-softmax; the logit scales of Cohere, Falcon-H1 and Granite are read from their config fields."""
+    from types import SimpleNamespace
+
     from ringmaster.sharding.batch import shift_labels
+    from ringmaster.sharding.logprobs import head_transform
     from ringmaster.testing.parity import tiny_batch, tiny_model
 
-    for model_type, extra in (("gemma2", dict(final_logit_softcapping=2.0, num_attention_heads=4,
-                                              num_key_value_heads=2, head_dim=16)),
-                              ("cohere", dict(logit_scale=0.5, num_attention_heads=4, num_key_value_heads=2))):
-        model = tiny_model(model_type, dtype=torch.float64, **extra).eval()
-        batch = tiny_batch(model.config.vocab_size, 16, seed=2)
-        labels = shift_labels(batch["labels"])
-        out = model(input_ids=batch["input_ids"], output_hidden_states=True)
-        ref = torch.log_softmax(out.logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-        ref = ref * (labels != -100)
-        lp = rm.token_logprobs(out, labels, model=model, chunk_size=5)
-        assert (lp - ref).abs().max() < 1e-12, model_type
+    model = tiny_model("gemma2", dtype=torch.float64, final_logit_softcapping=2.0, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16).eval()
+    batch = tiny_batch(model.config.vocab_size, 16, seed=2)
+    labels = shift_labels(batch["labels"])
+    out = model(input_ids=batch["input_ids"], output_hidden_states=True)
+    ref = torch.log_softmax(out.logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    lp = rm.token_logprobs(out, labels, model=model, chunk_size=5)
+    assert (lp - ref * (labels != -100)).abs().max() < 1e-12
+    assert head_transform(model.config) == (1.0, 2.0)
+    assert head_transform(SimpleNamespace(logit_scale=0.5)) == (0.5, None)             # cohere
+    assert head_transform(SimpleNamespace(lm_head_multiplier=3.0)) == (3.0, None)      # falcon_h1
+    assert head_transform(SimpleNamespace(logits_scaling=4.0)) == (0.25, None)         # granite divides
 
 
 def test_token_logprobs_memory_grows_with_the_chunk_not_s_times_vocab():
