@@ -8,6 +8,7 @@ from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
 from .runtime import Runtime, runtime_of, setup, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
+from .sharding.logprobs import token_logprobs
 from .wiring import WireReport, unwire, wire
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "setup",
     "shard",
     "teardown",
+    "token_logprobs",
     "unwire",
     "wire",
     "wire_recurrent_layers",
