@@ -294,8 +294,9 @@ def attention_layer_bytes(s: ModelShape, b: int, kv_sdpa: int | None = None, fp3
     if s.qk_norm:                              # per-head RMSNorm on q and k (one rsqrt per head and token)
         out += (4 + b) * (qd + s.kv_heads * s.head_dim) + 4 * (s.heads + s.kv_heads)
     out += b * (qd + 2 * kv_k)                 # the kernel's q, k, v (after RoPE)
-    out += (4 if fp32_out else b) * qd + 4 * s.heads  # the kernel's output and its fp32 log-sum-exp
-    out += b * qd                              # the output made contiguous [S, heads * d], saved by o_proj
+    # the kernel's output (already [S, heads, d] in memory, so HF's transpose + contiguous is a no-op
+    # and o_proj saves the same storage) and its fp32 log-sum-exp
+    out += (4 if fp32_out else b) * qd + 4 * s.heads
     return out
 
 
@@ -392,6 +393,8 @@ def attention_temporaries(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
     fwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
     bwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
     saved = b * 2 * (kvd - s.kv_heads * s.head_dim) if u > 1 else 0.0  # replicated K/V the kernel saves
+    if u > 1 or r > 1:
+        saved += b * qd   # the output is laid out anew (all-to-all back / Ring's [heads, S]): o_proj saves a copy
     if r > 1:
         kv_block = 2 * b * kvd                 # one K/V block per local token
         if opts.backend == "ring-allgather":
@@ -508,16 +511,18 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     head_grad = s.vocab * s.hidden * gb / (P if fsdp else 1)
     attn_fwd = temps["forward"] if "attention" in s.layer_kinds else 0.0
     attn_bwd = temps["backward"] if "attention" in s.layer_kinds else 0.0
-    # one layer's backward: gradients of its output and input, of the MLP intermediates (~3 live at
-    # once), its weight gradients (unsharded under FSDP2 until the reduce-scatter), its attention's
-    # backward buffers; the layer's own saved tensors are still counted in act
+    # one layer's backward (the head's tensors are freed by then): the incoming gradient, the gradients
+    # it produces (as large as the saved tensors they free, plus one MLP intermediate), its weight
+    # gradients (unsharded under FSDP2 until the reduce-scatter), its attention's backward buffers;
+    # checkpointing: the recomputed layer, its output and residual (3 x hidden with the gradient)
     layer_grads = s.layer_params * (b + (4 if fsdp and opts.mixed else 0))
-    layer_bwd = (3 * b * _mlp_width(s) + 2 * b * s.hidden) * S_l + layer_grads + attn_bwd + recompute
+    transient = 3 * b * s.hidden * S_l if recompute else (2 * b * s.hidden + b * _mlp_width(s)) * S_l
+    layer_bwd = transient + layer_grads + attn_bwd + recompute
     out.moments = {
         "forward end": act + head + loss["saved"] + max(loss["forward"], attn_fwd),
         "loss backward": act + head + loss["backward"],
         "LM head backward": act + head + loss["grad_logits"] + head_grad + b * s.hidden * S_l,
-        "layer backward": act + head + head_grad + layer_bwd,
+        "layer backward": act + head_grad + layer_bwd,
         "optimizer step": grads + (4 * s.n_params / (P if fsdp else 1) if opts.optimizer_foreach
                                    else 2 * 4 * s.largest_param),
     }
