@@ -67,7 +67,7 @@ def main() -> None:
                 res = pool.run(jobs_plan.measure_job, "llama", overrides, seqs, P, backend, loss, ckpt)[0]
             shape = ModelShape.from_config(jobs_plan.build_config("llama", overrides))
             for r in res:
-                p = plan(shape, PlanOptions(seq=r["S"], gpus=P, dtype="fp32", optimizer_foreach=False, loss=loss,
+                p = plan(shape, PlanOptions(seq=r["S"], gpus=P, dtype="fp32", optimizer="forloop", loss=loss,
                                             checkpointing=ckpt, backend="ulysses" if backend == "none" else backend))
                 dyn = p.total - p.static
                 print(f"{name:<6} {P:>2} {backend:<8} {loss:<8} {ckpt:<5} {r['S']:>6} {r['static'] / 2**20:>10.1f} "

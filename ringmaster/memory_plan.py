@@ -85,6 +85,7 @@ class ModelShape:
     layer_kinds: list[str]
     tied: bool = False
     qk_norm: bool = False
+    attn_gate: bool = False           # Qwen3-Next/Qwen3.5: a sigmoid output gate from a doubled q_proj
     moe: bool = False
     experts: int = 0
     top_k: int = 0
@@ -139,7 +140,7 @@ class ModelShape:
             model_type=mt, hidden=hidden, intermediate=g("intermediate_size", "ffn_dim", default=4 * hidden),
             vocab=g("vocab_size"), heads=heads, kv_heads=g("num_key_value_heads", default=heads), head_dim=head_dim,
             layer_kinds=kinds, tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qk_norm=mt.startswith(_QK_NORM_PREFIXES),
+            qk_norm=mt.startswith(_QK_NORM_PREFIXES), attn_gate=mt.startswith(("qwen3_next", "qwen3_5")),
             moe=experts > 0, experts=experts, top_k=g("num_experts_per_tok", "moe_topk", default=0),
             moe_intermediate=g("moe_intermediate_size", default=0),
             shared_intermediate=g("shared_expert_intermediate_size", default=0),
@@ -217,7 +218,7 @@ class PlanOptions:
     loss: str = "full"                 # full | chunked
     chunk: int = 1024
     batch: int = 1
-    optimizer_foreach: bool = True     # torch's default on GPU; the CPU benchmark runs the for-loop AdamW
+    optimizer: str = "foreach"         # AdamW implementation: foreach (torch's GPU default), fused, forloop (CPU)
     reserve: float = 0.0               # bytes kept free (allocator fragmentation, CUDA context)
 
     @property
@@ -297,6 +298,8 @@ def attention_layer_bytes(s: ModelShape, b: int, kv_sdpa: int | None = None, fp3
     # the kernel's output (already [S, heads, d] in memory, so HF's transpose + contiguous is a no-op
     # and o_proj saves the same storage) and its fp32 log-sum-exp
     out += (4 if fp32_out else b) * qd + 4 * s.heads
+    if s.attn_gate:                            # sigmoid(gate) and the gated output (a new tensor for o_proj)
+        out += 2 * b * qd
     return out
 
 
@@ -455,6 +458,18 @@ def _static(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
     return parts
 
 
+def _optimizer_temporaries(s: ModelShape, opts: PlanOptions) -> float:
+    """AdamW's step: foreach computes sqrt(v) for every (local) parameter at once (one fp32 copy of
+    them all); the for-loop version two fp32 temporaries of one parameter (the largest); fused none."""
+    if opts.optimizer == "fused":
+        return 0.0
+    if opts.optimizer == "forloop":
+        return 2 * 4 * s.largest_param
+    if opts.optimizer == "foreach":
+        return 4 * s.n_params / (opts.gpus if opts.fsdp == "full" else 1)
+    raise ValueError(f"--optimizer {opts.optimizer!r}: use foreach, fused or forloop")
+
+
 def _mlp_width(s: ModelShape) -> int:
     return max(s.top_k, 1) * s.moe_intermediate + s.shared_intermediate if s.moe else s.intermediate
 
@@ -523,8 +538,7 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         "loss backward": act + head + loss["backward"],
         "LM head backward": act + head + loss["grad_logits"] + head_grad + b * s.hidden * S_l,
         "layer backward": act + head_grad + layer_bwd,
-        "optimizer step": grads + (4 * s.n_params / (P if fsdp else 1) if opts.optimizer_foreach
-                                   else 2 * 4 * s.largest_param),
+        "optimizer step": grads + _optimizer_temporaries(s, opts),
     }
     out.parts = dict(statics)
     out.parts["activations (saved for backward)"] = act + head
@@ -610,7 +624,7 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
         + (f", MoE {shape.experts} experts top-{shape.top_k}" if shape.moe else ""),
         f"run: seq {opts.seq} on {opts.gpus} GPUs x {opts.gpu_mem / GiB:.0f} GiB (CP {opts.gpus}, "
         f"{opts.seq // opts.gpus} tokens per rank), {opts.dtype}{' + fp32 master weights' if opts.mixed else ''}, "
-        f"AdamW, FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, backend {opts.backend}",
+        f"AdamW ({opts.optimizer}), FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, backend {opts.backend}",
         "",
         f"per rank at seq {opts.seq}:",
     ]
@@ -660,6 +674,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--loss", choices=["full", "chunked"], default="full",
                         help="full-vocabulary logits, or sharding.loss.chunked_nll (--loss-chunk tokens at a time)")
     parser.add_argument("--loss-chunk", type=int, default=1024)
+    parser.add_argument("--optimizer", choices=["foreach", "fused", "forloop"], default="foreach",
+                        help="AdamW implementation (its step's temporaries): foreach (torch's GPU default), fused, forloop")
     parser.add_argument("--no-master-weights", action="store_true", help="no fp32 master copy for 16-bit dtypes")
 
 
@@ -670,7 +686,7 @@ def run_from_args(args) -> int:
     checkpointing = "offload" if args.offload == "activations" else args.checkpointing
     opts = PlanOptions(seq=args.seq, gpus=gpus, gpu_mem=parse_bytes(args.gpu_mem), dtype=args.dtype,
                        master_weights=False if args.no_master_weights else None, checkpointing=checkpointing,
-                       fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk,
+                       fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk, optimizer=args.optimizer,
                        batch=getattr(args, "batch", 1) or 1)
     if opts.seq % gpus:
         raise SystemExit(f"ringmaster plan: --seq {opts.seq} is not divisible by --gpus {gpus}")
