@@ -32,8 +32,8 @@ ROWS = [
     ("deep", 2, "ulysses", "full", "none", (4096,)),
     ("deep", 2, "ring", "full", "none", (4096,)),
     ("100m", 1, "none", "full", "none", (256, 1024)),
-    ("100m", 2, "ulysses", "full", "none", (1024,)),
-    ("100m", 2, "ring", "full", "none", (1024,)),
+    ("100m", 2, "ulysses", "full", "none", (2048,)),
+    ("100m", 2, "ring", "full", "none", (2048,)),
 ]
 
 
