@@ -24,13 +24,13 @@ head's gradient), the end of the backward (every gradient plus the embedding's),
 optimizer step (gradients plus AdamW's temporaries). Activations fall and gradients rise
 linearly through the backward, so the peak is at one of its ends.
 
-Not yet run on a GPU: the formulas are checked on CPU in fp32 (benchmarks/memory_plan.py); the
-bf16 terms follow the same op-by-op accounting with HF's fp32 upcasts (RMSNorm, the loss).
+Not yet run on a GPU: the formulas are checked on CPU in fp32 and bf16 against llama models
+(benchmarks/memory_plan.py, docs/benchmarks.md); the recurrent and MoE terms, offload and FSDP2 are
+not measured.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -166,8 +166,8 @@ class ModelShape:
             mlp = 3 * h * self.moe_intermediate * self.experts + 3 * h * self.shared_intermediate + h * self.experts
         else:
             mlp = 3 * h * self.intermediate
-        lin = (h * (2 * self.lin_k_heads * self.lin_k_dim + 2 * self.lin_v_heads * self.lin_v_dim + 2 * self.lin_v_heads)
-               + self.lin_v_heads * self.lin_v_dim * h)
+        vd = self.lin_v_heads * self.lin_v_dim
+        lin = h * (2 * self.lin_k_heads * self.lin_k_dim + 2 * vd + 2 * self.lin_v_heads) + vd * h
         total = embed + sum((attn if k == "attention" else lin) + mlp + 2 * h for k in self.layer_kinds)
         return total, v * h, embed
 
@@ -253,14 +253,21 @@ def _usp_split(shape: ModelShape, gpus: int, ulysses: int | None) -> tuple[int, 
     for u in range(1, gpus + 1):
         if gpus % u == 0 and shape.heads % u == 0 and (shape.kv_heads % u == 0 or u % shape.kv_heads == 0):
             best = u
-    best = best if best < gpus else max(d for d in range(1, gpus) if gpus % d == 0 and shape.heads % d == 0)
+    best = best if best < gpus else max((d for d in range(1, gpus) if gpus % d == 0 and shape.heads % d == 0),
+                                        default=1)
     return best, gpus // best
+
+
+def _heads_indivisible(shape: ModelShape, u: int) -> bool:
+    return shape.heads % u != 0
 
 
 def split_of(shape: ModelShape, opts: PlanOptions) -> tuple[int, int]:
     """(ulysses size, ring size) of the backend."""
     P = opts.gpus
     if opts.backend == "ulysses":
+        if _heads_indivisible(shape, P):
+            raise ValueError(f"{shape.heads} heads do not split over ulysses {P}; use ring or usp")
         return P, 1
     if opts.backend in ("ring", "ring-allgather"):
         return 1, P
@@ -385,7 +392,7 @@ def scan_state_bytes(s: ModelShape, kind: str, P: int) -> float:
 def attention_temporaries(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
     """Bytes per rank that one attention layer holds only while it runs, forward and backward,
     and what the backend saves beyond the plain kernel (``saved``, per layer)."""
-    b, P, S_l = opts.b, opts.gpus, opts.seq // opts.gpus * opts.batch
+    b, S_l = opts.b, opts.seq // opts.gpus * opts.batch
     u, r = split_of(s, opts)
     qd = s.heads * s.head_dim
     kv_u = _kv_after_replication(s.kv_heads, u)
@@ -520,8 +527,6 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         recompute = max(full_layer.values()) + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
     # outside the layers: the final norm and its output (the LM head's input), the token ids
     head = (norm_bytes(s.hidden, b) + b * s.hidden + 8) * S_l
-    if opts.loss == "chunked":
-        head += 0.0                         # chunked_nll saves the same hidden (a view), nothing more
 
     head_grad = s.vocab * s.hidden * gb / (P if fsdp else 1)
     attn_fwd = temps["forward"] if "attention" in s.layer_kinds else 0.0
@@ -534,7 +539,8 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     transient = 3 * b * s.hidden * S_l if recompute else (2 * b * s.hidden + b * _mlp_width(s)) * S_l
     layer_bwd = transient + layer_grads + attn_bwd + recompute
     out.moments = {
-        "forward end": act + head + loss["saved"] + max(loss["forward"], attn_fwd),
+        # the loss's forward terms include the log-softmax it saves
+        "forward end": act + head + max(loss["forward"], loss["saved"] + attn_fwd),
         "loss backward": act + head + loss["backward"],
         "LM head backward": act + head + loss["grad_logits"] + head_grad + b * s.hidden * S_l,
         "layer backward": act + head_grad + layer_bwd,
@@ -624,7 +630,8 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
         + (f", MoE {shape.experts} experts top-{shape.top_k}" if shape.moe else ""),
         f"run: seq {opts.seq} on {opts.gpus} GPUs x {opts.gpu_mem / GiB:.0f} GiB (CP {opts.gpus}, "
         f"{opts.seq // opts.gpus} tokens per rank), {opts.dtype}{' + fp32 master weights' if opts.mixed else ''}, "
-        f"AdamW ({opts.optimizer}), FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, backend {opts.backend}",
+        f"AdamW ({opts.optimizer}), FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, "
+        f"backend {opts.backend}",
         "",
         f"per rank at seq {opts.seq}:",
     ]
@@ -654,7 +661,7 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
             lines.append(f"  {backend:<16} invalid: {e}")
             continue
         lines.append(f"  {backend:<16}" + "".join(f"{c:>16}" for c in cells) + f"   ({split})")
-    lines.append("(closed form, docs/planner.md: attention + dense-MLP layers within 5% of measured CPU peaks; "
+    lines.append("(closed form, docs/planner.md: attention + dense-MLP layers within 7% of measured CPU peaks; "
                  "recurrent and MoE terms not measured; not yet run on a GPU: leave headroom for the CUDA "
                  "context and the allocator)")
     return "\n".join(lines)
@@ -676,7 +683,8 @@ def add_arguments(parser) -> None:
                         help="full-vocabulary logits, or sharding.loss.chunked_nll (--loss-chunk tokens at a time)")
     parser.add_argument("--loss-chunk", type=int, default=1024)
     parser.add_argument("--optimizer", choices=["foreach", "fused", "forloop"], default="foreach",
-                        help="AdamW implementation (its step's temporaries): foreach (torch's GPU default), fused, forloop")
+                        help="AdamW implementation (its step's temporaries): foreach (torch's GPU default), fused, "
+                             "forloop")
     parser.add_argument("--no-master-weights", action="store_true", help="no fp32 master copy for 16-bit dtypes")
 
 
@@ -687,14 +695,18 @@ def run_from_args(args) -> int:
     checkpointing = "offload" if args.offload == "activations" else args.checkpointing
     opts = PlanOptions(seq=args.seq, gpus=gpus, gpu_mem=parse_bytes(args.gpu_mem), dtype=args.dtype,
                        master_weights=False if args.no_master_weights else None, checkpointing=checkpointing,
-                       fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk, optimizer=args.optimizer,
+                       fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk,
+                       optimizer=args.optimizer,
                        batch=getattr(args, "batch", 1) or 1)
     if opts.seq % gpus:
         raise SystemExit(f"ringmaster plan: --seq {opts.seq} is not divisible by --gpus {gpus}")
     name = os.path.basename(os.path.dirname(args.config)) if args.config.endswith("config.json") else args.config
-    print(report(shape, opts, name=name))
+    try:
+        print(report(shape, opts, name=name))
+    except ValueError as e:
+        raise SystemExit(f"ringmaster plan: {e}") from None
     return 0
 
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "plan", "max_seq", "report", "parse_bytes", "load_config",
-           "attention_temporaries", "loss_bytes", "layer_kind_bytes", "norm_bytes", "math"]
+           "attention_temporaries", "loss_bytes", "layer_kind_bytes", "norm_bytes"]

@@ -45,7 +45,8 @@ def _storage_bytes(tensors) -> int:
 
 
 def measure_step(model_type: str, overrides: dict, seqs, P: int = 1, backend: str = "ulysses", mesh=None,
-                 loss: str = "full", chunk: int = 1024, checkpointing: str = "none") -> list[dict]:
+                 loss: str = "full", chunk: int = 1024, checkpointing: str = "none",
+                 dtype: torch.dtype = torch.float32) -> list[dict]:
     """Per S: bytes alive before the step (parameters + AdamW state, after one warm-up step) and the
     peak of tensor bytes created and alive at once during forward + backward + optimizer step
     (``track_tensor_memory``), with grads set to None before, as a training loop leaves them."""
@@ -53,7 +54,7 @@ def measure_step(model_type: str, overrides: dict, seqs, P: int = 1, backend: st
     from ringmaster.sharding.loss import chunked_nll
     from ringmaster.testing.parity import tiny_batch
 
-    model = build(model_type, overrides)
+    model = build(model_type, overrides).to(dtype)   # bf16: parameters and AdamW state in bf16 too
     if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if P > 1:
@@ -103,6 +104,7 @@ def measure_step(model_type: str, overrides: dict, seqs, P: int = 1, backend: st
     return rows
 
 
-def measure_job(ctx, model_type, overrides, seqs, P, backend="ulysses", loss="full", checkpointing="none"):
+def measure_job(ctx, model_type, overrides, seqs, P, backend="ulysses", loss="full", checkpointing="none",
+                dtype=torch.float32):
     return measure_step(model_type, overrides, seqs, P, backend, ctx.mesh(P) if P > 1 else None, loss,
-                        checkpointing=checkpointing)
+                        checkpointing=checkpointing, dtype=dtype)
