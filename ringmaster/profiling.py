@@ -406,9 +406,25 @@ def _storages(out):
             yield from _storages(item)
 
 
+def _input_storage_ids(args, kwargs) -> set[int]:
+    ids = set()
+    for t in _storages(list(args) + list((kwargs or {}).values())):
+        try:
+            ids.add(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            pass
+    return ids
+
+
 @contextlib.contextmanager
-def track_tensor_memory():
+def track_tensor_memory(skip_aliases: bool = False):
     """Peak bytes of the tensor storages created inside the block and alive at once, on any device.
+
+    ``skip_aliases=True`` does not count an op's output that shares storage with one of its inputs
+    (a view such as a weight's ``t()`` inside ``linear``, an in-place update such as the optimizer's
+    ``param.mul_``): without it, a storage from before the block that such an op returns is counted
+    as if it were new, for as long as it lives (the parameters a forward touches, an optimizer's
+    states). The memory planner's check (benchmarks/memory_plan.py) passes True.
 
     A ``TorchDispatchMode`` sees every aten op below autograd (forward and backward, composite
     ops decomposed): each new output storage is counted when created and uncounted when freed
@@ -438,13 +454,14 @@ def track_tensor_memory():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             grew = False
+            inputs = _input_storage_ids(args, kwargs) if skip_aliases else ()
             for t in _storages(out):
                 try:
                     st = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
                     continue
                 key = id(st)
-                if key in refs:
+                if key in refs or key in inputs:
                     continue
                 nbytes = st.nbytes()
                 refs[key] = weakref.ref(st, freed(key, nbytes))

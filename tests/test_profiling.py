@@ -182,6 +182,21 @@ def test_track_tensor_memory_counts_live_storages_once():
     assert t.largest_wide_bytes == t.largest_bytes
 
 
+def test_track_tensor_memory_skip_aliases():
+    """A view or an in-place update of a storage from before the block (a weight's t() in linear, the
+    optimizer's param.mul_) is counted as new by default and not with skip_aliases=True."""
+    before = torch.zeros(1000)
+    for skip, expected in ((False, 4000), (True, 0)):
+        with profiling.track_tensor_memory(skip_aliases=skip) as t:
+            view = before.t()
+            before.mul_(2)
+        assert t.peak_bytes == expected, (skip, t.peak_bytes)
+        del view
+    with profiling.track_tensor_memory(skip_aliases=True) as t:
+        c = before * 2                           # a new storage still counts
+    assert t.peak_bytes == 4000 and c.numel() == 1000
+
+
 def test_count_collectives_outside_distributed_is_harmless():
     with count_collectives() as seen:
         torch.ones(3).sum()

@@ -18,7 +18,7 @@ CORE = ("ringmaster.comm", "ringmaster.mesh", "ringmaster.validation", "ringmast
         "ringmaster.attention", "ringmaster.recurrent", "ringmaster.architectures", "ringmaster.multimodal",
         "ringmaster.wiring", "ringmaster.config", "ringmaster.errors", "ringmaster.compat")
 TOOLING = ("ringmaster.profiling", "ringmaster.bench", "ringmaster.testing", "ringmaster.cli",
-           "ringmaster.planning", "ringmaster.adapters")
+           "ringmaster.planning", "ringmaster.memory_plan", "ringmaster.adapters")
 LEAVES = ("ringmaster.config", "ringmaster.errors", "ringmaster.attention.binding", "ringmaster.recurrent.kind")
 
 
