@@ -108,3 +108,22 @@ def test_axolotl_plugin_accepts_fla_backend(fla_pool):
         assert not r["missing"] and r["loss_err"] <= TOL, (rank, r["loss_err"], r["missing"])
         assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
         assert r["unwired"] and r["runtime_dropped"] and r["unload_logits_err"] == 0.0, r
+
+
+# axolotl's default ``mamba_backend: transformers``: its mixers carry an instance-level forward
+# (``_native_forward``) that ringmaster re-binds through (recurrent/intercept.COMPOSABLE_FORWARDS)
+@pytest.mark.parametrize("model_type,packed,strategy", [("mamba", False, "auto"), ("mamba", True, "scan"),
+                                                        ("mamba2", False, "scan"), ("mamba2", True, "auto")],
+                         ids=["mamba-dense", "mamba-packed-scan", "mamba2-dense-scan", "mamba2-packed"])
+def test_native_backend_parity(fla_pool, model_type, packed, strategy):
+    for rank, r in enumerate(fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=packed,
+                                          strategy=strategy)):
+        assert r["axolotl_mixer"] and r["instance_forward"] and r["rebound"] and r["restored"], r
+        assert r["recurrent_layers"] == 1 and not r["missing_grads"] and r["n_grads"] > 5, r
+        assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= TOL, (rank, r["worst_param"], r)
+
+
+def test_native_backend_mutation_refused(fla_pool):
+    """axolotl's instance forward not composed with (the re-bind skipped): wire refuses the layer."""
+    r = fla_pool.run(jobs_fla_mamba.native_parity, "mamba", mutate="no_composed_rebind")[0]
+    assert "instance-level forward" in r.get("error", "") and "backbone.layers.0.mixer" in r["error"], r
