@@ -310,6 +310,13 @@ def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.fl
     from ringmaster.testing.parity import tiny_model
 
     _setup()
+    from axolotl.monkeypatch.models.mamba import modeling as packing
+
+    # what axolotl applies under sample_packing (PatchManager._apply_ssm_packing_patches): the mixer class
+    # forward becomes its packed-row splitter, so the instance forward's chain is three deep. Mamba2's needs
+    # seq_idx kernels (use_kernels: true) and refuses a packed row on CPU outside CP; under CP the segments
+    # never reach it
+    getattr(packing, f"patch_{model_type}_modeling_packing")(kernels_enabled=model_type == "mamba2")
     key = ("native", model_type, seed, dtype, tuple(sorted(overrides.items())))
     if key not in _BUILT:
         _BUILT[key] = tiny_model(model_type, "eager", seed, dtype=dtype, **overrides)
@@ -326,7 +333,22 @@ def skip_composed_rebind():
     return lambda: [u() for u in reversed(undos)]
 
 
+def keep_local_segments():
+    """``drop_local_segments`` as the Mamba mixers' guard calls it (``ringmaster.recurrent.mixer``): a no-op,
+    so axolotl's packed-row splitter cuts each shard at the documents of its *local* position_ids."""
+    from ringmaster.recurrent import mixer
+
+    return _patch(mixer, "drop_local_segments", lambda ctx, kwargs, key="segments": None)
+
+
 MUTATIONS["no_composed_rebind"] = skip_composed_rebind
+MUTATIONS["local_segments"] = keep_local_segments
+
+
+def _chain(fn):
+    while fn is not None:
+        yield fn
+        fn = getattr(fn, "__wrapped__", None)
 
 
 def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, strategy="auto"):
@@ -361,6 +383,7 @@ def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, s
         return {**out, "error": f"{type(e).__name__}: {e}"}
     finally:
         undo()
+    out["chain"] = [f.__code__.co_qualname for f in _chain(vars(m)["forward"].__func__)]
     out.update({k: r[k] for k in ("loss_err", "logits_err", "grad_err", "worst_param", "missing_grads", "n_grads",
                                   "recurrent_layers")})
     return out

@@ -119,11 +119,17 @@ def test_native_backend_parity(fla_pool, model_type, packed, strategy):
     for rank, r in enumerate(fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=packed,
                                           strategy=strategy)):
         assert r["axolotl_mixer"] and r["instance_forward"] and r["rebound"] and r["restored"], r
+        # axolotl's wrapper around its packed-row splitter (sample_packing's class patch) around the mixer forward
+        assert r["chain"][:2] == ["_native_forward.<locals>.forward", "_patch_mixer.<locals>.patched_forward"], r
         assert r["recurrent_layers"] == 1 and not r["missing_grads"] and r["n_grads"] > 5, r
         assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= TOL, (rank, r["worst_param"], r)
 
 
-def test_native_backend_mutation_refused(fla_pool):
-    """axolotl's instance forward not composed with (the re-bind skipped): wire refuses the layer."""
-    r = fla_pool.run(jobs_fla_mamba.native_parity, "mamba", mutate="no_composed_rebind")[0]
-    assert "instance-level forward" in r.get("error", "") and "backbone.layers.0.mixer" in r["error"], r
+@pytest.mark.parametrize("mutation,model_type,message", [
+    ("no_composed_rebind", "mamba", "instance-level forward"),   # the re-bind through axolotl's chain skipped
+    ("local_segments", "mamba", "seq_idx reached"),              # axolotl's per-shard documents kept
+])
+def test_native_backend_mutation_refused(fla_pool, mutation, model_type, message):
+    """A mechanism of the composed path broken: wire or the first CP forward refuses, naming the layer."""
+    r = fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=True, mutate=mutation)[0]
+    assert message in r.get("error", "") and "backbone.layers.0.mixer" in r["error"], r
