@@ -326,11 +326,9 @@ def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.fl
 def skip_composed_rebind():
     """``ringmaster.recurrent.intercept.composed_forward`` as if axolotl's instance forward were not
     recognised: wire must then refuse the layer (the instance forward would bypass the state passing)."""
-    from ringmaster.recurrent import intercept, mixer
+    from ringmaster.recurrent import intercept
 
-    undos = [_patch(intercept, "composed_forward", lambda module: None),
-             _patch(mixer, "composed_forward", lambda module: None)]
-    return lambda: [u() for u in reversed(undos)]
+    return _patch(intercept, "composed_forward", lambda module: None)
 
 
 def keep_local_segments():
@@ -360,12 +358,12 @@ def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, s
     from ringmaster.testing.parity import compare, packed_batch, per_document_forward
 
     _setup()
-    mixer_cls = "MambaMixer" if model_type == "mamba" else "Mamba2Mixer"
+    mixer_cls = {"mamba": "MambaMixer", "mamba2": "Mamba2Mixer"}.get(model_type)
     probe = native_build(model_type)
     m = probe.backbone.layers[0].mixer
     out = {"axolotl_mixer": type(m).__module__.startswith("axolotl") and type(m).__name__ == mixer_cls,
            "instance_forward": "forward" in vars(m)}
-    original = vars(m)["forward"]
+    original = vars(m).get("forward")   # none on falcon_mamba (axolotl's packing patch is class-level there)
     rm.wire(probe, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
     out["rebound"] = vars(m)["forward"] is not original
     rm.unwire(probe)
@@ -383,7 +381,7 @@ def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, s
         return {**out, "error": f"{type(e).__name__}: {e}"}
     finally:
         undo()
-    out["chain"] = [f.__code__.co_qualname for f in _chain(vars(m)["forward"].__func__)]
+    out["chain"] = [f.__code__.co_qualname for f in _chain(getattr(original, "__func__", type(m).forward))]
     out.update({k: r[k] for k in ("loss_err", "logits_err", "grad_err", "worst_param", "missing_grads", "n_grads",
                                   "recurrent_layers")})
     return out

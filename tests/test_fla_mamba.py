@@ -113,14 +113,21 @@ def test_axolotl_plugin_accepts_fla_backend(fla_pool):
 # axolotl's default ``mamba_backend: transformers``: its mixers carry an instance-level forward
 # (``_native_forward``) that ringmaster re-binds through (recurrent/intercept.COMPOSABLE_FORWARDS)
 @pytest.mark.parametrize("model_type,packed,strategy", [("mamba", False, "auto"), ("mamba", True, "scan"),
-                                                        ("mamba2", False, "scan"), ("mamba2", True, "auto")],
-                         ids=["mamba-dense", "mamba-packed-scan", "mamba2-dense-scan", "mamba2-packed"])
+                                                        ("mamba2", False, "scan"), ("mamba2", True, "auto"),
+                                                        ("falcon_mamba", True, "auto")],
+                         ids=["mamba-dense", "mamba-packed-scan", "mamba2-dense-scan", "mamba2-packed",
+                              "falcon_mamba-packed"])
 def test_native_backend_parity(fla_pool, model_type, packed, strategy):
+    """falcon_mamba: axolotl maps no mixer class, but its sample-packing patch wraps FalconMambaMixer.forward
+    (class-level) with the same segments splitter."""
     for rank, r in enumerate(fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=packed,
                                           strategy=strategy)):
-        assert r["axolotl_mixer"] and r["instance_forward"] and r["rebound"] and r["restored"], r
+        mapped = model_type != "falcon_mamba"
+        assert r["rebound"] and r["restored"], r
+        assert r["axolotl_mixer"] == r["instance_forward"] == mapped, r
         # axolotl's wrapper around its packed-row splitter (sample_packing's class patch) around the mixer forward
-        assert r["chain"][:2] == ["_native_forward.<locals>.forward", "_patch_mixer.<locals>.patched_forward"], r
+        chain = ["_native_forward.<locals>.forward"] * mapped + ["_patch_mixer.<locals>.patched_forward"]
+        assert r["chain"][:len(chain)] == chain, r
         assert r["recurrent_layers"] == 1 and not r["missing_grads"] and r["n_grads"] > 5, r
         assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= TOL, (rank, r["worst_param"], r)
 

@@ -59,6 +59,29 @@ def _rebuild_chain(fn: Callable, innermost_globals: dict) -> Callable:
 COMPOSABLE_FORWARDS = {("axolotl.model_support.mamba.modeling", "_native_forward.<locals>.forward")}
 
 
+# Wrappers (module name, code qualname) that take axolotl's ``segments`` kwarg: its default-backend
+# instance forward and its sample-packing patch of the Mamba / Mamba2 / FalconMamba mixer classes
+# (``_patch_mixer``: with segments it turns them into ``seq_idx`` or a per-document split of the *shard*)
+SEGMENT_WRAPPERS = COMPOSABLE_FORWARDS | {("axolotl.monkeypatch.models.mamba.modeling", "_patch_mixer.<locals>.patched_forward")}
+
+
+def _identity(fn) -> tuple | None:
+    """(module name, code qualname) of a function: ``functools.wraps`` copies ``__module__`` and
+    ``__qualname__`` from the wrapped function, the code object and globals keep the wrapper's own."""
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (getattr(fn, "__globals__", {}).get("__name__"), code.co_qualname)
+
+
+def takes_local_segments(forward: Callable) -> bool:
+    """Whether ``forward``'s ``functools.wraps`` chain has a wrapper in :data:`SEGMENT_WRAPPERS`."""
+    fn = getattr(forward, "__func__", forward)
+    while fn is not None:
+        if _identity(fn) in SEGMENT_WRAPPERS:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def composed_forward(module) -> Callable | None:
     """The function of ``module``'s instance-level forward if it is one ringmaster composes with
     (:data:`COMPOSABLE_FORWARDS`: bound to this module, wrapping a forward of the layer's own class
@@ -67,8 +90,7 @@ def composed_forward(module) -> Callable | None:
     fn = getattr(bound, "__func__", None)
     if fn is None or getattr(bound, "__self__", None) is not module:
         return None
-    code = getattr(fn, "__code__", None)   # functools.wraps copies __module__ / __qualname__ from the wrapped
-    if code is None or (fn.__globals__.get("__name__"), code.co_qualname) not in COMPOSABLE_FORWARDS:
+    if _identity(fn) not in COMPOSABLE_FORWARDS:
         return None
     inner = inspect.unwrap(fn)
     own = {inspect.unwrap(vars(c)["forward"]) for c in type(module).__mro__ if "forward" in vars(c)}

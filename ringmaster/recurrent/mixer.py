@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
-from .intercept import composed_forward, interceptable, rebind_forward
+from .intercept import interceptable, rebind_forward, takes_local_segments
 
 
 def route_around_fused(ctx: LayerContext, namespace: dict, name: str):
@@ -44,7 +44,7 @@ def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[
         names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
     }
     guard = call_guard(ctx)
-    if composed_forward(module) is not None:   # axolotl's default-backend mixer: its segments kwarg
+    if takes_local_segments(forward):   # axolotl's default-backend mixer or sample-packing patch: segments
         checks = guard
 
         def guard(args: tuple, kwargs: dict) -> None:
