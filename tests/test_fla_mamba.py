@@ -9,6 +9,10 @@ axolotl's ``_bind_kernels`` (what it runs at construction on a CUDA machine) bin
 ``torch_forward``; for packed rows, axolotl's per-document split). Stand-in verified on CPU; not yet run
 on a GPU.
 
+The same pool also runs axolotl's default ``mamba_backend: transformers`` mixers (an instance-level
+forward, ``_native_forward``, around its sample-packing class patch), whose reference is plain
+transformers (packed: each document alone).
+
 The stand-in ``fla`` and axolotl's class patches are process-wide, so these jobs run in a 2-rank pool
 of their own, never in the session pool.
 """
