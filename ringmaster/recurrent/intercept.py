@@ -1,6 +1,8 @@
 """Kernel interception, in one place: a wired layer instance gets a copy of its class forward whose
 module-level kernel names (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) resolve to
-ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched.
+ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched. A known
+instance-level forward another tool installed around the class forward (:data:`COMPOSABLE_FORWARDS`:
+axolotl's default-backend Mamba mixers) is copied the same way, its wrappers kept, and put back by the undo.
 """
 
 from __future__ import annotations
