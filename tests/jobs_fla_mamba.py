@@ -299,3 +299,89 @@ def mixers_and_refusals(ctx):
     refusal("rebound_after_wire", model, lambda m: m(input_ids=torch.zeros(1, 8, dtype=torch.long)), RuntimeError)
     handle.restore()
     return out
+
+
+def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.float32, **overrides):
+    """``tiny_model`` through axolotl's patch mapping with its default ``mamba_backend: transformers``:
+    axolotl's MambaMixer / Mamba2Mixer, each with the instance-level forward axolotl gives it
+    (``_native_forward``: the transformers mixer forward behind a ``segments`` kwarg)."""
+    import copy
+
+    from ringmaster.testing.parity import tiny_model
+
+    _setup()
+    from axolotl.monkeypatch.models.mamba import modeling as packing
+
+    # what axolotl applies under sample_packing (PatchManager._apply_ssm_packing_patches): the mixer class
+    # forward becomes its packed-row splitter, so the instance forward's chain is three deep. Mamba2's needs
+    # seq_idx kernels (use_kernels: true) and refuses a packed row on CPU outside CP; under CP the segments
+    # never reach it
+    getattr(packing, f"patch_{model_type}_modeling_packing")(kernels_enabled=model_type == "mamba2")
+    key = ("native", model_type, seed, dtype, tuple(sorted(overrides.items())))
+    if key not in _BUILT:
+        _BUILT[key] = tiny_model(model_type, "eager", seed, dtype=dtype, **overrides)
+    return copy.deepcopy(_BUILT[key])
+
+
+def skip_composed_rebind():
+    """``ringmaster.recurrent.intercept.composed_forward`` as if axolotl's instance forward were not
+    recognised: wire must then refuse the layer (the instance forward would bypass the state passing)."""
+    from ringmaster.recurrent import intercept
+
+    return _patch(intercept, "composed_forward", lambda module: None)
+
+
+def keep_local_segments():
+    """``drop_local_segments`` as the Mamba mixers' guard calls it (``ringmaster.recurrent.mixer``): a no-op,
+    so axolotl's packed-row splitter cuts each shard at the documents of its *local* position_ids."""
+    from ringmaster.recurrent import mixer
+
+    return _patch(mixer, "drop_local_segments", lambda ctx, kwargs, key="segments": None)
+
+
+MUTATIONS["no_composed_rebind"] = skip_composed_rebind
+MUTATIONS["local_segments"] = keep_local_segments
+
+
+def _chain(fn):
+    while fn is not None:
+        yield fn
+        fn = getattr(fn, "__wrapped__", None)
+
+
+def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, strategy="auto"):
+    """fp64 parity of a ``mamba_backend: transformers`` (axolotl's default) model under CP against the same
+    model without CP. ``packed``: one packed row (3 documents, one across the shard boundary); the reference
+    runs each document alone (axolotl's default mapping has no CPU packed path for the native mixers). Also
+    reports that axolotl's instance forward is what the wired layer composes with and what the undo puts back."""
+    import ringmaster as rm
+    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+
+    _setup()
+    mixer_cls = {"mamba": "MambaMixer", "mamba2": "Mamba2Mixer"}.get(model_type)
+    probe = native_build(model_type)
+    m = probe.backbone.layers[0].mixer
+    out = {"axolotl_mixer": type(m).__module__.startswith("axolotl") and type(m).__name__ == mixer_cls,
+           "instance_forward": "forward" in vars(m)}
+    original = vars(m).get("forward")   # none on falcon_mamba (axolotl's packing patch is class-level there)
+    rm.wire(probe, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+    out["rebound"] = vars(m)["forward"] is not original
+    rm.unwire(probe)
+    rm.teardown()
+    out["restored"] = vars(m).get("forward") is original
+    batch = packed_batch(128, [9, 11, 4]) if packed else None
+    undo = MUTATIONS[mutate]() if mutate else (lambda: None)
+    try:
+        r = compare(model_type, rm.RingmasterConfig(size=P, backend="ulysses", recurrent=strategy), seq_len=seq_len,
+                    device_mesh=ctx.mesh(P), build=native_build, fp64=True, attn_implementation="eager", batch=batch,
+                    reference_forward=per_document_forward if packed else None, num_hidden_layers=1)
+    except Exception as e:   # noqa: BLE001 -- the mutation's refusal is the result
+        if mutate is None:
+            raise
+        return {**out, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        undo()
+    out["chain"] = [f.__code__.co_qualname for f in _chain(getattr(original, "__func__", type(m).forward))]
+    out.update({k: r[k] for k in ("loss_err", "logits_err", "grad_err", "worst_param", "missing_grads", "n_grads",
+                                  "recurrent_layers")})
+    return out

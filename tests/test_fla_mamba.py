@@ -9,6 +9,10 @@ axolotl's ``_bind_kernels`` (what it runs at construction on a CUDA machine) bin
 ``torch_forward``; for packed rows, axolotl's per-document split). Stand-in verified on CPU; not yet run
 on a GPU.
 
+The same pool also runs axolotl's default ``mamba_backend: transformers`` mixers (an instance-level
+forward, ``_native_forward``, around its sample-packing class patch), whose reference is plain
+transformers (packed: each document alone).
+
 The stand-in ``fla`` and axolotl's class patches are process-wide, so these jobs run in a 2-rank pool
 of their own, never in the session pool.
 """
@@ -108,3 +112,35 @@ def test_axolotl_plugin_accepts_fla_backend(fla_pool):
         assert not r["missing"] and r["loss_err"] <= TOL, (rank, r["loss_err"], r["missing"])
         assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
         assert r["unwired"] and r["runtime_dropped"] and r["unload_logits_err"] == 0.0, r
+
+
+# axolotl's default ``mamba_backend: transformers``: its mixers carry an instance-level forward
+# (``_native_forward``) that ringmaster re-binds through (recurrent/intercept.COMPOSABLE_FORWARDS)
+@pytest.mark.parametrize("model_type,packed,strategy", [("mamba", False, "auto"), ("mamba", True, "scan"),
+                                                        ("mamba2", False, "scan"), ("mamba2", True, "auto"),
+                                                        ("falcon_mamba", True, "auto")],
+                         ids=["mamba-dense", "mamba-packed-scan", "mamba2-dense-scan", "mamba2-packed",
+                              "falcon_mamba-packed"])
+def test_native_backend_parity(fla_pool, model_type, packed, strategy):
+    """falcon_mamba: axolotl maps no mixer class, but its sample-packing patch wraps FalconMambaMixer.forward
+    (class-level) with the same segments splitter."""
+    for rank, r in enumerate(fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=packed,
+                                          strategy=strategy)):
+        mapped = model_type != "falcon_mamba"
+        assert r["rebound"] and r["restored"], r
+        assert r["axolotl_mixer"] == r["instance_forward"] == mapped, r
+        # axolotl's wrapper around its packed-row splitter (sample_packing's class patch) around the mixer forward
+        chain = ["_native_forward.<locals>.forward"] * mapped + ["_patch_mixer.<locals>.patched_forward"]
+        assert r["chain"][:len(chain)] == chain, r
+        assert r["recurrent_layers"] == 1 and not r["missing_grads"] and r["n_grads"] > 5, r
+        assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= TOL, (rank, r["worst_param"], r)
+
+
+@pytest.mark.parametrize("mutation,model_type,message", [
+    ("no_composed_rebind", "mamba", "instance-level forward"),   # the re-bind through axolotl's chain skipped
+    ("local_segments", "mamba", "seq_idx reached"),              # axolotl's per-shard documents kept
+])
+def test_native_backend_mutation_refused(fla_pool, mutation, model_type, message):
+    """A mechanism of the composed path broken: wire or the first CP forward refuses, naming the layer."""
+    r = fla_pool.run(jobs_fla_mamba.native_parity, model_type, packed=True, mutate=mutation)[0]
+    assert message in r.get("error", "") and "backbone.layers.0.mixer" in r["error"], r

@@ -118,3 +118,22 @@ def decode_only_without_cp(ctx: LayerContext, namespace: dict, name: str):
                                "run the model with use_cache=False")
         return namespace[name](*args, **kwargs)
     return call
+
+
+def drop_local_segments(ctx: LayerContext, kwargs: dict, key: str = "segments") -> None:
+    """axolotl's packed-row documents (``PackedSegments``, from the *shard's* position_ids: a document
+    continuing from the previous shard looks like a new one) are dropped from ``kwargs`` under
+    ringmaster (CP, or a ``ringmaster_batch``): the CP kernels reset at the batch's *global* document
+    starts instead. Refuses a shard with several local documents but no global document ids (they would
+    disagree). Without ringmaster, axolotl's own per-document path stays."""
+    segments = kwargs.get(key)
+    batch = kwargs.get(BATCH_KWARG, ctx.batch)
+    if segments is None or (batch is None and ctx.size == 1 and ctx.probe is None):
+        return
+    seq_idx = getattr(segments, "seq_idx", None)
+    several = seq_idx is not None and seq_idx.shape[-1] > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
+    if several and getattr(batch, "doc_ids", None) is None:
+        raise RuntimeError(f"{ctx.path}: axolotl found several documents in this shard's position_ids, but the "
+                           "ringmaster_batch carries no document ids; shard packed rows with "
+                           "context_parallel_region / ContextParallelContextManager on the full batch")
+    kwargs.pop(key)

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnsupportedLayerError
-from .context import LayerContext, call_guard, decode_only_without_cp
+from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
 from .intercept import compose_attributes, rebind_function
 from .mamba1 import cp_selective_scan
@@ -288,17 +288,6 @@ def _mamba2_fused(ctx: LayerContext, view, conv: Callable, scan: Callable, origi
     return fused
 
 
-def _documents_dropped(ctx: LayerContext, segments) -> None:
-    """axolotl's per-shard document split is replaced by ringmaster's global documents: refuse a packed
-    shard whose batch carries no document ids (they would disagree)."""
-    seq_idx = getattr(segments, "seq_idx", None)
-    several = seq_idx is not None and seq_idx.shape[-1] > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
-    if several and getattr(ctx.batch, "doc_ids", None) is None:
-        raise RuntimeError(f"{ctx.path}: axolotl found several documents in this shard's position_ids, but the "
-                           "ringmaster_batch carries no document ids; shard packed rows with "
-                           "context_parallel_region / ContextParallelContextManager on the full batch")
-
-
 def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one axolotl FLA-backed Mamba/Mamba2 mixer through exact CP (see the module docstring);
     returns the undo. ``names`` is unused (FLA's kernel names are fixed: :data:`FLA_KERNELS`)."""
@@ -347,8 +336,8 @@ def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Call
                                "Unwire, rebuild or re-bind, then wire again")
         _check_raw_weights(view, f"layer {ctx.path!r}", kind)   # an adapter added after wiring
         guard((hidden_states, *args), kwargs)
-        if kwargs.get("_axolotl_segments") is not None and ctx.batch is not None:
-            _documents_dropped(ctx, kwargs.pop("_axolotl_segments"))
+        if ctx.batch is not None:   # axolotl's per-shard split: the CP kernels use the global documents
+            drop_local_segments(ctx, kwargs, "_axolotl_segments")
         return previous_forward(hidden_states, *args, **kwargs)
 
     attrs["forward"] = forward

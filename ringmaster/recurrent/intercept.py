@@ -1,6 +1,8 @@
 """Kernel interception, in one place: a wired layer instance gets a copy of its class forward whose
 module-level kernel names (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) resolve to
-ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched.
+ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched. A known
+instance-level forward another tool installed around the class forward (:data:`COMPOSABLE_FORWARDS`:
+axolotl's default-backend Mamba mixers) is copied the same way, its wrappers kept, and put back by the undo.
 """
 
 from __future__ import annotations
@@ -50,17 +52,66 @@ def _rebuild_chain(fn: Callable, innermost_globals: dict) -> Callable:
     return new
 
 
+# Instance-level forwards ringmaster composes with (the bound function's module name and code qualname):
+# a ``functools.wraps`` chain, bound to the layer itself, around the layer's own class forward, whose
+# extra work ringmaster knows and handles per call. axolotl 0.21's ``mamba_backend: transformers``
+# (its default) gives every MambaMixer / Mamba2Mixer one: ``_native_forward`` adds a ``segments`` kwarg
+# (axolotl's packed-row documents from the *shard's* position_ids), which :func:`composed_forward`'s
+# callers drop under CP in favour of the global documents of the ``ringmaster_batch``.
+COMPOSABLE_FORWARDS = {("axolotl.model_support.mamba.modeling", "_native_forward.<locals>.forward")}
+
+
+# Wrappers (module name, code qualname) that take axolotl's ``segments`` kwarg: its default-backend
+# instance forward and its sample-packing patch of the Mamba / Mamba2 / FalconMamba mixer classes
+# (``_patch_mixer``: with segments it turns them into ``seq_idx`` or a per-document split of the *shard*)
+SEGMENT_WRAPPERS = COMPOSABLE_FORWARDS | {("axolotl.monkeypatch.models.mamba.modeling", "_patch_mixer.<locals>.patched_forward")}
+
+
+def _identity(fn) -> tuple | None:
+    """(module name, code qualname) of a function: ``functools.wraps`` copies ``__module__`` and
+    ``__qualname__`` from the wrapped function, the code object and globals keep the wrapper's own."""
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (getattr(fn, "__globals__", {}).get("__name__"), code.co_qualname)
+
+
+def takes_local_segments(forward: Callable) -> bool:
+    """Whether ``forward``'s ``functools.wraps`` chain has a wrapper in :data:`SEGMENT_WRAPPERS`."""
+    fn = getattr(forward, "__func__", forward)
+    while fn is not None:
+        if _identity(fn) in SEGMENT_WRAPPERS:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def composed_forward(module) -> Callable | None:
+    """The function of ``module``'s instance-level forward if it is one ringmaster composes with
+    (:data:`COMPOSABLE_FORWARDS`: bound to this module, wrapping a forward of the layer's own class
+    hierarchy), else None."""
+    bound = vars(module).get("forward")
+    fn = getattr(bound, "__func__", None)
+    if fn is None or getattr(bound, "__self__", None) is not module:
+        return None
+    if _identity(fn) not in COMPOSABLE_FORWARDS:
+        return None
+    inner = inspect.unwrap(fn)
+    own = {inspect.unwrap(vars(c)["forward"]) for c in type(module).__mro__ if "forward" in vars(c)}
+    return fn if inner is not fn and inner in own else None
+
+
 def interceptable(module, path: str, required: Sequence[str]) -> Callable:
-    """The class forward of ``module`` if it calls every kernel in ``required`` by module-global name
-    (so re-binding those names reaches it); raises naming the layer otherwise."""
+    """The forward of ``module`` (its class forward, or an instance-level one in
+    :data:`COMPOSABLE_FORWARDS`) if it calls every kernel in ``required`` by module-global name (so
+    re-binding those names reaches it); raises naming the layer otherwise."""
     cls = type(module)
-    if "forward" in vars(module):
+    forward = composed_forward(module)
+    if forward is None and "forward" in vars(module):
         raise UnsupportedLayerError(
             f"layer {path!r} ({cls.__name__}) has an instance-level forward (a hub kernel via kernelize(), or "
             "another patch) that would bypass ringmaster's state passing; load the model without use_kernels / "
             "that patch, or unwire the other tool first"
         )
-    forward = cls.forward
+    forward = forward or cls.forward
     inner = inspect.unwrap(forward)
     names = set(inner.__code__.co_names)
     missing = [name for name in required if name not in names]
@@ -83,6 +134,7 @@ def rebind_forward(module, path: str, replacements: dict[str, Callable], require
     instance attribute that marks the module as re-bound (recurrent layers; ``attention.selfattn``
     uses its own)."""
     forward = interceptable(module, path, required)
+    previous = vars(module).get("forward")   # a composed instance forward (axolotl's), put back by the undo
     inner = inspect.unwrap(forward)
     rebound = _rebuild_chain(forward, _Overlay(inner.__globals__, replacements))
     bound = types.MethodType(rebound, module)
@@ -100,6 +152,8 @@ def rebind_forward(module, path: str, replacements: dict[str, Callable], require
     def restore() -> None:
         module.__dict__.pop("forward", None)
         module.__dict__.pop(tag, None)
+        if previous is not None:
+            module.__dict__["forward"] = previous
 
     return restore
 

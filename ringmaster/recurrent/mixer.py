@@ -7,9 +7,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from .context import LayerContext, call_guard, decode_only_without_cp
+from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
-from .intercept import rebind_forward
+from .intercept import interceptable, rebind_forward, takes_local_segments
 
 
 def route_around_fused(ctx: LayerContext, namespace: dict, name: str):
@@ -30,7 +30,8 @@ def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[
     ``conv_update`` and ``state_update`` to the kernel names its forward calls; ``cp_scan(kernel, ctx,
     *args, **kwargs)`` is the kind's CP scan. Kernels are looked up per call (one swapped in later is
     used). Returns the undo."""
-    namespace = inspect.unwrap(type(module).forward).__globals__
+    forward = interceptable(module, ctx.path, required)   # the class forward, or axolotl's composed one
+    namespace = inspect.unwrap(forward).__globals__
 
     def scan(*args, **kwargs):
         return cp_scan(namespace[names["scan"]], ctx, *args, **kwargs)
@@ -42,4 +43,11 @@ def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[
         names["conv_update"]: decode_only_without_cp(ctx, namespace, names["conv_update"]),
         names["state_update"]: decode_only_without_cp(ctx, namespace, names["state_update"]),
     }
-    return rebind_forward(module, ctx.path, replacements, required, guard=call_guard(ctx))
+    guard = call_guard(ctx)
+    if takes_local_segments(forward):   # axolotl's default-backend mixer or sample-packing patch: segments
+        checks = guard
+
+        def guard(args: tuple, kwargs: dict) -> None:
+            checks(args, kwargs)
+            drop_local_segments(ctx, kwargs)
+    return rebind_forward(module, ctx.path, replacements, required, guard=guard)
