@@ -8,6 +8,7 @@ from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
 from .runtime import Runtime, runtime_of, setup, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
+from .tiling import TiledHandle, tiled_mlp
 from .wiring import WireReport, unwire, wire
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ __all__ = [
     "setup",
     "shard",
     "teardown",
+    "TiledHandle",
+    "tiled_mlp",
     "unwire",
     "wire",
     "wire_recurrent_layers",

@@ -24,7 +24,8 @@ of its own (a slot a pre-hook wrote) uses the second batch's documents for the f
 Checks per cell (fp64, keep_fp64): the CP-group mean loss, the gathered logits of both micro-batches and
 every parameter gradient (each against its own norm) against the reference; and the collectives: the
 forward-phase collectives ringmaster issued during backward (the recompute) are exactly those of the
-forward (kind, bytes and tag, as multisets).
+forward (kind, bytes and tag, as multisets). A mode ``<mode>+tiled`` also runs the MLPs through
+``rm.tiled_mlp`` (sequence tiles, each recomputed in backward, nested in the layer's checkpoint).
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ def reference(model_type: str):
 def cell(ctx, backend: str, mode: str, base, batches, ref, ref_grads) -> dict:
     """One (backend, mode) cell on this rank: errors against the reference and the collective check."""
     _, kwargs, P = BACKENDS[backend]
+    mode, _, extra = mode.partition("+")
     model = copy.deepcopy(base)
+    if extra == "tiled":   # ringmaster.tiled_mlp: the MLPs over tiles of 4 tokens of the 16-token shard
+        rm.tiled_mlp(model, tile_size=4)
     if mode == "hf_reentrant":
         _hf(model, reentrant=True)
     elif mode == "hf_offload":

@@ -18,12 +18,14 @@ BACKENDS = ("ulysses", "ring_p2p", "ring_allgather", "usp", "scan", "sequential"
 # torch's checkpoint_wrapper; offload and FSDP2 go through HF's non-reentrant one
 SKIP = {("mamba2", "hf_offload"), ("mamba2", "fsdp2")}
 CELLS = [(b, m) for m in jobs.MODES for b in BACKENDS if (b, m) not in SKIP]
+# rm.tiled_mlp composed with CP and checkpointing (its own parity and memory: tests/test_tiled_mlp.py)
+TILED = [("ulysses", "hf+tiled"), ("scan", "hf_reentrant+tiled"), ("ring_p2p", "torch+tiled")]
 
 
 @pytest.fixture(scope="module")
 def matrix(pool):
     """Every cell in one pool job (one reference per model type)."""
-    return pool.run(jobs.matrix, CELLS)[0]
+    return pool.run(jobs.matrix, CELLS + TILED)[0]
 
 
 def check(results):
@@ -37,6 +39,11 @@ def check(results):
             bad.append(f"{name}: the recomputation issued {r['recompute_collectives']} forward collectives, "
                        f"not the forward's {r['fwd_collectives']}")
     assert not bad, "\n".join(bad)
+
+
+def test_tiled_mlp_composes_with_cp_and_checkpointing(matrix):
+    results = {f"{b}/{m}": matrix[f"{b}/{m}"] for b, m in TILED}
+    check(results)
 
 
 @pytest.mark.parametrize("mode", jobs.MODES)
