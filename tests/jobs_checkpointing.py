@@ -52,6 +52,8 @@ BACKENDS = {
     "sequential": ("qwen3_5_text", dict(backend="ring", recurrent="sequential"), 2),
     # pure Mamba2: its blocks never get the batch kwarg, the mixers read it from a slot
     "mamba2": ("mamba2", dict(recurrent="scan"), 2),
+    # falcon computes attention itself (torch's SDPA, a declared site): the site reads the batch from a slot
+    "falcon": ("falcon", dict(backend="ulysses"), 2),
 }
 MODES = ("hf_reentrant", "hf", "hf_offload", "torch", "fsdp2")
 TOL = 1e-8   # fp64: measured <= 1e-15, but 3e-10 on the A_log of the gated-DeltaNet layers (cancellation)
@@ -137,7 +139,8 @@ def _sig(profile, phase="forward") -> Counter:
 
 
 # smaller than parity.TINY where it costs: one gated-DeltaNet layer and one attention layer
-SHRINK = {"qwen3_5_text": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])}
+SHRINK = {"qwen3_5_text": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+          "falcon": dict(num_attention_heads=4, num_kv_heads=4, new_decoder_architecture=True, alibi=False)}
 
 
 def reference(model_type: str):
@@ -216,8 +219,11 @@ def _mutation(name: str | None):
     if name is None:
         yield
         return
-    if name == "stale_slot":
-        from ringmaster.recurrent import wiring as target
+    if name in ("stale_slot", "stale_site_slot"):
+        if name == "stale_slot":
+            from ringmaster.recurrent import wiring as target
+        else:
+            from ringmaster.attention import selfattn as target
 
         attr, stock = "replay_slots", target.replay_slots
         mutant = lambda model, slots: (lambda: None)   # noqa: E731

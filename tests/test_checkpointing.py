@@ -1,7 +1,8 @@
 """The checkpointing x backend matrix: every CP backend exact with activation checkpointing on.
 
 Backends: Ulysses, Ring p2p and allgather, USP (P=4, 2 x 2), gated-DeltaNet state passing by scan and
-sequential (qwen3_5_text), and pure Mamba2 (its mixers read the batch from a slot). Modes: HF
+sequential (qwen3_5_text), pure Mamba2 (its mixers read the batch from a slot) and falcon (a
+self-attention site, the same). Modes: HF
 ``gradient_checkpointing_enable`` reentrant and non-reentrant, ``offload=True``, torch's non-reentrant
 ``checkpoint_wrapper`` around the decoder layers, and FSDP2 (``fully_shard``) with HF checkpointing.
 Each cell runs two micro-batches (different packed documents) forward, then one backward, against the
@@ -13,10 +14,11 @@ in one pool job (the pool's timeout turns a hang into a failure). See tests/jobs
 import jobs_checkpointing as jobs
 import pytest
 
-BACKENDS = ("ulysses", "ring_p2p", "ring_allgather", "usp", "scan", "sequential", "mamba2")
-# Mamba2 (the slot path) under the modes whose checkpoint function differs: HF's (reentrant or not) and
-# torch's checkpoint_wrapper; offload and FSDP2 go through HF's non-reentrant one
-SKIP = {("mamba2", "hf_offload"), ("mamba2", "fsdp2")}
+BACKENDS = ("ulysses", "ring_p2p", "ring_allgather", "usp", "scan", "sequential", "mamba2", "falcon")
+# Mamba2 and falcon (the slot paths: mixers / self-attention sites) under the modes whose checkpoint
+# function differs: HF's (reentrant or not) and torch's checkpoint_wrapper; offload and FSDP2 go through
+# HF's non-reentrant one
+SKIP = {(b, m) for b in ("mamba2", "falcon") for m in ("hf_offload", "fsdp2")}
 CELLS = [(b, m) for m in jobs.MODES for b in BACKENDS if (b, m) not in SKIP]
 # rm.tiled_mlp composed with CP and checkpointing (its own parity and memory: tests/test_tiled_mlp.py)
 TILED = [("ulysses", "hf+tiled"), ("scan", "hf_reentrant+tiled"), ("ring_p2p", "torch+tiled")]
@@ -73,6 +75,12 @@ def test_mutation_stale_slot_is_caught(pool):
     assert r["grad_err"] > 1e-3, r
     with pytest.raises(AssertionError, match="grad"):
         check({"mamba2/hf_reentrant": r})
+
+
+def test_mutation_stale_site_slot_is_caught(pool):
+    """The same for a self-attention site (falcon): without the replay, measured 0.91 relative."""
+    r = pool.run(jobs.matrix, [("falcon", "hf_reentrant")], mutation="stale_site_slot")[0]["falcon/hf_reentrant"]
+    assert r["grad_err"] > 1e-3, r
 
 
 def test_mutation_other_collective_path_in_recompute_is_caught(pool):
