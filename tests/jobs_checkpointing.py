@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 from collections import Counter
 
 import torch
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
+from ringmaster.checkpointing import CHECKPOINT_ATTRS, Replaying
 from ringmaster.testing.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
 
 # backend -> (model type, RingmasterConfig kwargs, P)
@@ -196,6 +198,7 @@ def cell(ctx, backend: str, mode: str, base, batches, ref, ref_grads) -> dict:
     finally:
         rm.unwire(model)
         rm.teardown()
+    leftover = [n for n, m in model.named_modules() for a in CHECKPOINT_ATTRS if isinstance(m.__dict__.get(a), Replaying)]
     grad_errs = {n: rel_err(grads[n], g) for n, g in ref_grads.items() if n in grads}
     worst = max(grad_errs, key=grad_errs.get)
     return {
@@ -208,6 +211,7 @@ def cell(ctx, backend: str, mode: str, base, batches, ref, ref_grads) -> dict:
         "fwd_collectives": sum(_sig(fwd).values()),
         "recompute_matches": _sig(fwd) == _sig(bwd),
         "recompute_collectives": sum(_sig(bwd).values()),
+        "leftover_wrappers": leftover,   # rm.unwire must put every checkpoint function back
     }
 
 
@@ -254,7 +258,9 @@ def matrix(ctx, cells, mutation: str | None = None) -> dict:
             model_type = BACKENDS[backend][0]
             if model_type not in refs:
                 refs[model_type] = reference(model_type)
+            start = time.process_time()
             out[f"{backend}/{mode}"] = cell(ctx, backend, mode, *refs[model_type])
+            out[f"{backend}/{mode}"]["cpu_s"] = time.process_time() - start
     return out
 
 

@@ -37,6 +37,8 @@ def check(results):
         if not all(e <= jobs.TOL for e in errs) or r["missing"]:
             bad.append(f"{name}: loss {errs[0]:.1e} logits {errs[1]:.1e} grad {errs[2]:.1e} ({r['worst_param']}) "
                        f"missing {r['missing'][:3]}")
+        if r["leftover_wrappers"]:
+            bad.append(f"{name}: rm.unwire left checkpoint wrappers on {r['leftover_wrappers'][:3]}")
         if not r["recompute_matches"] or not r["fwd_collectives"]:
             bad.append(f"{name}: the recomputation issued {r['recompute_collectives']} forward collectives, "
                        f"not the forward's {r['fwd_collectives']}")
