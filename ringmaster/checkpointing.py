@@ -83,6 +83,8 @@ class SlotReplay:
                 fn = module.__dict__.get(attr)
                 if fn is None or not callable(fn):
                     continue
+                if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in module._modules:
+                    continue   # only torch's CheckpointWrapper holds its checkpoint function under this name
                 if isinstance(fn, Replaying):
                     if not self._mine(fn):
                         fn.slots.extend(self.slots)
