@@ -9,9 +9,9 @@ Two rows per sequence length S (batch 1, fp32, one process, one thread):
   backward (its [S, vocab] logits and loss temporaries included).
 ``profiling.track_tensor_memory`` counts the bytes of tensor storages created in the step and alive at
 once (parameters, their gradient buffers, allocated before, and inputs are not counted): the memory a
-step adds, exactly and deterministically (no allocator noise). The tile is the hidden size (rm.tiled_mlp's default). Tiled
-runs recompute each MLP tile in backward, so they are slower; the time column is wall time of one
-step (noise on a loaded machine).
+step adds, exactly and deterministically (no allocator noise). The tile is the hidden size
+(rm.tiled_mlp's default). Tiled runs recompute each MLP tile in backward, so they are slower; the
+time column is the wall time of one step (noise on a loaded machine).
 """
 
 from __future__ import annotations

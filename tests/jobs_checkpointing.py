@@ -198,7 +198,8 @@ def cell(ctx, backend: str, mode: str, base, batches, ref, ref_grads) -> dict:
     finally:
         rm.unwire(model)
         rm.teardown()
-    leftover = [n for n, m in model.named_modules() for a in CHECKPOINT_ATTRS if isinstance(m.__dict__.get(a), Replaying)]
+    leftover = [n for n, m in model.named_modules() for a in CHECKPOINT_ATTRS
+                if isinstance(m.__dict__.get(a), Replaying)]
     grad_errs = {n: rel_err(grads[n], g) for n, g in ref_grads.items() if n in grads}
     worst = max(grad_errs, key=grad_errs.get)
     return {
@@ -263,9 +264,3 @@ def matrix(ctx, cells, mutation: str | None = None) -> dict:
             out[f"{backend}/{mode}"]["cpu_s"] = time.process_time() - start
     return out
 
-
-def warm(ctx):
-    """Import what the cells import (for timing runs)."""
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    ctx.mesh(2)
-    ctx.mesh(4)
