@@ -21,6 +21,14 @@ What it runs (every row is caught on its own: an error is a row that says so, ne
    non-CP vs CP at P=2 (two processes on the one GPU: each rank's CUDA allocator peak is its own).
    A series stops at the first OOM or when the time budget is spent.
 
+3. **Recurrent kinds with the real kernel packages.** For Mamba2 (mamba2), Mamba1 (mamba), gated
+   DeltaNet (qwen3_5) and KDA (kimi_linear), when transformers resolved their kernels to mamba-ssm,
+   causal-conv1d and flash-linear-attention: bf16 CP at P=2 (``scan``, ``sequential``, and for gated
+   DeltaNet / KDA flash-linear-attention's own context parallelism, ``recurrent="fla_cp"``, which also
+   reports its distance to ``scan``), dense and packed rows, against the fp32 truth, same rule as 1.
+   A row says "skipped" naming the package transformers did not find. On CPU these rows run only with
+   ``--recurrent-standins`` (ringmaster's stand-in packages; the plumbing, not the kernels).
+
 Record the printed table in docs/benchmarks.md ("GPU check") with the date and the GPU.
 """
 
@@ -290,6 +298,135 @@ def nccl_job(rank, world, device, quick):
 
 
 # --------------------------------------------------------------------------------------------
+# 1b. recurrent kinds with the real kernel packages (mamba-ssm, causal-conv1d, flash-linear-attention)
+
+# model_type -> (modeling module, {module-level kernel name: package transformers must resolve it to},
+#                strategies checked). fla_cp rows also report their distance to ringmaster's scan.
+RECURRENT_KERNEL_FAMILIES = {
+    "mamba2": ("transformers.models.mamba2.modeling_mamba2",
+               {"mamba2_chunk_scan": "mamba_ssm", "causal_conv1d_fn": "causal_conv1d"}, ("scan", "sequential")),
+    "mamba": ("transformers.models.mamba.modeling_mamba",
+              {"mamba_selective_scan": "mamba_ssm", "causal_conv1d_fn": "causal_conv1d"}, ("scan", "sequential")),
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5",
+                     {"torch_chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d"},
+                     ("scan", "sequential", "fla_cp")),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear",
+                    {"chunk_kimi_delta_attention": "fla", "causal_conv1d_fn": "causal_conv1d"},
+                    ("scan", "sequential", "fla_cp")),
+}
+
+
+def _resolved_packages(module_name: str, kernels: dict) -> tuple[list[str], list[str]]:
+    """(kernel -> module lines, packages transformers did not resolve) for one modeling module."""
+    import importlib
+
+    from ringmaster.recurrent.fla_cp import kernel_implementation
+
+    module = importlib.import_module(module_name)
+    lines, missing = [], []
+    for name, package in kernels.items():
+        impl = kernel_implementation(getattr(module, name))
+        where = getattr(impl, "__module__", "?")
+        standin = getattr(sys.modules.get(where), "__ringmaster_standin__", False)
+        lines.append(f"{name}={where}")
+        if not (where == package or where.startswith(package + ".") or standin):
+            missing.append(package)
+    return lines, missing
+
+
+def recurrent_kernel_job(rank, world, device, quick, standins):
+    """Every family of :data:`RECURRENT_KERNEL_FAMILIES` whose kernels transformers resolved to the real
+    packages: bf16 CP (each strategy, dense and packed rows) against the fp32 truth without CP, next to
+    bf16 without CP; ``fla_cp`` rows also give their distance to ringmaster's ``scan``. ``standins``: the
+    CPU stand-in packages first on ``sys.path`` (plumbing run only; never on a GPU)."""
+    import copy
+
+    import torch.distributed as dist
+
+    if standins:
+        from ringmaster.testing.kernel_standin import SITE
+
+        sys.path.insert(0, SITE)          # before transformers imports the modeling modules
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.testing.parity import per_document_forward, tiny_model
+
+    S = 64 if quick else 4096
+    rows = []
+    for model_type, (module_name, kernels, strategies) in RECURRENT_KERNEL_FAMILIES.items():
+        try:
+            lines, missing = _resolved_packages(module_name, kernels)
+        except BaseException as e:
+            rows.append({"case": f"recurrent {model_type}", "P": world, "verdict": "error",
+                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            continue
+        if missing:
+            rows.append({"case": f"recurrent {model_type}", "P": world, "verdict": "skipped",
+                         "error": f"{', '.join(sorted(set(missing)))} not installed ({'; '.join(lines)})"})
+            continue
+        scan_out = {}
+        for strategy in strategies:
+            for kind in ("causal", "packed"):
+                if strategy == "sequential" and kind == "packed":
+                    continue
+                row = {"case": f"recurrent {model_type} {strategy} {kind}", "P": world}
+                try:
+                    base = tiny_model(model_type).to(device=device, dtype=torch.float32)
+                    batch = _batch(kind, base.config.vocab_size, S, device)
+                    # packed: the non-CP reference is every document alone (a recurrent layer without
+                    # cu_seqlens/seq_idx would carry state across the row's documents)
+                    forward = ((lambda m: per_document_forward(m, batch)) if kind == "packed"
+                               else (lambda m: m(**batch, use_cache=False)))
+                    truth = copy.deepcopy(base)
+                    out = forward(truth)
+                    out.loss.backward()
+                    t_loss, t_logits, t_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(truth)
+                    del truth, out
+                    ref = copy.deepcopy(base).to(torch.bfloat16)
+                    out = forward(ref)
+                    out.loss.backward()
+                    r_loss, r_logits, r_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(ref)
+                    del ref, out
+                    model = copy.deepcopy(base).to(torch.bfloat16)
+                    runtime = rm.wire(model, rm.RingmasterConfig(size=world, backend="ulysses", recurrent=strategy,
+                                                                 load_balance="none"))
+                    try:
+                        with context_parallel_region(batch, runtime=runtime) as shard:
+                            out = model(**shard)
+                            out.loss.backward()
+                        loss = out.loss.detach().float().clone()
+                        dist.all_reduce(loss, group=runtime.cp_group)
+                        loss = loss / world
+                        logits = rm.gather_sequence(out.logits.detach().float(), dim=1, runtime=runtime)
+                        grads = _grads(model)
+                        for g in grads.values():
+                            dist.all_reduce(g, group=runtime.cp_group)
+                            g.div_(world)
+                    finally:
+                        rm.unwire(model)
+                    row.update(loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
+                               logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
+                               grad_cp=max(_rel(grads[n], t_grads[n]) for n in t_grads),
+                               grad_ref=max(_rel(r_grads[n], t_grads[n]) for n in t_grads),
+                               missing=len(set(t_grads) - set(grads)))
+                    ok = all(row[f"{k}_cp"] <= 2 * row[f"{k}_ref"] + 1e-3 for k in ("loss", "logits", "grad"))
+                    if strategy == "scan":
+                        scan_out[kind] = (logits, grads)
+                    elif strategy == "fla_cp" and kind in scan_out:
+                        s_logits, s_grads = scan_out[kind]
+                        row["case"] += (f" (vs scan: logits {_rel(logits, s_logits):.1e}, grad "
+                                        f"{max(_rel(grads[n], s_grads[n]) for n in s_grads):.1e})")
+                    row["verdict"] = "ok" if ok and not row["missing"] else "FAIL"
+                except BaseException as e:
+                    row["verdict"] = "error"
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+                rows.append(row)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # 2. memory and step time
 
 
@@ -388,6 +525,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-seq", type=int, default=16384)
     parser.add_argument("--max-seq", type=int, default=131072)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--recurrent-standins", action="store_true",
+                        help="on CPU: run the recurrent-kernel rows with ringmaster's stand-in packages (plumbing)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu --quick for the CPU smoke run", file=sys.stderr)
@@ -415,6 +554,16 @@ def main(argv=None) -> int:
                                                         "error": nccl["error"]}]
     text = "## bf16 parity against an fp32 truth\n\n" + parity_table(parity)
     print(text, flush=True)
+
+    if device == "cuda" or args.recurrent_standins:
+        rk = run_ranks(2, recurrent_kernel_job, args.quick, device == "cpu", device=device)[0]
+        rk = rk if isinstance(rk, list) else [{"case": "recurrent kernels", "P": 2, "verdict": "error",
+                                               "error": rk["error"]}]
+        parity += rk
+        part = ("\n\n## Recurrent kinds with mamba-ssm / causal-conv1d / flash-linear-attention "
+                f"({'CPU stand-ins' if device == 'cpu' else 'real kernels'})\n\n" + parity_table(rk))
+        text += part
+        print(part, flush=True)
 
     memory = []
     if not args.skip_memory:

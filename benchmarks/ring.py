@@ -4,7 +4,7 @@
 
 At the attention-function level (one layer, causal, GQA, fp32), per rank:
   * bytes sent forward / backward, measured by rm.profile_comms, next to the closed forms
-    p2p fwd = (P-1)*|KV_local|, p2p bwd = (P-1)*|KV_local| + P*|dKV_local (fp32)|,
+    p2p fwd = (P-1)*|KV_local|, p2p bwd = (P-1)*|KV_local| + (P-1)*|dKV_local (fp32)|,
     allgather fwd = (P-1)*|KV_local|, bwd = (P-1)*|dKV_local| (reduce-scatter),
     ulysses fwd = bwd = (2*Hq + 2*Hkv)*D*(S/P)*4 bytes*(P-1)/P (only when P divides the KV heads);
   * causal work (query-key pairs computed) as max/mean over ranks: head_tail must be ~1.0;
@@ -100,8 +100,8 @@ def main() -> None:
             results = pool.run(job, P, args.seq, args.heads, args.kv_heads, args.head_dim, args.reps)
         kv = results[0]["kv_local"]
         base = max(res["ring p2p head_tail"]["time"] for res in results)
-        theory = {"ring p2p head_tail": ((P - 1) * kv, (P - 1) * kv + P * kv),
-                  "ring p2p contiguous": ((P - 1) * kv, (P - 1) * kv + P * kv),
+        theory = {"ring p2p head_tail": ((P - 1) * kv, 2 * (P - 1) * kv),
+                  "ring p2p contiguous": ((P - 1) * kv, 2 * (P - 1) * kv),
                   "ring allgather head_tail": ((P - 1) * kv, (P - 1) * kv)}
         a2a = (2 * args.heads + 2 * args.kv_heads) * args.head_dim * (args.seq // P) * 4 * (P - 1) // P
         theory["ulysses"] = (a2a, a2a)

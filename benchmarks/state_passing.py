@@ -5,13 +5,17 @@
    (scan: all-gather of the maps; sequential: one state per hop) and the conv halo.
 2. Measured bytes per layer on tiny hybrid models (gloo pool, forward + backward); the short-conv
    layers (LFM2) send only their halo, for either strategy. MiniMax (lightning), Kimi Linear (KDA),
-   Recurrent Gemma (RG-LRU) and RWKV (WKV, attention-free: bytes are the state and the shift halos).
+   Recurrent Gemma (RG-LRU), RWKV (WKV, attention-free: bytes are the state and the shift halos) and
+   xLSTM (mLSTM, attention-free: the stabilised (C', n', m) state, no conv).
 3. Extra compute of scan vs sequential: one rank's recurrent kernel work for its shard
    (transformers torch kernels, CPU, fwd+bwd), P = 2 and 4. Timings are printed, never asserted.
-   RWKV's ``scan`` reruns the WKV from the composed state (its output is a ratio of the state), so it
-   costs about 2x ``sequential``; the others add one correction term.
+   RWKV's and xLSTM's ``scan`` rerun the kernel from the composed state (their output is a ratio of the
+   state), so they cost about 2x ``sequential``; the others add one correction term.
 
-    python benchmarks/state_passing.py [--seq 4096] [--skip-pool]
+    python benchmarks/state_passing.py [--seq 4096] [--skip-pool] [--only mlstm,rwkv,...]
+
+``--quick``: ``--skip-pool --seq 1024`` (the analytic table in full, the compute of the kinds ``--only``
+names, every kind without it).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ MODELS = {
     "RWKV-4-7B (WKV)": dict(kind="rwkv", c=4096, conv=2, hq=0, hkv=0, hd=0),
     # Mamba1: state [d_inner, d_state], one decay per entry (maps: 2x the state); Jamba's attention layers
     "Jamba-v0.1 (Mamba1)": dict(kind="mamba1", d=8192, n=16, conv=4, hq=32, hkv=8, hd=128),
+    # xLSTM-7B (mLSTM): attention-free, 8 heads, q/k 256 wide, v 512; state (C', n', m) per head, the map adds
+    # G; no conv. The attention column is a 4096-wide GQA layer (32 x 128, 8 KV heads), for scale only
+    "xLSTM-7B (mLSTM)*": dict(kind="mlstm", h=8, dk=256, dv=512, conv=1, hq=32, hkv=8, hd=128),
 }
 
 
@@ -62,6 +69,9 @@ def _state_bytes(m) -> tuple[int, int, int]:
         return 3 * m["c"] * F32, 4 * m["c"] * F32, 2 * m["c"]
     if m["kind"] == "mamba1":
         return m["d"] * m["n"] * F32, m["d"] * 2 * m["n"] * F32, m["d"]
+    if m["kind"] == "mlstm":
+        state = m["h"] * (m["dk"] * m["dv"] + m["dk"] + 1)
+        return state * F32, (state + m["h"]) * F32, 0
     return (m["h"] * m["p"] * m["n"] * F32, m["h"] * (m["p"] * m["n"] + 1) * F32,
             m["h"] * m["p"] + 2 * m["g"] * m["n"])
 
@@ -84,7 +94,8 @@ def analytic(seq: int) -> None:
 def measured(pool) -> None:
     print("\n## 2. measured bytes per layer, tiny models (gloo, fwd+bwd, S=96, rank 0)")
     print(f"{'model':<14} {'P':>2} {'strategy':<10} {'a2a/attn layer':>15} {'state+halo/rec layer':>21}")
-    for model_type in ("qwen3_5_text", "nemotron_h", "lfm2", "minimax", "kimi_linear", "recurrent_gemma", "rwkv"):
+    for model_type in ("qwen3_5_text", "nemotron_h", "lfm2", "minimax", "kimi_linear", "recurrent_gemma", "rwkv",
+                       "xlstm"):
         for P in (2, 4):
             for strategy in ("scan", "sequential"):
                 r = pool.run(_bytes_job, model_type, P, strategy)[0]
@@ -98,6 +109,10 @@ def _bytes_job(ctx, model_type, P, strategy):
 
     if model_type in ("minimax", "kimi_linear", "recurrent_gemma", "rwkv"):
         r = jl.parity(ctx, model_type, P, strategy, seq_len=96)
+    elif model_type == "xlstm":
+        import jobs_xlstm as jx
+
+        r = jx.parity(ctx, P, strategy, seq_len=96)
     else:
         r = jr.hybrid_parity(ctx, model_type, P, strategy)
     return {"a2a": r["a2a_bytes"], "attn": r["attention_layers"], "rec": r["recurrent_layers"],
@@ -114,7 +129,7 @@ def _time(fn, reps=7) -> float:
     return min(out)  # least disturbed run (shared CPU)
 
 
-def compute(seq: int) -> None:
+def compute(seq: int, only: set | None = None) -> None:
     import jobs_recurrent as jr
 
     from ringmaster.recurrent.scan import compose_prefix
@@ -124,6 +139,8 @@ def compute(seq: int) -> None:
     print(f"{'kernel':<16} {'P':>2} {'sequential':>11} {'scan':>9} {'scan/seq':>9}")
     shapes = {"mamba2": dict(b=1, h=8, p=16, g=2, n=32), "gated_deltanet": dict(b=1, hk=2, hv=4, dk=32, dv=32)}
     for kind, shape in shapes.items():
+        if only and kind not in only:
+            continue
         for P in (2, 4):
             L = seq // P
             make = jr.mamba_inputs if kind == "mamba2" else jr.gdn_inputs
@@ -148,12 +165,15 @@ def compute(seq: int) -> None:
 
             t_seq, t_scan = _time(sequential), _time(scan)
             print(f"{kind:<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
-    for kind in ("lightning", "kda", "rglru", "rwkv"):
+    for kind in ("lightning", "kda", "rglru", "rwkv", "mlstm"):
+        if only and kind not in only:
+            continue
         for P in (2, 4):
             make = _linear_segment(kind, seq // P)
             t_seq, t_scan = _time(lambda: _run_sequential(make), 3), _time(lambda: _run_scan(make, P), 3)
             print(f"{kind:<16} {P:>2} {t_seq * 1e3:>9.1f}ms {t_scan * 1e3:>7.1f}ms {t_scan / t_seq:>9.2f}")
-    _compute_mamba1(seq)
+    if not only or "mamba1" in only:
+        _compute_mamba1(seq)
 
 
 def _linear_segment(kind: str, L: int):
@@ -189,6 +209,20 @@ def _linear_segment(kind: str, L: int):
         reset = torch.zeros(1, L, 1, dtype=torch.bool)
         return lambda: (lambda x: (RglruSegment(lambda **kw: RecurrentGemmaRglru._rnn_scan(None, **kw), *x, reset),
                                    x))([t.clone().requires_grad_(True) for t in base])
+    if kind == "mlstm":
+        from transformers import xLSTMConfig
+        from transformers.models.xlstm.modeling_xlstm import xLSTMBackend
+
+        from ringmaster.recurrent.mlstm import MlstmSegment
+
+        backend = xLSTMBackend(xLSTMConfig(hidden_size=256, num_heads=4, chunk_size=64, num_hidden_layers=1))
+
+        def kernel(q, k, v, igate, fgate, c, n, m):   # what the wired layer runs per chunk
+            return type(backend).forward(backend, query=q, key=k, value=v, igate=igate, fgate=fgate, c_initial=c,
+                                         n_initial=n, m_initial=m, mode="inference")
+
+        base = [r(1, 4, L, 32), r(1, 4, L, 32), r(1, 4, L, 64), r(1, 4, L), 2 + r(1, 4, L)]
+        return lambda: (lambda x: (MlstmSegment(kernel, *x), x))([t.clone().requires_grad_(True) for t in base])
     from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
     from ringmaster.recurrent.rwkv import WkvSegment
@@ -254,14 +288,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--skip-pool", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="--skip-pool --seq 1024")
+    ap.add_argument("--only", default="", help="comma-separated kinds for the compute table (default: all)")
     args = ap.parse_args()
+    if args.quick:
+        args.skip_pool, args.seq = True, 1024
     analytic(32768)
     if not args.skip_pool:
         from ringmaster.testing.pool import LocalPool
 
         with LocalPool(4, timeout=300) as pool:
             measured(pool)
-    compute(args.seq)
+    compute(args.seq, set(filter(None, args.only.split(","))) or None)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,9 @@ def main() -> None:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({trend})", flush=True)
     rm.unwire(model)
     rm.teardown()
+    # every rank past its last collective before any tears the groups down: a rank that exits while gloo's
+    # worker threads still hold another group's work can abort ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

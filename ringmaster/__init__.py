@@ -8,6 +8,7 @@ from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
 from .runtime import Runtime, runtime_of, setup, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
+from .sharding.logprobs import token_logprobs
 from .tiling import TiledHandle, tiled_mlp
 from .wiring import WireReport, unwire, wire
 
@@ -48,6 +49,7 @@ __all__ = [
     "teardown",
     "TiledHandle",
     "tiled_mlp",
+    "token_logprobs",
     "unwire",
     "wire",
     "wire_recurrent_layers",

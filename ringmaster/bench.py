@@ -12,11 +12,12 @@ under ``torchrun``, on the launched ranks (NCCL when CUDA is available):
 * **Peers** (:func:`run_peers`): one causal GQA attention, forward + backward, through
   ringmaster's Ulysses / Ring p2p / Ring allgather and through every peer that runs here:
   torch's native ``context_parallel`` (SDPA), DeepSpeed Ulysses (``DistributedAttention``),
-  yunchang, and a no-library baseline (all-gather K/V with ``torch.distributed.nn`` + SDPA).
-  Per system: the max error against the single-process reference (output and dq/dk/dv), the
-  bytes each rank sends (every ``torch.distributed`` call counted the same way,
-  :func:`ringmaster.profiling.count_collectives`), the bytes saved for backward, and the median
-  step time as a ratio to the fastest ringmaster system of the same run.
+  ring-flash-attn, yunchang (:mod:`ringmaster.peers` makes them run on CPU gloo), and a no-library
+  baseline (all-gather K/V with ``torch.distributed.nn`` + SDPA). Per system: the max error
+  against the single-process reference (output and dq/dk/dv), the bytes each rank sends (every
+  collective counted at the c10d op level, :func:`ringmaster.profiling.count_collectives`, next to
+  ringmaster's own record), the bytes saved for backward, and the median step time as a ratio to
+  the fastest ringmaster system of the same class (Ulysses / ring) and P.
 
 Times on a shared small CPU machine are noisy: read the ratios, not the absolute numbers.
 """
@@ -374,12 +375,20 @@ def write_png(rows: list[dict], path: str) -> str:
 
 RINGMASTER_SYSTEMS = ("ringmaster ulysses", "ringmaster ring p2p", "ringmaster ring allgather",
                       "ringmaster ring distflash")
-PEER_SYSTEMS = ("torch context_parallel", "deepspeed ulysses", "yunchang ulysses", "baseline allgather+sdpa")
+PEER_SYSTEMS = ("deepspeed ulysses", "yunchang ulysses", "torch cp alltoall", "torch cp allgather",
+                "ring-flash-attn zigzag", "yunchang ring zigzag", "baseline allgather+sdpa")
 SYSTEMS = RINGMASTER_SYSTEMS + PEER_SYSTEMS
+# the class a system is compared in: the fastest ringmaster system of its class is its yardstick
+SYSTEM_CLASS = {"ringmaster ulysses": "ulysses", "deepspeed ulysses": "ulysses", "yunchang ulysses": "ulysses",
+                "baseline allgather+sdpa": "ring"}
 
 
-class Skip(Exception):
-    """A system that cannot run here; the message says why."""
+def system_class(name: str) -> str:
+    if name in SYSTEM_CLASS:
+        return SYSTEM_CLASS[name]
+    from .peers import PEERS
+
+    return PEERS[name][0] if name in PEERS else "ring"
 
 
 def _reference(q, k, v, dout):
@@ -393,11 +402,13 @@ def _reference(q, k, v, dout):
 
 
 def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: int, D: int, mesh):
-    """(layout, fn(q, k, v) -> out) for one system: q ``[B, H, S/P, D]`` local in ``layout``,
-    out the same shape. Raises Skip with the reason when the system cannot run here."""
+    """(layout, fn(q, k, v) -> out) for one of ringmaster's systems or the no-library baseline: q
+    ``[B, H, S/P, D]`` local in ``layout``, out the same shape. Peers: :func:`ringmaster.peers.peer_system`.
+    Raises :class:`ringmaster.peers.Skip` with the reason when the system cannot run here."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
+
+    from .peers import Skip
 
     if name == "ringmaster ulysses":
         from .attention.ulysses import head_to_seq, kv_replication, seq_to_head
@@ -451,95 +462,33 @@ def attention_system(name: str, group, P: int, rank: int, S: int, H: int, Hkv: i
             return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=True)
 
         return "contiguous", naive
-    if name == "deepspeed ulysses":
-        try:
-            from deepspeed.sequence.layer import DistributedAttention
-        except Exception as exc:  # ImportError, or deepspeed's own import-time errors
-            raise Skip(f"deepspeed not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})") from None
-        if H % P or Hkv % P:
-            raise Skip(f"DeepSpeed Ulysses needs heads ({H}) and KV heads ({Hkv}) divisible by P={P}")
-
-        def local(q, k, v, *args, **kwargs):  # [B, S, h, D]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
-            return o.transpose(1, 2)
-
-        attn = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
-
-        def deepspeed(q, k, v):
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S/P, H, D]
-            try:
-                o = attn(q, k, v, 0)  # newer DeepSpeed: batch_dim_idx
-            except TypeError:
-                o = attn(q, k, v)
-            return o.transpose(1, 2)
-
-        return "contiguous", deepspeed
-    if name == "yunchang ulysses":
-        try:
-            import yunchang
-        except Exception as exc:
-            raise Skip(f"yunchang not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})") from None
-        if H % P:
-            raise Skip(f"yunchang Ulysses needs heads ({H}) divisible by P={P}")
-        kwargs = {}
-        try:
-            from yunchang.kernels import AttnType
-
-            kwargs["attn_type"] = AttnType.TORCH
-        except Exception:
-            pass
-        attn = yunchang.UlyssesAttention(group, **kwargs)
-        rep = H // Hkv
-
-        def yc(q, k, v):
-            # yunchang's Ulysses moves equal head counts: expand KV heads before the all-to-all
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return attn(q, k, v, causal=True).transpose(1, 2)
-
-        return "contiguous", yc
-    if name == "torch context_parallel":
-        try:
-            from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
-        except ImportError as exc:
-            raise Skip(f"torch.distributed.tensor.experimental.context_parallel missing ({exc})") from None
-        return "torch_cp", None
     raise ValueError(f"unknown system {name!r}; known: {SYSTEMS}")
 
 
-def _torch_cp_step(mesh, q_full, k_full, v_full, dout_full):
-    """torch's native CP: shard the buffers with its own (head-tail) load balancer, SDPA inside the
-    context, backward, then unshard output and grads with context_parallel_unshard."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+def _system(name, group, mesh, P, rank, S, H, Hkv, D):
+    """(layout, fn, context factory) of any system."""
+    import contextlib
 
-    q, k, v, dout = (t.clone() for t in (q_full, k_full, v_full, dout_full))
-    Hq, Hkv = q.shape[1], k.shape[1]
-    if Hq != Hkv:  # torch CP's ring SDPA takes equal heads
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
-            out.backward(dout)
-        local = [out.detach()] + [t.grad for t in leaves]
-    full = context_parallel_unshard(mesh, local, [2, 2, 2, 2])
-    if Hq != Hkv:
-        full[2] = full[2].unflatten(1, (Hkv, Hq // Hkv)).sum(2)
-        full[3] = full[3].unflatten(1, (Hkv, Hq // Hkv)).sum(2)
-    return full
+    from .peers import PEERS, peer_system
+
+    if name in PEERS:
+        return peer_system(name, group, mesh, P, H, Hkv)
+    layout, fn = attention_system(name, group, P, rank, S, H, Hkv, D, mesh)
+    return layout, fn, contextlib.nullcontext
 
 
 def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=SYSTEMS):
-    """Every system on ranks 0..P-1: error vs the single-process reference, bytes sent, bytes
-    saved for backward, step times. Other ranks return None."""
+    """Every system on ranks 0..P-1: error vs the single-process reference, bytes sent (c10d ops,
+    and ringmaster's own record), bytes saved for backward, step times. Other ranks return None.
+
+    Per system: one counted step (bytes at the c10d op level, :func:`ringmaster.profiling.count_collectives`,
+    whoever issues them; ringmaster's own :func:`profile_comms` record; saved-for-backward bytes),
+    then ``reps`` timed steps with no counter active (the counter's dispatch mode costs a Python call per op)."""
     import torch
     import torch.distributed as dist
 
     import ringmaster as rm
+    from ringmaster.peers import Skip, _why
     from ringmaster.profiling import count_collectives
     from ringmaster.shard import shard_tensor
 
@@ -557,53 +506,42 @@ def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=
     out: dict[str, Any] = {}
     for name in systems:
         try:
-            layout, fn = attention_system(name, group, P, rank, S, H, Hkv, D, mesh)
-            if layout == "torch_cp":
-                # probe once: an error here (e.g. no CPU kernel) is the reason to skip
-                try:
-                    full = _torch_cp_step(mesh, q_full, k_full, v_full, dout_full)
-                except Exception as exc:
-                    raise Skip(f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}") from None
-                times = []
-                for i in range(reps + 1):
-                    dist.barrier(group=group)
-                    _sync(device)
-                    start = time.perf_counter()
-                    with count_collectives() as comms, rm.profile_memory() as mem:
-                        _torch_cp_step(mesh, q_full, k_full, v_full, dout_full)
-                    _sync(device)
-                    if i:
-                        times.append(time.perf_counter() - start)
-                err = max(_rel(a, b) for a, b in zip(full, refs))
-                out[name] = {"status": "ok", "err": err, "fwd": comms.total_bytes(phase="forward"),
-                             "bwd": comms.total_bytes(phase="backward"), "saved": mem.peak_saved_bytes,
-                             "time": statistics.median(times), "note": "bytes: c10d calls only"}
-                continue
+            try:
+                layout, fn, context = _system(name, group, mesh, P, rank, S, H, Hkv, D)
+            except Skip:
+                raise
+            except Exception as exc:
+                raise Skip(_why(exc)) from None
             local = [shard_tensor(t, 2, rank, P, layout) for t in (q_full, k_full, v_full, dout_full)]
             times = []
-            for i in range(reps + 1):
-                leaves = [t.clone().requires_grad_(True) for t in local[:3]]
-                dist.barrier(group=group)
-                _sync(device)
-                with count_collectives() as comms, rm.profile_comms() as rm_comms, rm.profile_memory() as mem:
+            with context():
+                for i in range(reps + 1):
+                    leaves = [t.clone().requires_grad_(True) for t in local[:3]]
+                    dist.barrier(group=group)
+                    _sync(device)
+                    if i == 0:  # the counted step (also the warm-up)
+                        with count_collectives() as comms, rm.profile_comms() as rm_comms, \
+                                rm.profile_memory() as mem:
+                            o = fn(*leaves)
+                            o.backward(local[3])
+                        mine = [o.detach()] + [t.grad for t in leaves]
+                        continue
                     start = time.perf_counter()
                     o = fn(*leaves)
                     o.backward(local[3])
                     _sync(device)
-                    elapsed = time.perf_counter() - start
-                if i:
-                    times.append(elapsed)
-            mine = [o.detach()] + [t.grad for t in leaves]
+                    times.append(time.perf_counter() - start)
             refs_local = [shard_tensor(t, 2, rank, P, layout) for t in refs]
             out[name] = {"status": "ok", "err": max(_rel(a, b) for a, b in zip(mine, refs_local)),
                          "fwd": comms.total_bytes(phase="forward"), "bwd": comms.total_bytes(phase="backward"),
-                         "rm_fwd": rm_comms.total_bytes(phase="forward"),
-                         "rm_bwd": rm_comms.total_bytes(phase="backward"),
+                         "rm_fwd": rm_comms.total_bytes(phase="forward") if rm_comms.records else None,
+                         "rm_bwd": rm_comms.total_bytes(phase="backward") if rm_comms.records else None,
+                         "kinds": sorted({f"{r.kind}/{r.phase[:3]}" for r in comms.records}),
                          "saved": mem.peak_saved_bytes, "time": statistics.median(times)}
         except Skip as exc:
             out[name] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:  # a peer that imports but fails to run is reported, not fatal
-            out[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"}
+            out[name] = {"status": "failed", "reason": _why(exc)}
         dist.barrier(group=group)
     out["_kv_local"] = 2 * (S // P) * Hkv * D * q_full.element_size()
     return out
@@ -621,9 +559,17 @@ def _rel(a, b) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
+def _max_or_none(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 def run_peers(pool, sizes=(2, 4), S: int = 4096, H: int = 8, Hkv: int = 4, D: int = 64, reps: int = 3,
               systems=SYSTEMS, progress: bool = True) -> list[dict]:
-    """Rows of the peers table (one per P and system)."""
+    """Rows of the peers table (one per P and system). ``ratio``: the system's step time over the
+    fastest ringmaster system of its class (Ulysses class, ring class) at the same P."""
+    from .peers import PEERS
+
     sizes = [P for P in sizes if P <= pool.world]
     bar = Progress(len(sizes), "peers", progress and is_main(pool))
     rows = []
@@ -632,18 +578,26 @@ def run_peers(pool, sizes=(2, 4), S: int = 4096, H: int = 8, Hkv: int = 4, D: in
         kv_local = results[0]["_kv_local"]
         ok = {name for name in systems if all(r[name]["status"] == "ok" for r in results)}
         t = {name: max(r[name]["time"] for r in results) for name in ok}  # a step waits for the slowest rank
-        rm_best = min((t[n] for n in ok if n in RINGMASTER_SYSTEMS), default=None)
+        best = {}
+        for name in ok:
+            if name in RINGMASTER_SYSTEMS:
+                c = system_class(name)
+                best[c] = min(best.get(c, float("inf")), t[name])
         for name in systems:
             first = results[0][name]
-            row = {"P": P, "system": name, "status": first["status"], "S": S, "H": H, "Hkv": Hkv, "D": D,
-                   "kv_local": kv_local}
+            row = {"P": P, "system": name, "class": system_class(name), "status": first["status"], "S": S, "H": H,
+                   "Hkv": Hkv, "D": D, "kv_local": kv_local,
+                   "kernel": PEERS[name][1] if name in PEERS else "aten SDPA"}
             if name in ok:
+                yard = best.get(row["class"])
                 row.update(err=max(r[name]["err"] for r in results),
                            fwd_bytes=max(r[name]["fwd"] for r in results),
                            bwd_bytes=max(r[name]["bwd"] for r in results),
-                           rm_fwd_bytes=first.get("rm_fwd"), rm_bwd_bytes=first.get("rm_bwd"),
+                           rm_fwd_bytes=_max_or_none(r[name]["rm_fwd"] for r in results),
+                           rm_bwd_bytes=_max_or_none(r[name]["rm_bwd"] for r in results),
                            saved_bytes=max(r[name]["saved"] for r in results),
-                           time=t[name], ratio=t[name] / rm_best if rm_best else None, note=first.get("note", ""))
+                           collectives=" ".join(first["kinds"]),
+                           time=t[name], ratio=t[name] / yard if yard else None)
             else:
                 row["reason"] = next((r[name].get("reason") for r in results if r[name]["status"] != "ok"), "")
                 row["status"] = next((r[name]["status"] for r in results if r[name]["status"] != "ok"), "skipped")
@@ -657,28 +611,91 @@ def peers_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     r0 = rows[0]
-    lines = [f"causal GQA attention, seq={r0['S']} heads={r0['H']} kv_heads={r0['Hkv']} head_dim={r0['D']} "
-             f"fp32 batch=1, fwd+bwd; bytes per rank as torch.distributed sends them; time ratio vs the fastest "
-             f"ringmaster system of the same P", ""]
-    header = (f"{'P':>2} {'system':<26} {'max rel err':>11} {'fwd sent':>11} {'bwd sent':>11} "
-              f"{'saved/rank':>11} {'median s':>9} {'vs rm best':>10}")
+    lines = [f"causal GQA attention, seq={r0['S']} heads={r0['H']} kv_heads={r0['Hkv']} head_dim={r0['D']} fp32 "
+             f"batch=1, fwd+bwd, slowest rank's median step. Sent: bytes per rank at the c10d op level (every "
+             f"collective, any library); rm rec: ringmaster's own record. vs rm: step time over the fastest "
+             f"ringmaster system of the same class (ulysses / ring) and P.", ""]
+    header = (f"{'P':>2} {'system':<26} {'class':<7} {'kernel':<14} {'max rel err':>11} {'fwd sent':>10} "
+              f"{'bwd sent':>10} {'rm rec f+b':>10} {'saved/rank':>10} {'median s':>8} {'vs rm':>6}")
     lines += [header, "-" * len(header)]
     skipped = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"{r['P']:>2} {r['system']:<26} {r['status']}: see below")
+            lines.append(f"{r['P']:>2} {r['system']:<26} {r['class']:<7} {r['status']}: see below")
             skipped.append(f"  P={r['P']} {r['system']}: {r['reason']}")
             continue
-        lines.append(f"{r['P']:>2} {r['system']:<26} {r['err']:>11.1e} {fmt_bytes(r['fwd_bytes']):>11} "
-                     f"{fmt_bytes(r['bwd_bytes']):>11} {fmt_bytes(r['saved_bytes']):>11} {r['time']:>9.3f} "
-                     f"{r['ratio']:>10.2f}")
+        rec = (r["rm_fwd_bytes"] or 0) + (r["rm_bwd_bytes"] or 0) if r.get("rm_fwd_bytes") is not None else None
+        ratio = f"{r['ratio']:>6.2f}" if r.get("ratio") is not None else f"{'-':>6}"
+        lines.append(f"{r['P']:>2} {r['system']:<26} {r['class']:<7} {r['kernel']:<14} {r['err']:>11.1e} "
+                     f"{fmt_bytes(r['fwd_bytes']):>10} {fmt_bytes(r['bwd_bytes']):>10} {fmt_bytes(rec):>10} "
+                     f"{fmt_bytes(r['saved_bytes']):>10} {r['time']:>8.3f} {ratio}")
+    verdicts = peers_verdict(rows)
+    if verdicts:
+        lines += ["", f"ringmaster vs the fastest correct peer (max rel err <= {CORRECT:.0e}) of its class; "
+                      f"target <= {TARGET:.2f}x:"] + verdicts
     if skipped:
         lines += ["", "not run here:"] + list(dict.fromkeys(skipped))
     return "\n".join(lines)
 
 
-PEER_CSV_FIELDS = ("P", "system", "status", "S", "H", "Hkv", "D", "err", "fwd_bytes", "bwd_bytes", "rm_fwd_bytes",
-                   "rm_bwd_bytes", "saved_bytes", "time", "ratio", "reason")
+CORRECT = 1e-4   # a peer row counts as a correct answer below this max relative error
+TARGET = 1.05    # issue 18: ringmaster within 1.05x of the fastest peer of its class
+
+
+def peers_verdict(rows: list[dict]) -> list[str]:
+    """One line per (P, class): ringmaster's fastest system against the fastest correct peer.
+    Wrong peers (fp32 aliasing in ring-flash-attn / yunchang ring) are left out of the race."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    for P, cls in dict.fromkeys((r["P"], r["class"]) for r in ok):
+        mine = [r for r in ok if r["P"] == P and r["class"] == cls and r["system"] in RINGMASTER_SYSTEMS]
+        peers = [r for r in ok if r["P"] == P and r["class"] == cls and r["system"] not in RINGMASTER_SYSTEMS
+                 and not r["system"].startswith("baseline") and r["err"] <= CORRECT]
+        if not mine or not peers:
+            continue
+        a, b = min(mine, key=lambda r: r["time"]), min(peers, key=lambda r: r["time"])
+        x = a["time"] / b["time"]
+        out.append(f"  P={P} {cls:<7} {a['system']} {a['time']:.3f}s vs {b['system']} {b['time']:.3f}s: "
+                   f"{x:.2f}x {'(within target)' if x <= TARGET else '(NOT within target)'}")
+    return out
+
+
+PEER_CSV_FIELDS = ("P", "system", "class", "kernel", "status", "S", "H", "Hkv", "D", "err", "fwd_bytes", "bwd_bytes",
+                   "rm_fwd_bytes", "rm_bwd_bytes", "saved_bytes", "collectives", "time", "ratio", "reason")
+
+
+def write_peers_png(rows: list[dict], path: str) -> str:
+    """Step time and bytes sent per rank (forward + backward, c10d ops) against P, one line per
+    system that ran. Returns a message; without matplotlib the plot is skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"matplotlib is not installed: skipped the plot {path} (pip install matplotlib)"
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(dict.fromkeys(r["system"] for r in ok)):
+        sub = sorted((r for r in ok if r["system"] == name), key=lambda r: r["P"])
+        style = dict(linestyle="-" if name in RINGMASTER_SYSTEMS else "--", marker="o", color=colors[i % 20])
+        Ps = [r["P"] for r in sub]
+        ax_time.plot(Ps, [r["time"] for r in sub], label=name, **style)
+        ax_bytes.plot(Ps, [(r["fwd_bytes"] + r["bwd_bytes"]) / 2**20 for r in sub], label=name, **style)
+    r0 = rows[0] if rows else {}
+    for ax, ylabel, title in ((ax_time, "fwd+bwd step, slowest rank (s)", "step time vs P"),
+                              (ax_bytes, "sent per rank, fwd+bwd (MiB)", "bytes vs P (c10d ops)")):
+        ax.set_xlabel("P (ranks)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, S={r0.get('S')}")
+        ax.set_xticks(sorted({r["P"] for r in ok}) or [2])
+        ax.grid(True, alpha=0.3)
+    ax_bytes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -726,6 +743,7 @@ def bench(quick: bool = False, world: int = 4, out_dir: str | None = None, progr
             write_csv(cp_rows, os.path.join(out_dir, "cp_vs_noncp.csv"))
             write_csv(peer_rows, os.path.join(out_dir, "peers.csv"), PEER_CSV_FIELDS)
             print_fn(f"\nwrote {out_dir}/cp_vs_noncp.csv, {out_dir}/peers.csv; "
-                     + write_png(cp_rows, os.path.join(out_dir, "cp_vs_noncp.png")))
+                     + write_png(cp_rows, os.path.join(out_dir, "cp_vs_noncp.png")) + "; "
+                     + write_peers_png(peer_rows, os.path.join(out_dir, "peers.png")))
         print_fn(f"\n(done in {time.perf_counter() - began:.0f}s)")
     return {"cp_vs_noncp": cp_rows, "peers": peer_rows}

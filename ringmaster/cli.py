@@ -58,11 +58,33 @@ def demo(args) -> int:
 
 
 def plan(args) -> int:
+    if getattr(args, "config", None):  # the memory planner: bytes per rank and the longest sequence that fits
+        from .memory_plan import run_from_args
+
+        return run_from_args(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("heads", "kv_heads", "world", "hidden") if getattr(args, n) is None]
+    if missing:
+        raise SystemExit(f"ringmaster plan: {', '.join(missing)} required (or --config <config.json | dir | "
+                         "model_type> for the memory plan)")
     from .planning import plan_table
 
     print(plan_table(args.heads, args.kv_heads, args.world, args.ranks_per_node, args.seq, args.hidden, args.layers,
-                     args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]))
+                     args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype], hardware=_plan_hardware(args)))
     return 0
+
+
+def _plan_hardware(args):
+    """The step model's inputs from ``plan``'s link flags, or None (then bytes and heads decide)."""
+    from .step_model import Hardware, Link
+
+    if args.tflops is None and args.intra_gbps is None:
+        return None
+    if args.tflops is None or args.intra_gbps is None:
+        raise SystemExit("ringmaster plan: the step-time model needs both --tflops and --intra-gbps "
+                         "(and --inter-gbps when ranks span nodes)")
+    inter = Link(args.inter_gbps * 1e9, args.inter_latency_us * 1e-6) if args.inter_gbps else None
+    return Hardware(args.tflops * 1e12, Link(args.intra_gbps * 1e9, args.intra_latency_us * 1e-6), inter,
+                    args.ranks_per_node, args.bwd_factor)
 
 
 def bench(args) -> int:
@@ -217,15 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "alternative (Ulysses, Ring p2p, Ring allgather, USP splits) sends forward and backward and "
                     "the K/V it keeps resident, from closed-form formulas the tests check against gloo runs.",
     )
-    p.add_argument("--heads", type=int, required=True, help="query heads")
-    p.add_argument("--kv-heads", type=int, required=True, help="KV heads")
-    p.add_argument("--world", type=int, required=True, help="CP degree (ranks sharing one sequence)")
+    p.add_argument("--heads", type=int, default=None, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads")
+    p.add_argument("--world", type=int, default=None, help="CP degree (ranks sharing one sequence)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
-    p.add_argument("--hidden", type=int, required=True, help="hidden size (head_dim = hidden / heads)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (head_dim = hidden / heads)")
     p.add_argument("--layers", type=int, default=1, help="attention layers (for the whole-model column)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="attention kernel forward rate per rank, TFLOP/s (with --intra-gbps: model the step time)")
+    p.add_argument("--intra-gbps", type=float, default=None, help="intra-node link, GB/s per rank")
+    p.add_argument("--intra-latency-us", type=float, default=5.0, help="intra-node latency per call, us (default 5)")
+    p.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
+    p.add_argument("--inter-latency-us", type=float, default=20.0, help="inter-node latency per call, us (default 20)")
+    p.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
+    from .memory_plan import add_arguments as add_memory_plan_arguments
+
+    add_memory_plan_arguments(p)
     p.set_defaults(func=plan)
 
     p = sub.add_parser(

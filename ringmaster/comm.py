@@ -182,10 +182,12 @@ def _reduce_scatter(x: torch.Tensor, group, phase: str, tag: str) -> torch.Tenso
             timed_comm("reduce_scatter", phase, out.numel() * out.element_size() * (P - 1), tag):
         if backend_for(group, x.device.type) in ("gloo", None):
             # gloo's reduce_scatter is not available for every device/torch version (CUDA tensors on gloo:
-            # the single-GPU check's ranks): sum with all_reduce, which gloo has everywhere, keep our slice
-            buf = x.clone()
-            dist.all_reduce(buf, group=group)
-            out.copy_(buf[dist.get_rank(group)])
+            # the single-GPU check's ranks): an all-to-all brings every rank's slice for us here, and we
+            # sum them. It sends (P-1)/P of x, what the record says; an all_reduce (the former fallback)
+            # sends twice that, 2(P-1)/P of x, while the record said (P-1)/P: half of what went out.
+            parts = torch.empty_like(x)
+            dist.all_to_all_single(parts, x, group=group)
+            torch.sum(parts, dim=0, out=out)
         else:
             reduce_scatter_single(out, x, group=group)
     return out

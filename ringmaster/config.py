@@ -75,7 +75,7 @@ class RingImpl(_StrEnum):
     HF_KERNELS = "hf_kernels"
 
 
-RECURRENT_CHOICES = ("auto", "scan", "sequential")
+RECURRENT_CHOICES = ("auto", "scan", "sequential", "fla_cp")   # fla_cp: gated DeltaNet / KDA only
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,26 +83,37 @@ def _divisors(n: int) -> list[int]:
 
 
 def auto_select(num_heads: int | None, num_kv_heads: int | None, world: int,
-                ranks_per_node: int | None = None) -> tuple[int, int]:
+                ranks_per_node: int | None = None, cost=None) -> tuple[int, int]:
     """Return ``(ulysses_size, ring_size)`` with product ``world``.
 
-    Rule: Ulysses is the cheaper collective on fast intra-node links but every rank must hold
-    whole KV heads, so take the largest Ulysses degree that divides ``world``, fits in a node
-    and divides both the query and the KV head counts (no KV replication); the rest of the
-    group becomes Ring, which has no head cap. Unknown head counts only cap by the node.
+    Rule without a cost (``cost=None``, what ``normalize`` uses unless given one): Ulysses is the
+    cheaper collective on fast intra-node links but every rank must hold whole KV heads, so take the
+    largest Ulysses degree that divides ``world``, fits in a node and divides both the query and the
+    KV head counts (no KV replication); the rest of the group becomes Ring, which has no head cap.
+    Unknown head counts only cap by the node.
+
+    With ``cost`` (``(u, r) -> predicted seconds or None``, e.g. ``step_model.step_cost`` built from
+    link figures and the kernel's FLOP rate): among the degrees that divide ``world`` and both head
+    counts, the one with the smallest predicted time (ties: the larger Ulysses degree). The node cap
+    is then the model's business: it charges a Ulysses group that crosses nodes the inter-node link.
     """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
     node = ranks_per_node if ranks_per_node and ranks_per_node > 0 else world
-    best = 1
+    best, best_time = 1, None
     for u in _divisors(world):
-        if u > node:
+        if u > node and cost is None:
             continue
         if num_heads is not None and num_heads % u:
             continue
         if num_kv_heads is not None and num_kv_heads % u:
             continue
-        best = max(best, u)
+        if cost is None:
+            best = max(best, u)
+            continue
+        t = cost(u, world // u)
+        if t is not None and (best_time is None or t <= best_time):
+            best, best_time = u, t
     return best, world // best
 
 
@@ -160,11 +171,13 @@ class RingmasterConfig:
         return self._normalized
 
     def normalize(self, num_kv_heads: int | None = None, intra_node_size: int | None = None,
-                  num_heads: int | None = None) -> "RingmasterConfig":
+                  num_heads: int | None = None, step_cost=None) -> "RingmasterConfig":
         """Resolve every ``AUTO`` field in place and check that the split is consistent.
 
         ``num_kv_heads`` caps the Ulysses degree (each rank needs whole KV heads);
-        ``intra_node_size`` keeps Ulysses inside a node. Returns ``self`` for chaining.
+        ``intra_node_size`` keeps Ulysses inside a node. ``step_cost`` (``(u, r) -> seconds``,
+        ``ringmaster.step_model.step_cost``) makes an AUTO split the fastest predicted one
+        (``auto_select``); without it the head/node rule decides. Returns ``self`` for chaining.
         """
         P = self.size
         if self.ranks_per_node is not AUTO:
@@ -187,7 +200,7 @@ class RingmasterConfig:
         else:
             if u is AUTO and r is AUTO:
                 u, r = auto_select(num_heads=num_heads, num_kv_heads=num_kv_heads, world=P,
-                                   ranks_per_node=intra_node_size)
+                                   ranks_per_node=intra_node_size, cost=step_cost)
             elif u is AUTO:
                 if P % r:
                     raise ValueError(f"ring_size={r} does not divide size={P}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import auto_select
+from .step_model import Hardware, Shape, predict, step_cost
 
 
 @dataclass
@@ -60,7 +61,7 @@ def alternative(heads: int, kv_heads: int, head_dim: int, seq: int, ulysses: int
         if rotate == "allgather":
             bwd += (r - 1) * kv_block_fp32
         else:
-            bwd += (r - 1) * kv_block + r * kv_block_fp32
+            bwd += (r - 1) * kv_block + (r - 1) * kv_block_fp32  # dK/dV: P-1 hops, the owner's share stays home
     if r == 1:
         resident = kv_block
     elif rotate == "allgather":
@@ -82,21 +83,26 @@ def alternatives(heads: int, kv_heads: int, head_dim: int, seq: int, world: int,
 
 
 def plan_table(heads: int, kv_heads: int, world: int, ranks_per_node: int, seq: int, hidden: int, layers: int,
-               batch: int = 1, dtype_bytes: int = 2) -> str:
+               batch: int = 1, dtype_bytes: int = 2, hardware: Hardware | None = None) -> str:
+    """The alternatives' bytes and resident K/V; with ``hardware`` (link figures and the kernel's
+    FLOP rate) also each one's modelled step time (``step_model``), and auto_select picks by it."""
     head_dim = hidden // heads
-    u, r = auto_select(heads, kv_heads, world, ranks_per_node)
+    shape = Shape(heads, kv_heads, head_dim, seq, batch, dtype_bytes)
+    cost = None if hardware is None else step_cost(shape, hardware)
+    u, r = auto_select(heads, kv_heads, world, ranks_per_node, cost=cost)
     chosen = alternative(heads, kv_heads, head_dim, seq, u, r, batch=batch, dtype_bytes=dtype_bytes)
     gib = 2 ** 30
     lines = [
         f"model: {heads} heads, {kv_heads} KV heads, head_dim {head_dim}, hidden {hidden}, {layers} layers; "
         f"seq {seq}, batch {batch}, {dtype_bytes}-byte activations",
         f"cluster: {world} ranks, {ranks_per_node} per node ({-(-world // ranks_per_node)} nodes)",
-        f"auto_select -> ulysses_size={u} x ring_size={r}  ({chosen.name})",
+        f"auto_select -> ulysses_size={u} x ring_size={r}  ({chosen.name}; "
+        f"{'by the step-time model' if cost else 'by heads and node size: give link figures for the model'})",
         f"activation per rank per layer (hidden states in + out of attention): "
         f"{2 * seq // world * hidden * batch * dtype_bytes / 2**20:.1f} MiB",
         "",
         f"{'alternative':<22} {'fwd MiB/layer':>13} {'bwd MiB/layer':>13} {'K/V resident MiB':>16} "
-        f"{'model GiB/step':>14}  note",
+        f"{'model GiB/step':>14}" + (f" {'step ms/layer':>13} {'hidden':>6}" if cost else "") + "  note",
     ]
     for alt in alternatives(heads, kv_heads, head_dim, seq, world, batch, dtype_bytes):
         mark = " <- chosen" if (alt.ulysses, alt.ring, alt.rotate in (None, "alltoall")) == (u, r, True) else ""
@@ -104,7 +110,11 @@ def plan_table(heads: int, kv_heads: int, world: int, ranks_per_node: int, seq: 
             lines.append(f"{alt.name:<22} {'-':>13} {'-':>13} {'-':>16} {'-':>14}  invalid: {alt.why}")
             continue
         where = "" if alt.ulysses <= ranks_per_node else "  (Ulysses crosses nodes)"
+        timing = ""
+        if cost:
+            pred = predict(shape, hardware, alt.ulysses, alt.ring, alt.rotate or "alltoall")
+            timing = f" {pred.total * 1e3:>13.3f} {pred.hidden:>6.0%}" if pred else f" {'-':>13} {'-':>6}"
         lines.append(f"{alt.name:<22} {alt.fwd_bytes / 2**20:>13.1f} {alt.bwd_bytes / 2**20:>13.1f} "
                      f"{alt.kv_resident_bytes / 2**20:>16.1f} {(alt.fwd_bytes + alt.bwd_bytes) * layers / gib:>14.2f}"
-                     f"{mark}{where}")
+                     f"{timing}{mark}{where}")
     return "\n".join(lines)

@@ -19,9 +19,9 @@ GPU, and on CPU the process's peak RSS over the block (Linux: the high-water mar
 entry through ``/proc/self/clear_refs``; elsewhere it is the process lifetime peak).
 ``gather_profiles(prof)`` collects one profile per rank of a group.
 
-``count_collectives()`` counts bytes of *any* code's ``torch.distributed`` collectives (by
-patching the ``torch.distributed`` functions for the block), so other libraries can be measured
-with the same convention as ringmaster's own records.
+``count_collectives()`` counts bytes of *any* code's collectives at the c10d op level (a dispatch
+mode over the ``c10d`` and ``_c10d_functional`` ops), so other libraries, DTensor and functional
+collectives are measured with the same convention as ringmaster's own records.
 """
 
 from __future__ import annotations
@@ -406,9 +406,25 @@ def _storages(out):
             yield from _storages(item)
 
 
+def _input_storage_ids(args, kwargs) -> set[int]:
+    ids = set()
+    for t in _storages(list(args) + list((kwargs or {}).values())):
+        try:
+            ids.add(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            pass
+    return ids
+
+
 @contextlib.contextmanager
-def track_tensor_memory():
+def track_tensor_memory(skip_aliases: bool = False):
     """Peak bytes of the tensor storages created inside the block and alive at once, on any device.
+
+    ``skip_aliases=True`` does not count an op's output that shares storage with one of its inputs
+    (a view such as a weight's ``t()`` inside ``linear``, an in-place update such as the optimizer's
+    ``param.mul_``): without it, a storage from before the block that such an op returns is counted
+    as if it were new, for as long as it lives (the parameters a forward touches, an optimizer's
+    states). The memory planner's check (benchmarks/memory_plan.py) passes True.
 
     A ``TorchDispatchMode`` sees every aten op below autograd (forward and backward, composite
     ops decomposed): each new output storage is counted when created and uncounted when freed
@@ -438,13 +454,14 @@ def track_tensor_memory():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             grew = False
+            inputs = _input_storage_ids(args, kwargs) if skip_aliases else ()
             for t in _storages(out):
                 try:
                     st = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
                     continue
                 key = id(st)
-                if key in refs:
+                if key in refs or key in inputs:
                     continue
                 nbytes = st.nbytes()
                 refs[key] = weakref.ref(st, freed(key, nbytes))
@@ -505,7 +522,7 @@ def format_bytes(n: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# any library's torch.distributed collectives
+# any library's collectives, counted at the c10d op level
 
 
 def _phase_now() -> str:
@@ -516,122 +533,153 @@ def _phase_now() -> str:
 
 
 def _tensor_bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in t)
+    return 0
 
 
-def _group_size(kwargs, args, pos: int) -> int:
-    import torch.distributed as dist
+def _pg_rank_size(pg) -> tuple[int, int]:
+    """(rank, size) of a c10d op's ProcessGroup argument, or of a functional op's group name."""
+    if isinstance(pg, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
 
-    group = kwargs.get("group", args[pos] if len(args) > pos else None)
-    return dist.get_world_size(group)
+        pg = _resolve_process_group(pg)
+    elif isinstance(pg, torch.ScriptObject):  # how the dispatcher passes a c10d op its group
+        from torch.distributed import ProcessGroup
 
-
-def _sent_bytes(name: str, args, kwargs) -> tuple[str, int]:
-    """(kind, bytes this rank sends) for one torch.distributed call, ringmaster's convention."""
-    get = lambda i, key: kwargs.get(key, args[i] if len(args) > i else None)  # noqa: E731
-    if name == "all_to_all_single":
-        P = _group_size(kwargs, args, 4)
-        inp, splits = get(1, "input"), get(3, "input_split_sizes")
-        if splits:
-            from torch.distributed import get_rank
-
-            me = get_rank(kwargs.get("group", args[4] if len(args) > 4 else None))
-            row = _tensor_bytes(inp) // max(inp.shape[0], 1)
-            return "all_to_all", row * (sum(splits) - splits[me])
-        return "all_to_all", _tensor_bytes(inp) * (P - 1) // P
-    if name == "all_to_all":
-        from torch.distributed import get_rank
-
-        group = kwargs.get("group", args[2] if len(args) > 2 else None)
-        inputs = get(1, "input_tensor_list")
-        me = get_rank(group)
-        return "all_to_all", sum(_tensor_bytes(t) for i, t in enumerate(inputs) if i != me)
-    if name in ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
-        inp = get(1, "tensor" if name == "all_gather" else "input_tensor")
-        return "all_gather", _tensor_bytes(inp) * (_group_size(kwargs, args, 2) - 1)
-    if name in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
-        out = get(0, "output")
-        return "reduce_scatter", _tensor_bytes(out) * (_group_size(kwargs, args, 3) - 1)
-    if name == "all_reduce":
-        t = get(0, "tensor")
-        P = _group_size(kwargs, args, 2)
-        return "all_reduce", 2 * _tensor_bytes(t) * (P - 1) // P  # ring all-reduce volume
-    if name == "broadcast":
-        return "broadcast", _tensor_bytes(get(0, "tensor"))
-    if name in ("scatter", "gather"):
-        from torch.distributed import get_rank
-
-        group = kwargs.get("group", args[3] if len(args) > 3 else None)
-        root = get(2, "src" if name == "scatter" else "dst")
-        me = get_rank(group)
-        if name == "gather":  # every rank but the root sends its tensor
-            return "gather", 0 if me == root else _tensor_bytes(get(0, "tensor"))
-        parts = get(1, "scatter_list") or []
-        return "scatter", sum(_tensor_bytes(t) for i, t in enumerate(parts) if i != me) if me == root else 0
-    if name == "reduce":
-        return "reduce", _tensor_bytes(get(0, "tensor"))
-    if name in ("send", "isend"):
-        return "send", _tensor_bytes(get(0, "tensor"))
-    if name in ("recv", "irecv"):
-        return "recv", 0
-    if name == "batch_isend_irecv":
-        import torch.distributed as dist
-
-        ops = get(0, "p2p_op_list") or []
-        return "p2p", sum(_tensor_bytes(op.tensor) for op in ops if op.op is dist.isend)
-    return name, 0
+        pg = ProcessGroup.unbox(pg)
+    return pg.rank(), pg.size()
 
 
-_PATCHED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_single",
-            "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-            "_reduce_scatter_base", "all_reduce", "broadcast", "scatter", "gather", "reduce", "send", "recv",
-            "batch_isend_irecv")
-# isend/irecv stay unpatched: P2POp checks its op against the original functions
+def _alltoall_bytes(inp, out_splits, in_splits, rank: int, size: int) -> int:
+    if in_splits:
+        row = _tensor_bytes(inp) // max(inp.shape[0], 1)
+        return row * (sum(in_splits) - in_splits[rank])
+    return _tensor_bytes(inp) * (size - 1) // size
+
+
+def _c10d_sent(op: str, args: tuple) -> tuple[str, int]:
+    """(kind, bytes this rank puts on the wire) for one c10d / functional-collective op.
+
+    Convention (ringmaster's records use the same): the share a collective keeps locally is not
+    counted; all-gather sends its input to P-1 peers; reduce-scatter sends all but its own output
+    chunk; all-reduce counts the ring volume ``2 (P-1)/P``; a rooted op counts what this rank sends."""
+    a = args
+    if op == "send":
+        return "send", _tensor_bytes(a[0])
+    if op in ("recv_", "recv_any_source_", "barrier", "monitored_barrier_", "wait_tensor", "check_for_nan",
+              "irecv"):
+        return op.rstrip("_"), 0
+    if op == "isend":  # functional: (tensor, dst, tag, group_name)
+        return "send", _tensor_bytes(a[0])
+    if op == "batch_p2p_ops":  # (op_list, peer_list, tag_list, tensors, group_name)
+        return "p2p", sum(_tensor_bytes(t) for kind, t in zip(a[0], a[3]) if "send" in kind)
+    if op == "alltoall_base_":  # (output, input, pg, output_split_sizes, input_split_sizes, ...)
+        rank, size = _pg_rank_size(a[2])
+        return "all_to_all", _alltoall_bytes(a[1], a[3], a[4], rank, size)
+    if op == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group_name)
+        rank, size = _pg_rank_size(a[3])
+        return "all_to_all", _alltoall_bytes(a[0], a[1], a[2], rank, size)
+    if op == "alltoall_":  # (outputs, inputs, pg, ...)
+        rank, _ = _pg_rank_size(a[2])
+        return "all_to_all", sum(_tensor_bytes(t) for i, t in enumerate(a[1]) if i != rank)
+    if op in ("allgather_", "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_"):
+        _, size = _pg_rank_size(a[2])
+        return "all_gather", _tensor_bytes(a[1]) * (size - 1)
+    if op in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"):
+        return "all_gather", _tensor_bytes(a[0]) * (a[1] - 1)  # (input(s), group_size, group_name)
+    if op in ("reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        _, size = _pg_rank_size(a[2])
+        return "reduce_scatter", _tensor_bytes(a[0]) * (size - 1)
+    if op in ("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced"):
+        size = a[2]  # (input(s), reduce_op, group_size, group_name): all but this rank's 1/P
+        return "reduce_scatter", _tensor_bytes(a[0]) * (size - 1) // size
+    if op in ("allreduce_", "allreduce_coalesced_"):
+        _, size = _pg_rank_size(a[1])
+        return "all_reduce", 2 * _tensor_bytes(a[0]) * (size - 1) // size
+    if op in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"):
+        _, size = _pg_rank_size(a[2])
+        return "all_reduce", 2 * _tensor_bytes(a[0]) * (size - 1) // size
+    if op in ("broadcast", "broadcast_") and isinstance(a[1], int):  # functional: (input, src, group_name)
+        rank, size = _pg_rank_size(a[2])
+        return "broadcast", _tensor_bytes(a[0]) * (size - 1) if rank == a[1] else 0
+    if op == "broadcast_":  # c10d: (tensors, pg, root_rank, root_tensor, ...)
+        rank, size = _pg_rank_size(a[1])
+        return "broadcast", _tensor_bytes(a[0]) * (size - 1) if rank == a[2] else 0
+    if op == "reduce_":  # (tensors, pg, op, root_rank, ...)
+        rank, _ = _pg_rank_size(a[1])
+        return "reduce", 0 if rank == a[3] else _tensor_bytes(a[0])
+    if op == "gather_":  # (outputs, inputs, pg, root_rank, ...)
+        rank, _ = _pg_rank_size(a[2])
+        return "gather", 0 if rank == a[3] else _tensor_bytes(a[1])
+    if op == "scatter_":  # (outputs, inputs, pg, root_rank, ...)
+        rank, _ = _pg_rank_size(a[2])
+        return "scatter", sum(_tensor_bytes(t) for i, t in enumerate(a[1][0] if a[1] else []) if i != rank) \
+            if rank == a[3] else 0
+    return op, 0
+
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+def _normalize(args, kwargs, schema) -> tuple:
+    """Positional arguments in schema order (kwargs folded in, defaults filled)."""
+    if not kwargs:
+        return tuple(args)
+    out = list(args)
+    for arg in schema.arguments[len(args):]:
+        out.append(kwargs.get(arg.name, arg.default_value))
+    return tuple(out)
 
 
 @contextlib.contextmanager
-def count_collectives(tag: str = "torch.distributed", include_object_collectives: bool = False):
-    """Count bytes of every ``torch.distributed`` collective called inside the block, by anyone.
+def count_collectives(tag: str = "c10d", include_zero: bool = False):
+    """Count the bytes of every collective this thread issues inside the block, whoever issues it.
 
-    Yields a :class:`CommProfile` whose records use ringmaster's byte convention (the bytes this
-    rank sends; ``all_reduce`` counts the ring volume ``2*(P-1)/P``); the phase is ``backward``
-    while autograd runs a backward pass. Times are the calls' wall time (an async op's launch
-    only). Functional collectives (``torch.distributed._functional_collectives``, used by DTensor)
-    are not seen. Nested calls (a collective implemented with another) count once.
+    Counting happens where every library's collectives meet: the dispatcher ops of the ``c10d``
+    namespace (what ``torch.distributed``'s process-group calls run: ``alltoall_base_``,
+    ``send``, ``allgather_`` ...) and of ``_c10d_functional`` (functional collectives: DTensor,
+    torch's ``context_parallel``). A ``TorchDispatchMode`` sees each op once, with its real
+    arguments, so a library that imported ``all_to_all_single`` by name, calls a process group
+    method, or uses functional collectives is counted the same way; a collective implemented with
+    another (the functional op's own c10d call) counts once. Distributed tensors
+    (DTensor) are let through to their own handler, which runs with this mode still active, so the
+    collectives its handlers issue (context_parallel's ring) are seen too; other subclasses (fake
+    tensors of sharding propagation) run as they would without the mode.
+
+    Yields a :class:`CommProfile` in ringmaster's byte convention (:func:`_c10d_sent`); the phase
+    is ``backward`` while autograd runs a backward pass; ``seconds`` is the op's wall time (for an
+    async op, its launch). Zero-byte ops (recv, barrier, wait) are left out unless ``include_zero``.
+    Cost: a Python call per aten op inside the block, so time steps outside it.
     """
-    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     prof = CommProfile(rank=_dist_rank())
-    local = threading.local()
-    originals = {}
-
-    def wrap(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if getattr(local, "depth", 0):
-                return fn(*args, **kwargs)
-            local.depth = 1
-            try:
-                try:
-                    kind, nbytes = _sent_bytes(name, args, kwargs)
-                except Exception:  # never let counting break the call
-                    kind, nbytes = name, 0
-                phase = _phase_now()
-                start = time.perf_counter()
-                result = fn(*args, **kwargs)
-                prof.records.append(CommRecord(kind, phase, int(nbytes), time.perf_counter() - start, tag))
-                return result
-            finally:
-                local.depth = 0
-        return wrapper
-
-    for name in _PATCHED:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            originals[name] = fn
-            setattr(dist, name, wrap(name, fn))
     try:
+        from torch.distributed.tensor import DTensor as dtensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        dtensor = None
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if dtensor is not None and any(issubclass(t, dtensor) for t in types):
+                return NotImplemented  # DTensor's handler first; the ops it issues come back here
+            ns = func.namespace
+            if ns not in COLLECTIVE_NAMESPACES:
+                return func(*args, **(kwargs or {}))
+            op = func._schema.name.split("::", 1)[1]
+            try:
+                kind, nbytes = _c10d_sent(op, _normalize(args, kwargs, func._schema))
+            except Exception:  # never let counting break the collective
+                kind, nbytes = op, 0
+            phase = _phase_now()
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            if nbytes or include_zero:
+                prof.records.append(CommRecord(kind, phase, int(nbytes), time.perf_counter() - start, tag))
+            return out
+
+    with _Counter():
         yield prof
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)

@@ -20,7 +20,7 @@ from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, position_convention, position_tables, refuse_if_unsafe,
                             stateful_layers, text_config, unsupported_message)
 from .architectures.heads import common_split, head_splits
-from .attention import bridge
+from .attention import bridge, relbias
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -201,6 +201,9 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
                                    cross={p: modules[p] for p in cross}))
         elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
+            if spec.relative_bias:  # Inkling: the bias modules return per-token states (attention.relbias)
+                modules = dict(model.named_modules())
+                undo.append(relbias.wire(spec, {p: modules[p] for p in layers.attention}))
             bridged, handles = bridge.install(model, layers.attention)
             undo.extend(handle.remove for handle in handles)
         if recurrent:

@@ -123,7 +123,7 @@ def short_conv_layers(ctx, model_type, P, layout="contiguous", doc_lens=None, S=
     with the batch's global structure, against the unwired layer on the whole input (``doc_lens``: one
     packed row per batch row, each document run alone). ``{path: {out, grad_x, grad_<param>}}``: relative
     errors, gradients summed over the group (the input's covers the whole sequence, halos included).
-    Used where the model as a whole is refused (Inkling: its attention), so its convs are still checked."""
+    Used where the model as a whole is refused (Inkling2), so its convs are still checked."""
     import copy
 
     import torch.distributed as dist

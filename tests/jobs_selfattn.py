@@ -155,8 +155,8 @@ def ring_alibi_offset_ignored():
 
     original = loop.block_pairs
 
-    def block_pairs(plan, src, device):
-        return [(qi, kj, dataclasses.replace(m, alibi_offset=0)) for qi, kj, m in original(plan, src, device)]
+    def block_pairs(plan, src, device, rel=None):
+        return [(qi, kj, dataclasses.replace(m, alibi_offset=0)) for qi, kj, m in original(plan, src, device, rel)]
 
     return [("ringmaster.attention.ring.loop", "block_pairs", block_pairs)]
 

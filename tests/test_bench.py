@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 
 import ringmaster.bench as bench_module
 from ringmaster.cli import main
@@ -31,12 +32,15 @@ def test_bench_quick_prints_both_tables(pool, monkeypatch, capsys, tmp_path):
         assert f"{model:<15} {256:>6}  1 none" in out, out       # non-CP reference row
         assert f"{model:<15} {256:>6}  4 " in out, out            # CP at P=4
     for system in ("ringmaster ulysses", "ringmaster ring p2p", "ringmaster ring allgather",
-                   "ringmaster ring distflash", "torch context_parallel", "deepspeed ulysses", "yunchang ulysses",
+                   "ringmaster ring distflash", "torch cp alltoall", "torch cp allgather", "deepspeed ulysses",
+                   "yunchang ulysses", "ring-flash-attn zigzag", "yunchang ring zigzag",
                    "baseline allgather+sdpa"):
         assert system in out
-    assert "max rel err" in out and "vs rm best" in out
+    assert "max rel err" in out and "vs rm" in out and "rm rec f+b" in out
     assert (tmp_path / "cp_vs_noncp.csv").read_text().startswith("model,P,backend,seq")
-    assert (tmp_path / "peers.csv").exists()
+    rows = {(r["P"], r["system"]): r for r in csv.DictReader((tmp_path / "peers.csv").open())}
+    assert rows[("2", "torch cp alltoall")]["status"] == "ok"      # measured, not skipped (CPU rules)
+    assert (tmp_path / "peers.png").exists() or "matplotlib is not installed" in out
 
 
 def test_progress_bar_plain_text(capsys, monkeypatch):

@@ -30,6 +30,6 @@ def test_the_checker_can_fail(tmp_path, monkeypatch):
 
 def test_import_ringmaster_loads_no_tooling():
     code = ("import sys, ringmaster; bad = [m for m in sys.modules if m.startswith('ringmaster.') and m.split('.')[1] in "
-            "('profiling', 'bench', 'testing', 'cli', 'planning', 'adapters')]; print(bad)")
+            "('profiling', 'bench', 'testing', 'cli', 'planning', 'memory_plan', 'adapters')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -41,3 +41,79 @@ def test_plan_cli_prints_the_choice(capsys):
 def test_plan_marks_invalid_splits():
     alt = alternative(12, 6, 64, 4096, 4, 1)
     assert not alt.valid and "6 KV heads cannot split over 4" in alt.why
+
+
+# --- the memory planner (ringmaster/memory_plan.py) -------------------------------------------
+
+def _shape(**kw):
+    from ringmaster.memory_plan import ModelShape
+
+    base = dict(model_type="llama", hidden=64, intermediate=128, vocab=1024, heads=8, kv_heads=2, head_dim=8,
+                layer_kinds=["attention"] * 2, n_params=100_000, largest_param=65_536, embed_params=131_072)
+    return ModelShape(**{**base, **kw})
+
+
+def test_memory_plan_formulas():
+    from ringmaster.memory_plan import PlanOptions, attention_layer_bytes, loss_bytes, mlp_bytes, norm_bytes, plan
+
+    s = _shape()
+    # fp32 llama layer, bytes per token: norm (x, rsqrt, x*rsqrt) + its output; q, k, v; output + lse
+    assert norm_bytes(64, 4) == 8 * 64 + 4
+    assert attention_layer_bytes(s, 4) == (8 * 64 + 4) + 4 * 64 + 4 * (64 + 2 * 16) + 4 * 64 + 4 * 8
+    assert mlp_bytes(s, 4) == (8 * 64 + 4) + 4 * 64 + 4 * 4 * 128
+    # bf16 norms keep the fp32 upcast: 4 + 2 bytes per channel
+    assert norm_bytes(64, 2) == 6 * 64 + 4
+    full = loss_bytes(s, PlanOptions(seq=4096, gpus=1, dtype="fp32"))
+    chunked = loss_bytes(s, PlanOptions(seq=4096, gpus=1, dtype="fp32", loss="chunked", chunk=512))
+    assert full["saved"] == 4096 * 1024 * 4 and chunked["saved"] == 0
+    assert chunked["backward"] == full["backward"] * 512 / 4096
+    # static: 16 bytes per parameter with bf16 + fp32 master weights + AdamW, sharded 1/G under FSDP2
+    p = plan(s, PlanOptions(seq=64, gpus=8, dtype="bf16"))
+    assert p.static == (2 + 4 + 8) * s.n_params
+    q = plan(s, PlanOptions(seq=64, gpus=8, dtype="bf16", fsdp="full"))
+    assert q.static == pytest.approx((4 + 8) * s.n_params / 8 + 2 * 2 * s.layer_params)
+    # checkpointing and CP shrink what a rank holds; Ring keeps its merged output in fp32
+    big = dict(seq=1 << 16, gpus=8, dtype="bf16", fsdp="full")
+    none, ckpt = (plan(s, PlanOptions(**big, checkpointing=c)).total for c in ("none", "full"))
+    assert ckpt < none
+    assert plan(s, PlanOptions(**{**big, "gpus": 4})).total > none
+    assert attention_layer_bytes(s, 2, fp32_out=True) - attention_layer_bytes(s, 2) == 2 * 64
+
+
+def test_memory_plan_max_seq_is_the_boundary():
+    from dataclasses import replace
+
+    from ringmaster.memory_plan import PlanOptions, max_seq, plan
+
+    s = _shape()
+    opts = PlanOptions(seq=16, gpus=2, gpu_mem=256 * 2**20, dtype="fp32")
+    S = max_seq(s, opts)
+    assert S > 0 and S % 4 == 0
+    assert plan(s, replace(opts, seq=S)).fits and not plan(s, replace(opts, seq=S + 4)).fits
+
+
+def test_memory_plan_matches_measured_peak_tiny():
+    """Predicted peak of one fp32 AdamW step (static + largest moment) within 15% of the measured one."""
+    import jobs_plan
+
+    from ringmaster.memory_plan import ModelShape, PlanOptions, plan
+
+    overrides = dict(jobs_plan.MODELS["tiny"], vocab_size=128)   # layers dominate, not the logits
+    rows = jobs_plan.measure_step("llama", overrides, [256])
+    shape = ModelShape.from_config(jobs_plan.build_config("llama", overrides))
+    for r in rows:
+        p = plan(shape, PlanOptions(seq=r["S"], gpus=1, dtype="fp32", optimizer="forloop"))
+        assert p.static == r["static"]
+        assert (p.total - p.static) == pytest.approx(r["peak_dynamic"], rel=0.15), r
+        assert p.total == pytest.approx(r["total"], rel=0.15), r
+
+
+def test_memory_plan_cli(capsys):
+    assert main(["plan", "--config", "benchmarks/configs/qwen3-8b", "--seq", "131072", "--gpus", "8",
+                 "--gpu-mem", "80GiB", "--fsdp", "full", "--loss", "chunked"]) == 0
+    out = capsys.readouterr().out
+    assert "8.19B parameters" in out and "longest sequence that fits" in out
+    for name in ("ulysses", "ring", "ring-allgather", "usp", "activations (saved for backward)"):
+        assert name in out
+    with pytest.raises(SystemExit, match="--heads, --kv-heads, --world, --hidden required"):
+        main(["plan", "--seq", "1024"])

@@ -146,7 +146,8 @@ INKLING = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
                          ids=["P2-head_tail", "P4", "P4-packed"])
 @pytest.mark.parametrize("model_type", INKLING)
 def test_inkling_short_convs_layer_by_layer(pool, model_type, case):
-    """The Inkling families are refused (their attention's relative position bias), but their short convs
+    """Inkling2 / Inkling2-loop are refused (sinks, block attention residuals, dynamic convs; inkling_text runs
+    whole in tests/test_relbias.py), but their short convs
     (k/v projections: narrower than the hidden size; the residual-stream ones) are exact on their own:
     every declared layer, output and every gradient, float64. Documents start mid-shard and on the P=4
     edge 8 (packed: no tap crosses a start)."""

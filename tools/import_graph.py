@@ -19,8 +19,9 @@ CORE = ("ringmaster.comm", "ringmaster.mesh", "ringmaster.validation", "ringmast
         "ringmaster.wiring", "ringmaster.config", "ringmaster.errors", "ringmaster.compat", "ringmaster.checkpointing",
         "ringmaster.tiling")
 TOOLING = ("ringmaster.profiling", "ringmaster.bench", "ringmaster.testing", "ringmaster.cli",
-           "ringmaster.planning", "ringmaster.adapters")
-LEAVES = ("ringmaster.config", "ringmaster.errors", "ringmaster.checkpointing", "ringmaster.attention.binding", "ringmaster.recurrent.kind")
+           "ringmaster.planning", "ringmaster.memory_plan", "ringmaster.adapters")
+LEAVES = ("ringmaster.config", "ringmaster.errors", "ringmaster.checkpointing", "ringmaster.attention.binding",
+          "ringmaster.recurrent.kind")
 
 
 def _in(name: str, prefixes) -> bool:

@@ -16,6 +16,9 @@ packing and padding-free batches are all exact. What this class adds to ``SFTTra
 - the loss is :func:`ringmaster.sharding.loss.chunked_nll` over the shard's hidden states (full-vocabulary
   logits never exist for the whole shard) unless ``cp_loss="trl"`` keeps trl's fused head;
 - evaluation losses are reduced (mean) over the CP group, so every rank logs the true eval loss.
+
+``CPGRPOTrainer`` (GRPO with the policy and the reference model wired; per-token log-probs through
+:func:`ringmaster.token_logprobs`) lives in :mod:`ringmaster.adapters.grpo` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -217,5 +220,7 @@ class CPSFTTrainer(SFTTrainer):
         return loss, logits, labels
 
 
-__all__ = ["CPSFTTrainer", "cp_num_items_in_batch"]
+from .grpo import CPGRPOTrainer  # noqa: E402  (after SFTTrainer's import guard: one trl error message)
+
+__all__ = ["CPGRPOTrainer", "CPSFTTrainer", "cp_num_items_in_batch"]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsupportedLayerError
+from ..recurrent.fla_mamba import fla_view
 from ..recurrent.registry import known_kinds
 from .spec import ArchitectureSpec
 
@@ -83,6 +84,7 @@ def classify_layers(model, spec: ArchitectureSpec | None) -> Classification:
             raise UnsupportedLayerError(unsupported_message(*found[0], model_type))
         return result
     stateful_parents = {p for p, _ in stateful_layers(model, skip)}
+    declared = {}   # path -> a module declared recurrent: axolotl's FLA view inside it is wired with it
     for path, module in model.named_modules():
         if _skipped(path, skip):
             continue
@@ -91,11 +93,15 @@ def classify_layers(model, spec: ArchitectureSpec | None) -> Classification:
             result.attention.append(path)
         elif cls in spec.recurrent_classes:
             result.recurrent.append((path, module, spec.recurrent_classes[cls]))
+            declared[path] = module
         elif cls in spec.ignore_classes:
             continue
         elif _is_stateful(module):
             if path not in stateful_parents:
                 continue  # a container (decoder layer) around a stateful module: the inner one is judged
+            parent = declared.get(path.rpartition(".")[0])
+            if parent is not None and fla_view(parent) is module:
+                continue  # axolotl's FLA view of a declared mixer (recurrent/fla_mamba.py wires it with the mixer)
             raise UnsupportedLayerError(
                 f"layer {path!r} ({cls}) carries state along the sequence and family {spec.name!r} does not "
                 "declare how to pass it across CP ranks; sharding it would train silently wrong. Declare it in "

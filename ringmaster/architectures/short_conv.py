@@ -1,13 +1,14 @@
-"""Hybrids with short convolutions: LFM2, LFM2-MoE, LFM3 (Liquid); Inkling, Inkling2, Inkling2-loop (refused).
+"""Hybrids with short convolutions: LFM2, LFM2-MoE, LFM3 (Liquid); Inkling; Inkling2, Inkling2-loop (refused).
 
 ``full_attention`` / ``sliding_attention`` layers get Ulysses/Ring/USP through the attention
 function; the ``conv`` layers (``Lfm*ShortConv``: a gated causal depthwise conv1d of
 ``conv_L_cache`` taps) get the halo of the previous shard (:mod:`ringmaster.recurrent.short_conv`).
-MLP / MoE blocks are token-local. The Inkling families declare their short convolutions but are
-refused for their attention's relative position bias (see their ``refuse`` reasons).
+MLP / MoE blocks are token-local. Inkling's attention adds a hidden-state-conditioned relative
+position bias, rebuilt from global positions by :mod:`ringmaster.attention.relbias`; Inkling2 and
+Inkling2-loop stay refused for the pieces named in their ``refuse`` reasons.
 """
 
-from .spec import ArchitectureSpec, register_architecture
+from .spec import ArchitectureSpec, RelativeBiasSite, register_architecture
 
 # the module-level kernel the short-conv layers call by name (role -> name); wire intercepts it
 SHORT_CONV_KERNELS = {"short_conv": {"conv": "causal_conv1d_fn"}}
@@ -41,15 +42,31 @@ LFM3 = register_architecture(ArchitectureSpec(
 
 
 # Inkling: short convolutions on the k/v projections and on the residual stream around attention and MLP
-# (``x + conv(x)``), all through ``causal_conv1d_fn``: declared, exact with the halo (checked layer by
-# layer in tests/test_recurrent_variants.py). The families stay refused for their attention.
-_INKLING_BIAS = (
-    "adds a hidden-state-conditioned relative position bias to every attention score (`position_bias`, "
-    "[batch, heads, q, kv], built from the distances torch.arange gives over the *local* shard) and passes it "
-    "to the attention function; ringmaster CP would have to rebuild it from global positions inside each "
-    "attention block (a per-query score_mod over the distance), which it does not. ")
-_INKLING_CONVS = ("The short convolutions ({}) are declared as 'short_conv' and are exact under CP on their own. "
-                  "Use a CP size of 1 for this family")
+# (``x + conv(x)``), all through ``causal_conv1d_fn``: declared, exact with the halo. The attention adds a
+# hidden-state-conditioned relative position bias: its bias module returns per-token states under CP and the
+# CP attention builds the bias from global positions (attention/relbias.py); the full layers' log scaling
+# of queries and bias by the *local* token index is moved to the global one there too.
+
+
+def _inkling_states(bias_module, relative_states, query_positions, key_positions):
+    """InklingRelativeLogits' per-token features: its ``relative_states`` input ``[B, S, H, d]``."""
+    return relative_states
+
+
+def _inkling_log_scale(module):
+    """(alpha, n_floor) of a full layer's log scaling (queries and bias by the local token index), else None."""
+    config = module.config
+    if module.is_sliding or config.log_scaling_n_floor is None:
+        return None
+    return float(config.log_scaling_alpha), float(config.log_scaling_n_floor)
+
+
+def _inkling2_states(bias_module, hidden_states, relative_distance, position_ids):
+    """Inkling2RelativePositionBias' per-token features ``[B, S, H, d]``: its linear + (log-scaled) L2 clip;
+    the log scale reads ``position_ids``, which are global under CP."""
+    states = bias_module.linear(hidden_states).view(*hidden_states.shape[:-1], bias_module.num_heads, -1)
+    return bias_module.norm(states, position_ids)
+
 
 INKLING_TEXT = register_architecture(ArchitectureSpec(
     name="inkling_text",
@@ -57,12 +74,23 @@ INKLING_TEXT = register_architecture(ArchitectureSpec(
     attention_classes=("InklingAttention",),
     recurrent_classes={"InklingShortConvolution": "short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
-    refuse=("InklingAttention " + _INKLING_BIAS + "Its log-scaled queries also use local positions. "
-            + _INKLING_CONVS.format("InklingShortConvolution: k_sconv, v_sconv, attn_sconv, mlp_sconv")),
+    relative_bias={"InklingAttention": RelativeBiasSite(module="rel_logits_proj", states=_inkling_states,
+                                                        log_scale=_inkling_log_scale)},
+    notes="short convs (k/v, around attention and MLP): conv halo; relative position bias rebuilt from global "
+          "positions inside the CP attention (Ulysses: eager with a dense bias; Ring: math block kernel)",
 ))
 
-_INKLING2_DYNAMIC = ("The full-attention layers' {} (k/v) computes per-token taps inline (unfold, no kernel "
-                     "call ringmaster could give the previous shard's halo), so it has no CP path either. ")
+# Inkling2 / Inkling2-loop: the relative bias is declared (the same mechanism), but three more pieces have no
+# CP path yet, so the families stay refused, each named in the reason.
+_INKLING2_MISSING = (
+    "ringmaster rebuilds its relative position bias ({bias}) from global positions, but three pieces of these "
+    "layers have no CP path yet: (1) per-token attention sinks (`sinks` [B, H, q, 1] from sink_proj, a logit per "
+    "query that the Ulysses all-to-all and the Ring merge would have to carry with the queries); (2) "
+    "{block} calls the attention interface for a per-token attention over layer depth (q [B, S, n, D]: the "
+    "sequence sits in the heads dim), which the CP attention function would treat as sequence attention over "
+    "another length and refuses; (3) the full-attention layers' {dynamic} (k/v) computes per-token taps inline "
+    "(unfold, no kernel call to give the previous shard's halo). The short convolutions ({convs}) are declared "
+    "as 'short_conv' and are exact under CP on their own. Use a CP size of 1 for this family")
 
 INKLING2_TEXT = register_architecture(ArchitectureSpec(
     name="inkling2_text",
@@ -70,9 +98,13 @@ INKLING2_TEXT = register_architecture(ArchitectureSpec(
     attention_classes=("Inkling2SlidingAttention", "Inkling2FullAttention"),
     recurrent_classes={"Inkling2ShortConvolution": "short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
-    refuse=("Inkling2SlidingAttention / Inkling2FullAttention (Inkling2RelativePositionBias) " + _INKLING_BIAS
-            + _INKLING2_DYNAMIC.format("Inkling2DynamicShortConvolution")
-            + _INKLING_CONVS.format("Inkling2ShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv")),
+    relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
+                   for c in ("Inkling2SlidingAttention", "Inkling2FullAttention")},
+    refuse=("Inkling2SlidingAttention / Inkling2FullAttention: " + _INKLING2_MISSING.format(
+        bias="Inkling2RelativePositionBias", block="Inkling2BlockAttentionResidual",
+        dynamic="Inkling2DynamicShortConvolution",
+        convs="Inkling2ShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the post-attention "
+              "/ post-MLP convolutions")),
 ))
 
 INKLING2_LOOP_TEXT = register_architecture(ArchitectureSpec(
@@ -81,8 +113,12 @@ INKLING2_LOOP_TEXT = register_architecture(ArchitectureSpec(
     attention_classes=("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
     recurrent_classes={"Inkling2LoopShortConvolution": "short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
-    refuse=("Inkling2LoopSlidingAttention / Inkling2LoopFullAttention (Inkling2LoopRelativePositionBias) "
-            + _INKLING_BIAS + _INKLING2_DYNAMIC.format("Inkling2LoopDynamicShortConvolution")
-            + _INKLING_CONVS.format("Inkling2LoopShortConvolution: the sliding layers' k_proj.sconv / "
-                                    "v_proj.sconv")),
+    relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
+                   for c in ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention")},
+    refuse=("Inkling2LoopSlidingAttention / Inkling2LoopFullAttention: " + _INKLING2_MISSING.format(
+        bias="Inkling2LoopRelativePositionBias",
+        block="Inkling2LoopBlockAttentionResidual (and Inkling2LoopMessageAttentionResidual)",
+        dynamic="Inkling2LoopDynamicShortConvolution",
+        convs="Inkling2LoopShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the "
+              "post-attention / post-MLP convolutions")),
 ))

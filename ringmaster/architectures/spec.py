@@ -101,6 +101,28 @@ class SelfAttentionSite:
 
 
 @dataclass(frozen=True)
+class RelativeBiasSite:
+    """An attention module that adds a per-query relative position bias to its scores (Inkling): the bias of
+    query ``q`` on key ``k`` is ``(states[q] @ proj)[q - k]`` for ``0 <= q - k < extent`` (row distances), zero
+    elsewhere, where ``states`` are per-token, per-head features of the query's hidden state.
+
+    The module builds that bias itself as a dense ``[B, H, q, kv]`` tensor from distances of the *local*
+    shard and passes it as ``position_bias``; under CP the bias module (the child at attribute ``module``)
+    instead returns ``states(bias_module, *args, **kwargs)`` ``[B, S/P, H, d]`` (its own computation of the
+    per-token features), and the CP attention builds the bias from global positions inside its kernel
+    (:mod:`ringmaster.attention.relbias`). ``proj`` / ``extent``: the bias module's ``[d, E]`` profile bank and
+    its extent. ``log_scale``: module -> ``(alpha, n_floor)`` when the module multiplies its queries and its
+    bias by ``1 + alpha * log(max((t + 1) / n_floor, 1))`` of the *local* token index ``t`` (Inkling's full
+    layers), else None: the CP call rescales both to the global index."""
+
+    module: str
+    states: Any
+    proj: str = "proj"
+    extent: str = "rel_extent"
+    log_scale: Any = None
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     """What ringmaster needs to know about one model family.
 
@@ -131,6 +153,9 @@ class ArchitectureSpec:
     # attention class -> SelfAttentionSite, for attention modules that compute attention themselves
     # (attention.selfattn re-binds each instance; the model's attn_implementation is left as it is)
     self_attention: dict = field(default_factory=dict)
+    # attention class -> RelativeBiasSite, for modules that pass a hidden-state-conditioned relative position
+    # bias to their attention call (attention.relbias re-binds each instance's bias module)
+    relative_bias: dict = field(default_factory=dict)
     notes: str = ""
     # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
     # feature and the fix) instead of wiring it, even when the generic path would accept the model

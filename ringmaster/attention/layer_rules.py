@@ -30,6 +30,10 @@ together and no collective is left waiting.
   that passes per-head ``alibi_slopes`` (:mod:`ringmaster.attention.selfattn`; the kernels add
   ``slope * (k_pos - q_pos)`` from global positions);
   a ``alibi`` / ``position_bias`` tensor reaching the CP function is refused.
+* **A hidden-state-conditioned relative position bias** (Inkling, declared per class as a
+  ``RelativeBiasSite``): its ``position_bias`` arrives as per-token states and becomes a
+  :class:`~ringmaster.attention.relbias.RelativeBias` the backends build from global positions; queries
+  and states log-scaled by the *local* index are rescaled to the global one (:mod:`.relbias`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from __future__ import annotations
 import torch
 
 from ..sharding import balancers
+from . import relbias
 
 # kwargs that carry a bias built for the local shard's scores: nothing here rebuilds them globally
-_REFUSED_BIAS_KWARGS = ("alibi", "position_bias")
+# (``position_bias`` of a declared relative-bias module is rebuilt: attention.relbias)
+_REFUSED_BIAS_KWARGS = ("alibi",)
 
 
 def _where(module) -> str:
@@ -99,6 +105,9 @@ def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
             f"{_where(module)}: {query.shape[2]} query tokens against {key.shape[2]} keys on this rank. ringmaster CP "
             "runs full-sequence self-attention training forwards: no KV cache (use_cache=False), no query slicing "
             "(logits_to_keep=0; gemma4 slices before its KV-shared layers otherwise), no cross-attention")
+    query, rel = relbias.take(module, query, cpb, kwargs, _where(module))
+    if rel is not None:
+        kwargs[relbias.KWARG] = rel
     for name in _REFUSED_BIAS_KWARGS:
         if isinstance(kwargs.get(name), torch.Tensor):
             raise NotImplementedError(

@@ -20,9 +20,10 @@ from .ring import hf as ring_hf
 
 
 def attention_name(backend: str, inner: str, serial: int | None = None) -> str:
-    """The name registered with transformers: no '/' (read as a hub repo), no 'flash' (HF
-    special-cases names containing it)."""
-    short = re.sub(r"[^0-9a-zA-Z]+", "_", inner).strip("_").replace("flash", "fa")
+    """The name registered with transformers: no '/' (read as a hub repo), no 'flash' and no 'sdpa'
+    (HF special-cases names containing them: a name with 'sdpa' runs the model's SDPA dispatch check,
+    which raises for a model without attention modules, e.g. a pure Mamba set through axolotl)."""
+    short = re.sub(r"[^0-9a-zA-Z]+", "_", inner).strip("_").replace("flash", "fa").replace("sdpa", "sdp")
     return f"ringmaster_{backend}_{short}" + (f"_{serial}" if serial is not None else "")
 
 

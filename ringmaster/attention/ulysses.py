@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..comm import all_to_all
 from . import flash_kernels
 from .binding import AttentionBinding
-from . import tiled
+from . import relbias, tiled
 from .flex import block_mask as flex_block_mask
 
 # kwargs that describe the local shard only: the inner kernel must not see them
@@ -133,10 +133,21 @@ def alibi_mask(cpb, causal: bool, window, slopes: torch.Tensor, q: torch.Tensor)
     return bias.masked_fill(~mask, torch.finfo(q.dtype).min)
 
 
+def relative_bias_mask(cpb, causal: bool, window, rel: relbias.RelativeBias, q: torch.Tensor) -> torch.Tensor:
+    """The eager kernel's additive mask with Inkling's relative bias (this rank's heads, the whole sequence:
+    the states came with the all-to-all) plus the batch's mask, ``[B, h, S, S]``: dense like the unwired
+    model's own ``[B, H, S, S]`` ``position_bias`` (this rank holds 1/P of its heads)."""
+    bias = rel.dense(torch.arange(q.shape[2], device=q.device)).to(q.dtype)
+    mask = cpb.dense_mask(causal, window, q.device, materialize=True)
+    return bias.masked_fill(~mask, torch.finfo(q.dtype).min)
+
+
 def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
     """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
     inner = binding.inner
-    if kwargs.get("alibi_slopes") is not None:  # bloom/mpt compute eager S x S attention themselves: so does CP
+    rel = kwargs.pop(relbias.KWARG, None)
+    if kwargs.get("alibi_slopes") is not None or rel is not None:
+        # bloom/mpt compute eager S x S attention themselves, Inkling's bias is an S x S tensor: so does CP
         inner = "eager"
     elif binding.inner_kernel is not None:
         return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
@@ -154,6 +165,8 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
         value = value.repeat_interleave(rep, dim=1)
     q, k, v = seq_to_head([query, key, value], group)
     hq, hk = q.shape[1], k.shape[1]
+    if rel is not None:  # per-query features: they travel with the queries
+        rel = relbias.RelativeBias(states=seq_to_head([rel.states], group)[0], proj=rel.proj)
 
     heads = slice(rank * hq, (rank + 1) * hq)
     overrides = {"num_key_value_groups": hq // hk}
@@ -172,6 +185,10 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     if alibi is not None:  # ALiBi slopes are per head: this rank's heads only
         out, _ = fn(_HeadSliceModule(module, overrides), q, k, v,
                     alibi_mask(cpb, causal, window, local_heads(alibi, rank, hq), q), **kwargs)
+        return head_to_seq(out, group), None
+    if rel is not None:
+        out, _ = fn(_HeadSliceModule(module, overrides), q, k, v, relative_bias_mask(cpb, causal, window, rel, q),
+                    **kwargs)
         return head_to_seq(out, group), None
     if inner == "sdpa" and tiled.needs_tiles(cpb, window):  # no S x S mask: one call per query tile
         out = tiled.tiled_attention(fn, _HeadSliceModule(module, overrides), q, k, v, cpb, causal, window, kwargs)

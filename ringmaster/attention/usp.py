@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .binding import AttentionBinding
+from .relbias import KWARG as REL_KWARG, RelativeBias
 from .ring.hf import check_call, module_sinks, ring_core
 from .ulysses import head_to_seq, kv_replication, seq_to_head
 
@@ -20,6 +21,9 @@ def usp_attention_hf(module, query, key, value, *, binding: AttentionBinding, cp
     if rep > 1:
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     q, k, v = seq_to_head([query, key, value], ug)
+    rel = kwargs.get(REL_KWARG)
+    if rel is not None:  # Inkling's per-query bias features travel with the queries
+        kwargs[REL_KWARG] = RelativeBias(states=seq_to_head([rel.states], ug)[0], proj=rel.proj)
     sinks = module_sinks(module, kwargs)
     if sinks is not None:
         sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]

@@ -5,5 +5,6 @@
 p2p hand-over). ``documents``: state and halo resets at document starts. ``conv``: the causal
 conv halo. ``intercept``: re-binding a layer instance's kernel names (in one place).
 ``context``: what a wired layer is bound to. ``wiring``: validate, wire, probe, restore.
-``naive``: float64 reference recurrences for the tests.
+``naive``: float64 reference recurrences for the tests. ``fla_mamba``: the Mamba/Mamba2 mixers axolotl
+backs with flash-linear-attention (``mamba_backend: fla``), wired through their FLA view.
 """

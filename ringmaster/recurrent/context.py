@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding.documents import BATCH_KWARG
-from .scan import STRATEGIES
+from .scan import KERNEL_STRATEGIES, STRATEGIES
 
 
 @dataclass
@@ -45,8 +45,9 @@ class LayerContext:
     probe: "Probe | None" = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.strategy not in ("auto", *STRATEGIES):
-            raise ValueError(f"{self.path}: recurrent strategy {self.strategy!r}: use 'auto' or one of {STRATEGIES}")
+        if self.strategy not in ("auto", *STRATEGIES, *KERNEL_STRATEGIES):
+            raise ValueError(f"{self.path}: recurrent strategy {self.strategy!r}: use 'auto' or one of "
+                             f"{STRATEGIES + KERNEL_STRATEGIES}")
 
     @property
     def size(self) -> int:

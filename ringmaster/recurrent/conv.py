@@ -7,7 +7,9 @@ tails of every chunk travel in one small all-gather (``P · chunks · (k-1)`` co
 to any attention layer); its backward (reduce-scatter) returns each halo's gradient to the
 rank whose inputs it was. The conv itself is the model's own kernel (``causal-conv1d`` on GPU
 when installed, the transformers torch fallback on CPU), run on ``[halo | chunk]`` with the
-first ``kernel_size - 1`` outputs dropped.
+first ``kernel_size - 1`` outputs dropped. With causal-conv1d, neither its ``initial_states`` nor its
+``seq_idx`` is needed (the halo is concatenated, document starts get zero gaps); verified on CPU against a
+stand-in of the package (tests/test_kernel_standins.py), not yet run on a GPU.
 """
 
 from __future__ import annotations

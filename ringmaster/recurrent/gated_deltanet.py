@@ -14,7 +14,14 @@ initial state ``[0 | I]`` returns
 
 so ``scan`` needs no second kernel call: ``y_t = y0_t + S_inᵀ w_t`` once the prefix ``S_in``
 is known (all-gathered maps, composed in fp32). ``sequential`` runs the kernel with
-``initial_state=S_in`` and passes the final state on.
+``initial_state=S_in`` and passes the final state on. ``fla_cp`` (opt-in) hands the state passing to
+flash-linear-attention's own context parallelism (:mod:`ringmaster.recurrent.fla_cp`; GPU only, not yet
+run on a GPU).
+
+With flash-linear-attention / causal-conv1d installed transformers resolves the kernel names to their
+functions (``chunk_gated_delta_rule``, ``causal_conv1d_fn``); the same code calls them (FLA's final state is
+fp32, its ``cu_seqlens`` is not used: packed rows keep the document cutting below). Verified on CPU against
+the stand-in packages (tests/test_kernel_standins.py), not yet run on a GPU.
 
 Packed or padded rows: conv taps and the recurrence never cross a document start (global
 document ids from the ``ringmaster_batch`` kwarg; :class:`~ringmaster.recurrent.documents.
@@ -30,9 +37,11 @@ import torch
 
 import torch.distributed as dist
 
+from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
-from .documents import local_documents, with_documents
+from .documents import global_documents, local_documents, with_documents
+from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
 from .intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
@@ -117,6 +126,9 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     if initial_state is not None or output_final_state:
         raise RuntimeError(f"{ctx.path}: a cache (initial/final recurrent state) is not supported under CP or "
                            "with packed rows; run the model with use_cache=False")
+    if strategy == FLA_CP and size > 1:
+        docs = global_documents(batch, ctx.path, size, query.shape[0], query.shape[1])
+        return fla_cp_rule(kernel, ctx.path, group, layout, docs, query, key, value, g, beta, kwargs), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
@@ -132,6 +144,12 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
     the kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
     names = {**KERNELS, **OPTIONAL, **(names or {})}
     namespace = inspect.unwrap(type(module).forward).__globals__
+    if ctx.strategy == FLA_CP:
+        reason = unavailable_reason(namespace.get(names["scan"]))
+        if reason is not None:
+            raise UnsupportedLayerError(f"layer {ctx.path!r}: recurrent='fla_cp' (flash-linear-attention's own "
+                                        f"context parallelism) is unavailable: {reason}; use recurrent='scan' or "
+                                        "'sequential'")
 
     def rule(*args, **kwargs):
         return cp_chunk_gated_delta_rule(namespace[names["scan"]], ctx, *args, **kwargs)
@@ -146,4 +164,5 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
 
 
 KIND = RecurrentKind(name="gated_deltanet", kernels=KERNELS, optional=OPTIONAL, wire=wire_gated_deltanet_layer,
+                     strategies=(FLA_CP,),
                      description="gated DeltaNet: causal conv1d + chunked gated delta rule (d_k x d_k transition)")

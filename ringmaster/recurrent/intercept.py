@@ -124,3 +124,32 @@ def rebind_attributes(owner, path: str, replacements: dict[str, Callable]) -> Ca
             owner.__dict__.pop(name, None)
 
     return restore
+
+
+def rebind_function(fn: Callable, replacements: dict[str, Callable]) -> Callable:
+    """A copy of ``fn`` (a plain function, or a ``functools.wraps`` chain around one) whose module-global
+    names resolve to ``replacements`` first, then to ``fn``'s own namespace (looked up per call). For a
+    function another tool already re-bound per instance (axolotl's FLA Mamba view clones
+    flash-linear-attention's ``cuda_kernels_forward`` with the hub kernels as globals): the copy keeps
+    that tool's bindings for every name not replaced. Nothing shared is touched."""
+    return _rebuild_chain(fn, _Overlay(inspect.unwrap(fn).__globals__, replacements))
+
+
+def compose_attributes(owner, path: str, replacements: dict[str, Callable]) -> Callable[[], None]:
+    """Set instance attributes on ``owner`` *over* those another tool installed on this instance (its
+    re-bound methods, its kernels): unlike :func:`rebind_attributes` an existing instance attribute is
+    expected here, and the caller's replacement composes with it (it was read before this call).
+    Returns the undo, which puts back exactly what the instance held (or removes what it did not)."""
+    missing = object()
+    before = {name: owner.__dict__.get(name, missing) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
+
+    def restore() -> None:
+        for name, value in before.items():
+            if value is missing:
+                owner.__dict__.pop(name, None)
+            else:
+                owner.__dict__[name] = value
+
+    return restore

@@ -13,7 +13,11 @@ The layers call ``causal_conv1d_fn`` and ``chunk_kimi_delta_attention`` (flash-l
 ``(q, k, v, g=, beta=, initial_state=, output_final_state=, use_qk_l2norm_in_kernel=)``, so the
 segment, the conv halo, the document resets and the wiring are gated DeltaNet's
 (:mod:`ringmaster.recurrent.gated_deltanet`); this module names KDA's kernels. Cached decoding
-(``causal_conv1d_update``, ``recurrent_kimi_delta_attention``) runs at CP size 1 only.
+(``causal_conv1d_update``, ``recurrent_kimi_delta_attention``) runs at CP size 1 only. With
+flash-linear-attention installed, transformers resolves ``chunk_kimi_delta_attention`` to FLA's ``chunk_kda``
+(which asserts an fp32 ``initial_state``: the maps' ``[0 | I]`` start and the passed state are fp32, fp64
+for a float64 model); verified on CPU against the stand-in packages, not yet run on a GPU. ``recurrent=
+"fla_cp"`` hands the state passing to FLA's own context parallelism (:mod:`ringmaster.recurrent.fla_cp`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .context import LayerContext
+from .fla_cp import STRATEGY as FLA_CP
 from .gated_deltanet import wire_gated_deltanet_layer
 from .kind import RecurrentKind
 
@@ -34,6 +39,6 @@ def wire_kda_layer(module, ctx: LayerContext, names: dict | None = None) -> Call
     return wire_gated_deltanet_layer(module, ctx, {**KERNELS, **OPTIONAL, **(names or {})})
 
 
-KIND = RecurrentKind(name="kda", kernels=KERNELS, optional=OPTIONAL, wire=wire_kda_layer,
+KIND = RecurrentKind(name="kda", kernels=KERNELS, optional=OPTIONAL, wire=wire_kda_layer, strategies=(FLA_CP,),
                      description="Kimi Delta Attention: causal conv1d + chunked per-channel gated delta rule "
                                  "(d_k x d_k transition)")

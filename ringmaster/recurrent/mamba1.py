@@ -28,8 +28,14 @@ mamba-ssm's ``selective_scan_fn`` takes an initial state (its API has ``return_l
 so the incoming state enters through the closed-form correction, computed in tiles of
 :data:`TILE` tokens that are recomputed in backward (:func:`decayed_readout`): the decays
 ``[b, d_inner, l, d_state]`` (the size of the torch fallback's own ``discrete_A``) never live at once.
-With mamba-ssm / causal-conv1d installed the same code calls them (the conv through its halo, no
-``initial_states`` needed): import-guarded by transformers, not yet run on a GPU.
+The chunk's own end state ``b`` is computed the same way (:func:`decayed_state`), not taken from the
+kernel's ``return_last_state``: mamba-ssm returns that last state from an autograd Function whose
+backward *ignores its gradient*, so a map built from it would silently cut every earlier shard's
+gradient through the carried state (the torch fallback keeps it, which is why only the real package, or
+its CPU stand-in ``ringmaster.testing.kernel_standin``, shows the difference). With mamba-ssm /
+causal-conv1d installed the same code calls them (the conv through its halo, no ``initial_states``
+needed): verified on CPU against the stand-in packages (tests/test_kernel_standins.py), not yet run on
+a GPU.
 
 Packed or padded rows (the ``ringmaster_batch`` kwarg carries global document ids): the conv
 masks every tap that crosses a document start and each chunk is cut at its document starts
@@ -82,6 +88,31 @@ def decayed_readout(cum_dt, A, state, C, tile: int = TILE):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def _decayed_state(rev_dt, A, x, B):
+    """``Σ_t exp(rev_dt_t A) ⊙ x_t B_t`` for one tile: ``rev_dt, x [b, d, T]``, ``A [d, n]``, ``B [b, n, T]``
+    -> ``[b, d, n]``."""
+    return torch.einsum("bdtn,bdt,bnt->bdn", torch.exp(rev_dt[..., None] * A[:, None, :]), x, B)
+
+
+def decayed_state(dt, A, u, B, tile: int = TILE):
+    """A chunk's end state from a zero start, ``S_end = Σ_t exp(Σ_{s>t} dt_s A) ⊙ (dt_t u_t) B_t``
+    (``dt, u [b, d, l]``, ``A [d, n]``, ``B [b, n, l]``), in tiles of ``tile`` tokens recomputed in backward,
+    with its full gradient (mamba-ssm's ``return_last_state`` has none). The suffix sums of ``dt`` are
+    summed directly (no difference of prefix sums), so the decays stay products, never quotients."""
+    rev = torch.flip(torch.cumsum(torch.flip(dt, [-1]), -1), [-1]) - dt        # Σ_{s>t} dt_s, >= 0
+    x = dt * u
+    l = dt.shape[-1]
+    total = None
+    for a in range(0, l, tile):
+        args = (rev[..., a:a + tile], A, x[..., a:a + tile], B[..., a:a + tile])
+        if l > tile and torch.is_grad_enabled() and any(t.requires_grad for t in args):
+            part = checkpoint(_decayed_state, *args, use_reentrant=False)
+        else:
+            part = _decayed_state(*args)
+        total = part if total is None else total + part
+    return total
+
+
 class Mamba1Segment:
     """One chunk of a ``selective_scan_fn`` call: ``u, delta, z [b, d, l]``, ``A [d, n]``,
     ``B, C [b, n, l]``; the token dim is the last one (``seq_dim``: outputs ``[b, d, l]``)."""
@@ -95,9 +126,10 @@ class Mamba1Segment:
         self.kwargs = dict(kwargs or {})
 
     def _call(self):
-        """The model's kernel on this chunk from a zero state, ungated: ``(y0 = scan + D·u, final state)``."""
+        """The model's kernel on this chunk from a zero state, ungated: ``y0 = scan + D·u`` (its last state is
+        not asked for: see the module docstring)."""
         return self.kernel(self.u, self.delta, self.A, self.B, self.C, D=self.D, z=None, delta_bias=self.delta_bias,
-                           delta_softplus=self.delta_softplus, return_last_state=True, **self.kwargs)
+                           delta_softplus=self.delta_softplus, return_last_state=False, **self.kwargs)
 
     def _gate(self, y):
         return y if self.z is None else y * F.silu(self.z)
@@ -107,13 +139,16 @@ class Mamba1Segment:
         return (b, d, self.A.shape[-1]), state_dtype(self.u, self.delta), self.u.device
 
     def local_map(self):
-        y0, final = self._call()
+        y0 = self._call()
+        y0 = y0[0] if isinstance(y0, tuple) else y0
         dtype = self.state_meta()[1]
         dt = mamba1_dt(hi(self.delta).to(dtype), None if self.delta_bias is None else hi(self.delta_bias).to(dtype),
                        self.delta_softplus)                                  # [b, d, l]
+        A = hi(self.A).to(dtype)
         cum_dt = torch.cumsum(dt, dim=-1)                                    # [b, d, l]: exp(cum_dt * A) <= 1
-        decay = torch.exp(cum_dt[..., -1, None] * hi(self.A).to(dtype))     # [b, d, n]
-        packed = torch.cat([hi(final).to(dtype), decay], dim=-1)            # [b, d, 2n]
+        decay = torch.exp(cum_dt[..., -1, None] * A)                         # [b, d, n]
+        final = decayed_state(dt, A, hi(self.u).to(dtype), hi(self.B).to(dtype))
+        packed = torch.cat([final, decay], dim=-1)                           # [b, d, 2n]
         return packed, (y0, cum_dt)
 
     def combine(self, state, packed):
@@ -132,11 +167,8 @@ class Mamba1Segment:
         return self._gate(y0 + corr.to(y0.dtype))
 
     def run(self, state_in):
-        if state_in is None:
-            y0, final = self._call()
-            return self._gate(y0), final
         packed, aux = self.local_map()
-        return self.finish(aux, state_in), self.combine(hi(state_in), packed)
+        return self.finish(aux, state_in), self.combine(None if state_in is None else hi(state_in), packed)
 
     def sub(self, rows, start, stop):
         """The same scan over batch ``rows`` (None: all) and tokens ``[start, stop)``."""

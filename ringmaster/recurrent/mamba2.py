@@ -13,6 +13,11 @@ forward in which those names resolve to CP-aware versions (nothing global is pat
   correction ``y_t += exp(Σ_{s<=t} A·dt_s) · C_t · S_in``; ``sequential`` reruns the kernel
   with ``initial_states=S_in``. Both in fp32, decays multiplied, never divided.
 
+With mamba-ssm / causal-conv1d installed transformers resolves the names to ``mamba_chunk_scan_combined``
+and ``causal_conv1d_fn``; the same calls reach them (``initial_states`` / ``return_final_states`` as the
+real API takes them; their ``seq_idx`` is not used: packed rows keep the document cutting below).
+Verified on CPU against stand-ins of those packages (tests/test_kernel_standins.py), not yet run on a GPU.
+
 Packed or padded rows (the ``ringmaster_batch`` kwarg carries global document ids): the conv
 masks every tap that crosses a document start and each shard chunk is cut at its document
 starts (:class:`~ringmaster.recurrent.documents.DocumentSegment`: a chunk with a start

@@ -41,6 +41,8 @@ from ..comm import all_gather, timed_comm
 from ..sharding import balancers
 
 STRATEGIES = ("scan", "sequential")
+# opt-in strategies a kind may offer (``RecurrentKind.strategies``), refused at wire by the others
+KERNEL_STRATEGIES = ("fla_cp",)
 
 
 class Segment(Protocol):

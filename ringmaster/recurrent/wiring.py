@@ -15,8 +15,10 @@ from ..errors import UnsupportedLayerError
 from ..runtime import active
 from ..sharding.documents import BATCH_KWARG
 from .context import LayerContext, Probe
+from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
 from .intercept import interceptable
-from .registry import get_kind
+from .registry import get_kind, known_kinds
+from .scan import KERNEL_STRATEGIES
 
 
 def _spec_of(model):
@@ -52,7 +54,10 @@ def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None 
     if layers is None:
         layers = classify_layers(model, spec).recurrent
     for path, module, kind in layers:
-        interceptable(module, path, list(_required(spec, kind).values()))
+        if fla_view(module) is not None:   # axolotl's mamba_backend: fla (recurrent/fla_mamba.py)
+            check_fla_mixer(module, path, kind)
+        else:
+            interceptable(module, path, list(_required(spec, kind).values()))
     return list(layers)
 
 
@@ -104,9 +109,15 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     contexts = []
     try:
         for path, module, kind in layers:
+            if strategy in KERNEL_STRATEGIES and strategy not in get_kind(kind).strategies:
+                raise UnsupportedLayerError(
+                    f"layer {path!r} (kind {kind!r}) does not offer recurrent={strategy!r}; only kinds "
+                    f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
+                    "or 'sequential'")
             ctx = LayerContext(path, group, strategy)
             contexts.append(ctx)
-            wiring._restores.append(get_kind(kind).wire(module, ctx, kernel_names(spec, kind)))
+            wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
+            wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))
             wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx, always=False))
             wiring._restores.append(_batch_hook(model, ctx))
             wiring.layers.append(path)

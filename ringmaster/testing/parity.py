@@ -394,7 +394,8 @@ def per_document_forward(model, batch):
 
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
             attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", prepare=None,
-            batch=None, reference_forward=None, build=None, fp64: bool = False, **overrides) -> dict[str, Any]:
+            batch=None, reference_forward=None, build=None, fp64: bool = False, reference=None,
+            **overrides) -> dict[str, Any]:
     """Run the reference and the CP model on this rank; return errors and what CP cost.
 
     ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
@@ -407,6 +408,9 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     The result has every parameter's error (``grad_errs``, each against its own norm, see
     :func:`group_mean_grad_errors`) and the whole gradient's (``grad_err_total``: all parameters
     concatenated, same relative max-norm).
+    ``reference=(model, output)``: a reference already run forward and backward on ``batch`` (the same
+    built model, gradients populated), reused instead of running it again (the zoo scores four CP
+    cases against one reference).
     ``fp64=True``: the model is built in float64 (``dtype=torch.float64`` to ``build``) and the
     reference and the CP model both run under :func:`keep_fp64`, so the per-parameter errors
     measure CP, not fp32 cancellation.
@@ -414,22 +418,27 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     if fp64:
         with keep_fp64():
             return compare(model_type, cfg, seq_len, batch_size, device_mesh, attn_implementation, seed, via,
-                           prepare, batch, reference_forward, build, dtype=torch.float64, **overrides)
+                           prepare, batch, reference_forward, build, reference=reference, dtype=torch.float64,
+                           **overrides)
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
 
     model = (build or tiny_model)(model_type, attn_implementation, seed, **overrides)
     if prepare is not None:
         prepare(model)
-    reference = copy.deepcopy(model)
     if callable(batch):
         batch = batch(model)
     if batch is None:
         batch = tiny_batch(model.config.vocab_size, seq_len, batch_size, seed=seed + 1)
-
-    with rm.profile_memory() as ref_mem:
-        ref_out = (reference_forward or _plain_forward)(reference, batch)
-        ref_out.loss.backward()
+    ref_saved = None
+    if reference is not None:
+        reference, ref_out = reference
+    else:
+        reference = copy.deepcopy(model)
+        with rm.profile_memory() as ref_mem:
+            ref_out = (reference_forward or _plain_forward)(reference, batch)
+            ref_out.loss.backward()
+        ref_saved = ref_mem.peak_saved_bytes
 
     runtime = rm.wire(model, cfg, device_mesh=device_mesh)
     group = runtime.cp_group
@@ -481,7 +490,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "bytes_bwd": comms.total_bytes(phase="backward"),
         "a2a_bytes": comms.total_bytes("all_to_all"),
         "saved_bytes": mem.peak_saved_bytes,
-        "ref_saved_bytes": ref_mem.peak_saved_bytes,
+        "ref_saved_bytes": ref_saved,
         "peak_rss": mem.peak_rss_bytes,
     }
 

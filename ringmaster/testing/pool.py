@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -47,7 +48,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo") -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo",
+            sys_path: tuple = ()) -> None:
+    # before anything imports transformers' modeling modules (their kernels resolve once, at import)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -68,15 +72,19 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
 
 
 class LocalPool:
-    def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo"):
+    def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo",
+                 sys_path: tuple = ()):
         """``backend``: what every rank passes to ``init_process_group`` (``"cuda:gloo"`` builds a CUDA-only
-        group on CPU, the stand-in for NCCL in tests/test_devices.py)."""
+        group on CPU, the stand-in for NCCL in tests/test_devices.py). ``sys_path``: folders each worker puts
+        first on its ``sys.path`` before it runs anything (the kernel stand-in packages,
+        :data:`ringmaster.testing.kernel_standin.SITE`); the parent process is left alone."""
         self.world, self.timeout, self.grace = world, timeout, grace
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend), daemon=True)
+        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend,
+                                                                    tuple(sys_path)), daemon=True)
                        for r in range(world)]
         for p in self._procs:
             p.start()

@@ -194,8 +194,9 @@ def zoo_batch(vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
     return tiny_batch(vocab, seq_len, seed=1)
 
 
-def reference_step(model, batch) -> None:
-    """One forward+backward without CP: a family whose tiny model fails here is not scored."""
+def reference_step(model, batch):
+    """One forward+backward without CP: a family whose tiny model fails here is not scored. Returns
+    ``(model, output)``, the reference every CP case of the family is compared with."""
     from .parity import keep_fp64
 
     with keep_fp64():
@@ -203,6 +204,7 @@ def reference_step(model, batch) -> None:
         if out.loss is None or not torch.isfinite(out.loss):
             raise RuntimeError(f"loss is {out.loss}")
         out.loss.backward()
+    return model, out
 
 
 def _ringmaster_frame(tb) -> bool:
@@ -235,8 +237,9 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
     return "crash", f"{type(exc).__name__}: {short(msg, 200)}{where}"
 
 
-def parity_case(ctx, model_type: str, base, batch, backend: str, P: int) -> dict[str, Any]:
-    """One CP parity run of the prebuilt ``base`` model; never raises (the verdict says what happened)."""
+def parity_case(ctx, model_type: str, base, batch, backend: str, P: int, reference=None) -> dict[str, Any]:
+    """One CP parity run of the prebuilt ``base`` model; never raises (the verdict says what happened).
+    ``reference``: :func:`reference_step`'s result for ``base`` and ``batch`` (else computed here)."""
     import ringmaster as rm
 
     from .parity import compare
@@ -244,7 +247,7 @@ def parity_case(ctx, model_type: str, base, batch, backend: str, P: int) -> dict
     cfg = rm.RingmasterConfig(size=P, backend=backend)
     try:
         r = compare(model_type, cfg, device_mesh=ctx.mesh(P), batch=batch, fp64=True,
-                    build=lambda *a, **k: copy.deepcopy(base))
+                    build=lambda *a, **k: copy.deepcopy(base), reference=reference)
     except Exception as e:  # noqa: BLE001 - every outcome is recorded, none escapes
         verdict, reason = classify_error(e)
         try:
@@ -277,7 +280,7 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
             config = (configs or {}).get(model_type) or tiny_config(model_type)
             base = build_tiny(model_type, config)
             batch = zoo_batch(base.config.get_text_config().vocab_size, seq_len)
-            reference_step(copy.deepcopy(base), batch)
+            reference = reference_step(copy.deepcopy(base), batch)
         except Exception as e:  # noqa: BLE001 - a family whose tiny model does not run is listed, not scored
             row.update(status="excluded", reason=f"tiny model does not run without CP: {type(e).__name__}: "
                                                  f"{short(str(e), 160)}")
@@ -289,7 +292,7 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
         for backend, P in cases:
             if P > ctx.world:
                 continue
-            row[f"{backend}{P}"] = parity_case(ctx, model_type, base, batch, backend, P)
+            row[f"{backend}{P}"] = parity_case(ctx, model_type, base, batch, backend, P, reference)
         out[model_type] = row
     return out
 

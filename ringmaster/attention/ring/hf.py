@@ -8,8 +8,12 @@ import torch.distributed as dist
 from ...config import RingImpl
 from ...sharding import balancers
 from ..binding import AttentionBinding
+from ..relbias import KWARG as REL_KWARG
 from . import distflash
 from .loop import RingPlan, ring_attention
+from .math_kernel import MathKernel
+
+_MATH = MathKernel()
 
 
 def module_sinks(module, kwargs):
@@ -48,6 +52,14 @@ def check_call(binding: AttentionBinding, module, query, value, kwargs) -> None:
                 "use ring_impl='math' (or 'aten' on CPU), load_balance='head_tail' or 'none', or backend='ulysses'")
         if alibi.shape != (query.shape[1],):
             raise ValueError(f"{where}: {tuple(alibi.shape)} ALiBi slopes for {query.shape[1]} query heads")
+    if kwargs.get(REL_KWARG) is not None:
+        from_kernel = getattr(binding.ring_kernel, "name", None)
+        if binding.schedule == "distflash" or softcap or from_kernel not in (RingImpl.MATH, RingImpl.ATEN):
+            raise NotImplementedError(
+                f"{where}: the relative position bias (Inkling) runs inside the ring's math block kernel (it returns "
+                f"the bias's gradient; got ring_impl={from_kernel}, schedule={binding.schedule}, softcap={softcap}); "
+                "use ring_impl='math' or 'aten' (its relative-bias blocks run in the math kernel), load_balance="
+                "'head_tail' or 'none', or backend='ulysses'")
 
 
 def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
@@ -60,12 +72,17 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
                                        chunk=query.shape[2], docs=cpb.docs_on(query.device))
         return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
                                              scale=kwargs.get("scaling"), sinks=sinks)
+    rel = kwargs.get(REL_KWARG)
+    kernel = binding.ring_kernel
+    if rel is not None:  # the bias and its gradient are built inside the math kernel's block tiles
+        kernel = _MATH
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
                     alibi=kwargs.get("alibi_slopes"))
-    return ring_attention(query, key, value, group, plan, binding.ring_kernel, rotate=binding.rotate,
-                          scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"))
+    return ring_attention(query, key, value, group, plan, kernel, rotate=binding.rotate,
+                          scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"),
+                          rel=None if rel is None else rel.logits())
 
 
 def ring_attention_hf(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):

@@ -2,7 +2,9 @@
 
 Rotation ``alltoall`` ("p2p"): K/V blocks travel around the ring with isend/irecv; the next
 block is in flight while the current one computes. Backward walks the same ring with dK/dV
-accumulators travelling beside the blocks, so no rank ever holds more than two K/V blocks.
+partial sums travelling beside the blocks, so no rank ever holds more than two K/V blocks; both
+hops are waited for only after the block's compute (:func:`_p2p_backward`), so a link latency up
+to one block's compute is hidden (benchmarks/overlap.py measures it with injected latency).
 Rotation ``allgather``: K/V are gathered once (O(S) resident); backward reduce-scatters dK/dV.
 
 Blocks are planned per chunk pair from global positions (the layout's chunks), so causal,
@@ -80,8 +82,9 @@ def _docs_disjoint(plan: RingPlan, a: int, b: int) -> bool:
     return bool(((dk.max(-1).values < dq.min(-1).values) | (dk.min(-1).values > dq.max(-1).values)).all())
 
 
-def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, BlockMask]]:
-    """(query chunk index, key chunk index, mask) for this rank's queries vs ``src``'s block."""
+def block_pairs(plan: RingPlan, src: int, device, rel: torch.Tensor | None = None) -> list[tuple[int, int, BlockMask]]:
+    """(query chunk index, key chunk index, mask) for this rank's queries vs ``src``'s block. ``rel``: this
+    rank's query rows' relative-bias profiles ``[B, H, S/P, E]`` (Inkling), cut per query chunk."""
     c = plan.chunk
     pairs = []
     for qi, a in enumerate(plan.chunks(plan.rank)):
@@ -94,6 +97,8 @@ def block_pairs(plan: RingPlan, src: int, device) -> list[tuple[int, int, BlockM
                 if _docs_disjoint(plan, a, b):
                     continue
                 docs = dict(q_docs=plan.docs[:, a * c:(a + 1) * c], k_docs=plan.docs[:, b * c:(b + 1) * c])
+            if rel is not None:
+                docs.update(rel_logits=rel[..., qi * c:(qi + 1) * c, :], rel_offset=(a - b) * c)
             pairs.append((qi, kj, BlockMask(c, c, lo=band[0], hi=band[1], alibi_slopes=plan.alibi,
                                             alibi_offset=(b - a) * c, **docs)))
     return pairs
@@ -144,24 +149,78 @@ class _Ring:
         return recv
 
 
-def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap):
+def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap, rel=None):
     c = plan.chunk
     k, v = lay.k(kv), lay.v(kv)
-    for qi, kj, mask in block_pairs(plan, src, q.device):
+    for qi, kj, mask in block_pairs(plan, src, q.device, rel):
         o, lse = kernel.forward(_sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c), scale, mask, softcap=softcap)
         acc[qi] = merge(*(acc[qi] or (None, None)), o, lse)
 
 
-def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv, lay: _KV, softcap):
+def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv, lay: _KV, softcap, rel=None,
+                    drel=None):
+    _backward_pairs(kernel, plan, q, kv, block_pairs(plan, src, q.device, rel), scale, dout, out, lse, dq, dkv, lay,
+                    softcap, drel)
+
+
+def _own_split(pairs):
+    """The own block's pairs as (early, late): the off-diagonal pairs first, the diagonal ones last.
+
+    The own block needs no communication, so the p2p backward splits it to cover both ends of the
+    ring: ``early`` runs while the first K/V hop is in flight, ``late`` while the last dK/dV hop brings
+    this rank's own dK/dV home. head_tail's own block is one full off-diagonal pair and two causal
+    diagonals, about half the work each way; a contiguous shard's single diagonal pair all runs late
+    (the first K/V hop is then not covered)."""
+    early = [p for p in pairs if p[0] != p[1]]
+    late = [p for p in pairs if p[0] == p[1]]
+    return early, late
+
+
+def _backward_pairs(kernel, plan, q, kv, pairs, scale, dout, out, lse, dq, dkv, lay: _KV, softcap, drel=None):
     c = plan.chunk
     k, v, dk, dv = lay.k(kv), lay.v(kv), lay.k(dkv), lay.v(dkv)
-    for qi, kj, mask in block_pairs(plan, src, q.device):
-        dq_i, dk_j, dv_j = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c),
-                                           _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask,
-                                           softcap=softcap)
+    for qi, kj, mask in pairs:
+        dq_i, dk_j, dv_j, *drel_i = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c),
+                                                    _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask,
+                                                    softcap=softcap)
+        if drel is not None:  # the relative bias's share of this block (the kernel returns it with rel_logits)
+            _sl(drel, qi, c).add_(drel_i[0].to(drel.dtype))
         _sl(dq, qi, c).add_(dq_i.to(dq.dtype))
         _sl(dk, kj, c).add_(dk_j.to(dkv.dtype))
         _sl(dv, kj, c).add_(dv_j.to(dkv.dtype))
+
+
+def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _KV, softcap, rel=None, drel=None):
+    """The p2p ring backward with every hop in flight behind a block's compute; returns this rank's dK|dV.
+
+    Step ``s`` (1..P-1) holds the K/V block of rank ``r - s``: its K/V hop to ``r + 1`` starts before the
+    block's compute, and the block's dK/dV go into a fresh buffer. The partial sum for that block, sent
+    by rank ``r - 1`` at the end of its step ``s - 1``, is only waited for *after* the compute, added, and
+    sent on asynchronously (channel 1): so neither hop is waited for while there is compute to do. The
+    partial sum starts at the first rank after the owner (the owner's own share stays home), so a block's
+    dK/dV make P-1 hops, the last one into its owner, hidden behind the owner's ``late`` pairs
+    (:func:`_own_split`). Resident: two K/V blocks and four fp32 dK/dV buffers (home, the one computed,
+    the one received, the one being sent)."""
+    P, acc = plan.size, dq.dtype
+    home = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    early, late = _own_split(block_pairs(plan, plan.rank, q.device, rel))
+    ring = _Ring(group) if P > 1 else None
+    pending_kv = ring.start(kv, "backward", "ring_kv") if ring else None
+    _backward_pairs(kernel, plan, q, kv, early, scale, dout, out, lse, dq, home, lay, softcap, drel)
+    pending_dkv = None
+    for step in range(1, P):
+        cur = ring.wait(pending_kv)
+        pending_kv = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
+        part = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, part, lay,
+                        softcap, rel, drel)
+        if pending_dkv is not None:  # the earlier ranks' share of this block, sent during our compute
+            part.add_(ring.wait(pending_dkv))
+        pending_dkv = ring.start(part, "backward", "ring_dkv", channel=1)
+    _backward_pairs(kernel, plan, q, kv, late, scale, dout, out, lse, dq, home, lay, softcap, drel)
+    if pending_dkv is not None:  # every other rank's share of our own block
+        home.add_(ring.wait(pending_dkv))
+    return home
 
 
 def _finish(acc, q, sinks, dv: int):
@@ -180,7 +239,7 @@ def _finish(acc, q, sinks, dv: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: RingPlan, group, kernel, rotate: str, scale: float, softcap):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan, group, kernel, rotate: str, scale: float, softcap, rel=None):
         P = plan.size
         lay = _KV(k.shape[-1], v.shape[-1])
         kv = lay.pack(k, v)
@@ -188,17 +247,19 @@ class RingAttention(torch.autograd.Function):
         if rotate == "allgather":
             kv_all = _all_gather(kv, group, "forward", "ring_kv")
             for src in range(P):
-                _forward_block(kernel, plan, q, kv_all[src], src, scale, acc, lay, softcap)
+                _forward_block(kernel, plan, q, kv_all[src], src, scale, acc, lay, softcap, rel)
         else:
             ring, cur, kv_all = _Ring(group), kv, None
             for step in range(P):
                 pending = ring.start(cur, "forward", "ring_kv") if step < P - 1 else None
-                _forward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, acc, lay, softcap)
+                _forward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, acc, lay, softcap, rel)
                 if pending is not None:
                     cur = ring.wait(pending)
         out, lse = _finish(acc, q, sinks, v.shape[-1])
-        saved = [q, k, v, out, lse] + ([sinks] if sinks is not None else []) + ([kv_all] if kv_all is not None else [])
+        saved = [q, k, v, out, lse] + ([sinks] if sinks is not None else []) + ([rel] if rel is not None else []) \
+            + ([kv_all] if kv_all is not None else [])
         ctx.save_for_backward(*saved)
+        ctx.has_rel = rel is not None
         ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.rotate, ctx.scale = (
             sinks is not None, plan, group, kernel, rotate, scale)
         ctx.lay, ctx.softcap = lay, softcap
@@ -208,49 +269,45 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         sinks = rest.pop(0) if ctx.has_sinks else None
+        rel = rest.pop(0) if ctx.has_rel else None
         plan, group, kernel, scale, lay, softcap = ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.lay, ctx.softcap
         P = plan.size
         acc = acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        drel = None if rel is None else torch.zeros(rel.shape, dtype=acc, device=q.device)
         if ctx.rotate == "allgather":
             kv_all = rest[0]
             dkv_all = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
             for src in range(P):
                 _backward_block(kernel, plan, q, kv_all[src], src, scale, dout, out, lse, dq, dkv_all[src], lay,
-                                softcap)
+                                softcap, rel, drel)
             dkv = _reduce_scatter(dkv_all, group, "backward", "ring_dkv")
         else:
-            ring = _Ring(group)
-            cur = lay.pack(k, v)
-            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
-            for step in range(P):
-                pending = ring.start(cur, "backward", "ring_kv") if step < P - 1 else None
-                _backward_block(kernel, plan, q, cur, (plan.rank - step) % P, scale, dout, out, lse, dq, dkv, lay,
-                                softcap)
-                # the accumulated dK/dV travel with their block; after P hops they are home
-                dkv = ring.wait(ring.start(dkv, "backward", "ring_dkv", channel=1))
-                if pending is not None:
-                    cur = ring.wait(pending)
+            dkv = _p2p_backward(kernel, plan, group, q, lay.pack(k, v), scale, dout, out, lse, dq, lay, softcap, rel,
+                                drel)
         dsinks = None
         if sinks is not None:
             delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
             p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
             dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
         return (dq.to(q.dtype), lay.k(dkv).to(k.dtype), lay.v(dkv).to(v.dtype), dsinks,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None if rel is None else drel.to(rel.dtype))
 
 
 def ring_attention(q, k, v, group, plan: RingPlan, kernel, rotate: str = "alltoall", scale: float | None = None,
-                   sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, softcap: float | None = None,
+                   rel: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sharded sequence.
 
     q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` in the layout of ``plan``; returns
     ``[B, Hq, S/P, D_v]``. ``sinks`` (``[Hq]``) adds gpt-oss style attention sinks; ``softcap`` caps
     every score at ``softcap * tanh(s / softcap)`` (Gemma-2). v's head dim may be narrower than
-    q/k's (MLA). A kernel that cannot run the call refuses here, before any collective.
+    q/k's (MLA). ``rel`` (``[B, Hq, S/P, E]``, this rank's query rows) adds Inkling's relative position bias
+    ``rel[.., i, q_pos - k_pos]`` for distances in ``[0, E)``, inside each block (the kernel must return its
+    gradient: the math kernel). A kernel that cannot run the call refuses here, before any collective.
     """
     if rotate not in ("alltoall", "allgather"):
         raise ValueError(f"rotate={rotate!r}: use 'alltoall' (p2p) or 'allgather'")
     kernel.check(q, v, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, sinks, plan, group, kernel, rotate, scale, softcap)
+    return RingAttention.apply(q, k, v, sinks, plan, group, kernel, rotate, scale, softcap, rel)

@@ -30,6 +30,11 @@ class BlockMask:
     # ALiBi (bloom, mpt): score bias slopes[h] * (k_pos - q_pos), global positions k_pos - q_pos = offset + j - i
     alibi_slopes: torch.Tensor | None = field(default=None, compare=False)  # [H] of the block's query heads
     alibi_offset: int = 0
+    # a per-query relative position bias (Inkling): ``rel_logits [B, H, sq, E]`` are the block's query rows'
+    # bias-vs-distance profiles; the score of (i, j) gets ``rel_logits[.., i, d]`` for the global distance
+    # ``d = q_pos - k_pos = rel_offset + i - j`` when ``0 <= d < E``, else nothing
+    rel_logits: torch.Tensor | None = field(default=None, compare=False)
+    rel_offset: int = 0
 
     # ---- what kind of block this is
     @property
@@ -37,13 +42,28 @@ class BlockMask:
         return self.lo is None and self.hi is None and self.q_docs is None and self.dense is None
 
     def bias(self, r0: int, r1: int, k0: int, k1: int, device, dtype) -> torch.Tensor | None:
-        """The ALiBi score bias ``[1, H, r1-r0, k1-k0]`` of that tile (``None`` without ALiBi): a tile's worth,
-        never the block's."""
-        if self.alibi_slopes is None:
-            return None
-        d = (self.alibi_offset + torch.arange(k0, k1, device=device)[None, :]
-             - torch.arange(r0, r1, device=device)[:, None]).to(dtype)
-        return self.alibi_slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * d
+        """The additive score bias of that tile, ALiBi ``[1, H, t, k]`` and/or the relative bias ``[B, H, t, k]``
+        (``None`` without either): a tile's worth, never the block's."""
+        out = None
+        if self.alibi_slopes is not None:
+            d = (self.alibi_offset + torch.arange(k0, k1, device=device)[None, :]
+                 - torch.arange(r0, r1, device=device)[:, None]).to(dtype)
+            out = self.alibi_slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * d
+        if self.rel_logits is not None:
+            rel = self.rel_logits[..., r0:r1, :].to(device=device, dtype=dtype)
+            index, keep = self.rel_index(r0, r1, k0, k1, device)
+            rel = rel.gather(-1, index.expand(*rel.shape[:2], -1, -1)) * keep.to(dtype)
+            out = rel if out is None else out + rel
+        return out
+
+    def rel_index(self, r0: int, r1: int, k0: int, k1: int, device):
+        """``(index, keep)`` ``[1, 1, t, k]``: the distance column of ``rel_logits`` each score of the tile
+        reads (clamped) and whether that distance is inside ``[0, E)``."""
+        extent = self.rel_logits.shape[-1]
+        d = (self.rel_offset + torch.arange(r0, r1, device=device)[:, None]
+             - torch.arange(k0, k1, device=device)[None, :])
+        keep = (d >= 0) & (d < extent)
+        return d.clamp(0, extent - 1)[None, None], keep[None, None]
 
     @property
     def has_docs(self) -> bool:
@@ -177,8 +197,8 @@ def flash_calls(m: BlockMask):
       :meth:`BlockMask.segments`), one call per distinct window among the block's documents.
 
     An empty list: nothing visible. Arbitrary dense masks are not flash-shaped (``ValueError``)."""
-    if m.dense is not None or m.alibi_slopes is not None:
-        raise ValueError("an arbitrary dense block mask (or an ALiBi bias) has no flash form here")
+    if m.dense is not None or m.alibi_slopes is not None or m.rel_logits is not None:
+        raise ValueError("an arbitrary dense block mask (or an ALiBi / relative bias) has no flash form here")
     if m.is_band:
         region = m.region()
         return [] if region is None else [("dense", region, flash_window(*region, m.lo, m.hi))]

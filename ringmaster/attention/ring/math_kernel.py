@@ -2,7 +2,8 @@
 
 It materialises the block's ``[B, H, Sq, Sk]`` scores, so it runs only when asked for
 (``ring_impl='math'``): the fused providers (``aten``, ``hf_kernels``) are the training paths.
-It takes any head dims (MLA: value heads narrower than query/key heads) and Gemma-2's logit
+A block mask with a relative bias (``rel_logits``, Inkling) makes its backward return a fourth
+gradient, that of the block's ``rel_logits`` rows. It takes any head dims (MLA: value heads narrower than query/key heads) and Gemma-2's logit
 soft-capping (``softcap``), forward and backward; ``aten`` on CPU runs its softcap blocks through
 it per tile of query rows.
 """
@@ -30,7 +31,7 @@ class MathKernel:
         s, th = capped(torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale, softcap)
         block = as_block_mask(mask, q.shape[-2], k.shape[-2])
         bias = block.bias(0, q.shape[-2], 0, k.shape[-2], q.device, dt)
-        if bias is not None:  # ALiBi: a constant added to the scaled scores (its gradient is ds itself)
+        if bias is not None:  # ALiBi / relative bias: added to the scaled scores (its gradient is ds itself)
             s = s + bias
         m = block.to_dense(q.device)
         if m is not None:
@@ -60,4 +61,13 @@ class MathKernel:
             ds = ds * (1 - th * th)
         dq = torch.matmul(ds, kx) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q.to(dt)) * scale
-        return dq.to(q.dtype), reduce_groups(dk, g).to(k.dtype), reduce_groups(dv, g).to(v.dtype)
+        grads = dq.to(q.dtype), reduce_groups(dk, g).to(k.dtype), reduce_groups(dv, g).to(v.dtype)
+        block = as_block_mask(mask, q.shape[-2], k.shape[-2])
+        if block.rel_logits is None:
+            return grads
+        # the relative bias's gradient: each score's ds lands on the profile column of its distance
+        index, keep = block.rel_index(0, q.shape[-2], 0, k.shape[-2], q.device)
+        index = index.expand(*ds.shape[:2], -1, -1)
+        drel = torch.zeros(*ds.shape[:3], block.rel_logits.shape[-1], dtype=dt, device=q.device)
+        drel.scatter_add_(-1, index, ds * keep.to(dt))
+        return (*grads, drel)

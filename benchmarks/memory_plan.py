@@ -1,0 +1,97 @@
+"""The memory planner (``ringmaster plan --config``) against measured peak memory, on CPU.
+
+    python benchmarks/memory_plan.py [--models tiny,100m] [--quick]
+
+Random llama models (fp32, fixed seed; tests/jobs_plan.py MODELS: "tiny" 0.6M parameters, "100m"
+87M), one AdamW training step after a warm-up step, grads set to None before it as a training loop
+leaves them. Measured = bytes alive before the step (parameters + AdamW state) + the peak of tensor
+bytes created and alive at once during forward + backward + optimizer step
+(``profiling.track_tensor_memory(skip_aliases=True)``, rank 0). Predicted =
+``memory_plan.plan(...).total`` for the same shapes (no master weights, for-loop AdamW as on CPU).
+The bf16 rows cast the model (and so AdamW's state) to bf16: their static part is the measured one,
+the peak above it is predicted. P=1 runs in this process, P=2 on two CPU gloo ranks (Ulysses and Ring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+# (model, P, backend, loss, checkpointing, sequence lengths[, dtype])
+ROWS = [
+    ("tiny", 1, "none", "full", "none", (256, 1024, 4096)),
+    ("tiny", 1, "none", "chunked", "none", (1024, 4096)),
+    ("tiny", 1, "none", "full", "full", (1024, 4096)),
+    ("tiny", 2, "ulysses", "full", "none", (1024, 4096)),
+    ("tiny", 2, "ring", "full", "none", (1024, 4096)),
+    ("deep", 1, "none", "full", "none", (1024, 4096)),
+    ("deep", 1, "none", "full", "full", (4096,)),
+    ("deep", 2, "ulysses", "full", "none", (4096,)),
+    ("deep", 2, "ring", "full", "none", (4096,)),
+    ("tiny", 1, "none", "full", "none", (2048,), "bf16"),
+    ("deep", 1, "none", "full", "none", (2048,), "bf16"),
+    ("deep", 1, "none", "full", "full", (2048,), "bf16"),
+    ("deep", 2, "ring", "full", "none", (4096,), "bf16"),
+    ("100m", 1, "none", "full", "none", (256, 1024)),
+    ("100m", 2, "ulysses", "full", "none", (2048,)),
+    ("100m", 2, "ring", "full", "none", (2048,)),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,100m")
+    parser.add_argument("--quick", action="store_true", help="tiny and deep rows only")
+    args = parser.parse_args()
+    import jobs_plan
+    import torch
+
+    from ringmaster.memory_plan import ModelShape, PlanOptions, plan
+    from ringmaster.testing.pool import LocalPool
+
+    wanted = set(args.models.split(","))
+    if args.quick:
+        wanted = {"tiny", "deep"}
+    rows = [r for r in ROWS if r[0] in wanted]
+    print(f"{'model':<6} {'dtype':<5} {'P':>2} {'backend':<8} {'loss':<8} {'ckpt':<5} {'S':>6} {'static MiB':>10} "
+          f"{'pred peak':>10} {'meas peak':>10} {'pred/meas':>9} {'pred step':>10} {'meas step':>10} {'ratio':>6}  "
+          "measured peak at")
+    start = time.perf_counter()
+    pool = None
+    try:
+        for name, P, backend, loss, ckpt, seqs, *rest in rows:
+            dtype = rest[0] if rest else "fp32"
+            torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+            overrides = jobs_plan.MODELS[name]
+            if P == 1:
+                res = jobs_plan.measure_step("llama", overrides, seqs, loss=loss, checkpointing=ckpt, dtype=torch_dtype)
+            else:
+                if pool is None:
+                    pool = LocalPool(2, timeout=900).__enter__()
+                res = pool.run(jobs_plan.measure_job, "llama", overrides, seqs, P, backend, loss, ckpt, torch_dtype)[0]
+            shape = ModelShape.from_config(jobs_plan.build_config("llama", overrides))
+            for r in res:
+                p = plan(shape, PlanOptions(seq=r["S"], gpus=P, dtype=dtype, optimizer="forloop", loss=loss,
+                                            master_weights=False, checkpointing=ckpt,
+                                            backend="ulysses" if backend == "none" else backend))
+                dyn = p.total - p.static
+                if dtype != "fp32":  # CPU bf16 keeps AdamW's state in bf16: the static part is the measured one
+                    p.total, p.static = r["static"] + dyn, r["static"]
+                print(f"{name:<6} {dtype:<5} {P:>2} {backend:<8} {loss:<8} {ckpt:<5} {r['S']:>6} "
+                      f"{r['static'] / 2**20:>10.1f} "
+                      f"{dyn / 2**20:>10.1f} {r['peak_dynamic'] / 2**20:>10.1f} {dyn / r['peak_dynamic']:>9.3f} "
+                      f"{p.total / 2**20:>10.1f} {r['total'] / 2**20:>10.1f} {p.total / r['total']:>6.3f}  "
+                      f"{r['peak_op'].replace('aten.', '')}", flush=True)
+    finally:
+        if pool is not None:
+            pool.__exit__(None, None, None)
+    print(f"({time.perf_counter() - start:.0f}s; peak = bytes created in the step and alive at once, over the "
+          "static parameters + AdamW state; step = static + peak)")
+
+
+if __name__ == "__main__":
+    main()

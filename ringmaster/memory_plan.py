@@ -1,0 +1,712 @@
+"""Memory planner: bytes per rank of one training step under CP, and the longest sequence that fits.
+
+``ringmaster plan --config ...`` prints this. Every term is a closed form in the model's shapes
+(``ModelShape``) and the run's options (``PlanOptions``); docs/planner.md derives each one from the
+tensors the ops save for backward, and ``benchmarks/memory_plan.py`` compares the prediction with
+the peak of live tensor bytes measured on CPU (``profiling.track_tensor_memory``).
+
+Where the bytes come from (per rank, S_l = S / P local tokens, b = activation dtype bytes):
+
+* **static**: parameters, gradients, fp32 master weights (mixed precision), AdamW's two fp32
+  states; FSDP2 shards all of them over the ``gpus`` ranks and adds the unsharded working copy of
+  the layer being computed and the one being prefetched.
+* **activations**: the tensors each layer kind saves for backward, per token, times S_l. Full
+  checkpointing keeps only each layer's input (plus one layer recomputed during backward);
+  offload moves those inputs to host memory.
+* **attention temporaries** (one layer at a time, so counted once): Ulysses' all-to-all buffers,
+  Ring's K/V blocks in flight, fp32 merge/gradient accumulators and LSE, all-gathered K/V.
+* **logits/loss**: full-vocabulary logits and log-softmax for the shard, or ``chunk`` tokens at a
+  time with ``sharding.loss.chunked_nll``.
+
+The peak is the static part plus the largest of three moments of the step: the end of the
+forward/start of the backward (every saved activation, the loss's backward buffers and the LM
+head's gradient), the end of the backward (every gradient plus the embedding's), and the
+optimizer step (gradients plus AdamW's temporaries). Activations fall and gradients rise
+linearly through the backward, so the peak is at one of its ends.
+
+Not yet run on a GPU: the formulas are checked on CPU in fp32 and bf16 against llama models
+(benchmarks/memory_plan.py, docs/benchmarks.md); the recurrent and MoE terms, offload and FSDP2 are
+not measured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+GiB = 2 ** 30
+MiB = 2 ** 20
+
+BACKENDS = ("ulysses", "ring", "ring-allgather", "usp")
+CHECKPOINTING = ("none", "full", "offload")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# families whose attention applies an RMSNorm to q and k per head (Qwen3, Qwen3.5, OLMo2-style)
+_QK_NORM_PREFIXES = ("qwen3", "olmo2", "olmo3", "gemma3", "chameleon")
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """``"80GiB"``, ``"80GB"``, ``"141G"``, ``"512MiB"`` or a number of bytes."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    s = text.strip().replace(" ", "")
+    units = {"tib": 2 ** 40, "gib": GiB, "mib": MiB, "kib": 2 ** 10, "tb": 1e12, "gb": 1e9, "mb": 1e6, "kb": 1e3,
+             "t": 2 ** 40, "g": GiB, "m": MiB, "k": 2 ** 10, "b": 1}
+    low = s.lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if low.endswith(unit) and low[:-len(unit)]:
+            try:
+                return float(low[:-len(unit)]) * units[unit]
+            except ValueError:
+                break
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"--gpu-mem {text!r}: give a size such as 80GiB, 80GB or 141G") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+@dataclass
+class ModelShape:
+    """What the formulas need from a config. ``layer_kinds`` holds one of ``attention``,
+    ``linear_attention`` (gated DeltaNet), ``mamba`` per decoder layer; ``moe`` says whether the
+    MLP is a mixture of experts."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_kinds: list[str]
+    tied: bool = False
+    qk_norm: bool = False
+    attn_gate: bool = False           # Qwen3-Next/Qwen3.5: a sigmoid output gate from a doubled q_proj
+    moe: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 4
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    n_params: int = 0                 # exact, from the model built on the meta device when possible
+    largest_param: int = 0            # elements of the largest single parameter tensor
+    embed_params: int = 0             # input embedding (+ LM head when untied)
+    params_source: str = "closed form"
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (the mean; the unit FSDP2 gathers at once)."""
+        return max((self.n_params - self.embed_params) // max(self.layers, 1), 1)
+
+    @classmethod
+    def from_config(cls, config, count_params: bool = True) -> "ModelShape":
+        text = getattr(config, "get_text_config", lambda: config)()
+        g = lambda *names, default=0: next((getattr(text, n) for n in names  # noqa: E731
+                                            if getattr(text, n, None) is not None), default)
+        hidden = g("hidden_size", "d_model", "n_embd")
+        heads = g("num_attention_heads", "n_head", default=1)
+        head_dim = g("head_dim", default=hidden // max(heads, 1))
+        n_layers = g("num_hidden_layers", "n_layer")
+        raw_types = list(g("layer_types", "layers_block_type", default=[]) or [])
+        pattern = g("hybrid_override_pattern", default="")
+        kinds = []
+        for i in range(n_layers):
+            t = str(raw_types[i]) if i < len(raw_types) else (pattern[i] if i < len(pattern) else "attention")
+            if t in ("linear_attention", "linear"):
+                kinds.append("linear_attention")
+            elif t in ("mamba", "M", "mamba2"):
+                kinds.append("mamba")
+            else:
+                kinds.append("attention")
+        experts = g("num_experts", "num_local_experts", "n_routed_experts")
+        mt = getattr(config, "model_type", "") or getattr(text, "model_type", "")
+        shape = cls(
+            model_type=mt, hidden=hidden, intermediate=g("intermediate_size", "ffn_dim", default=4 * hidden),
+            vocab=g("vocab_size"), heads=heads, kv_heads=g("num_key_value_heads", default=heads), head_dim=head_dim,
+            layer_kinds=kinds, tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=mt.startswith(_QK_NORM_PREFIXES), attn_gate=mt.startswith(("qwen3_next", "qwen3_5")),
+            moe=experts > 0, experts=experts, top_k=g("num_experts_per_tok", "moe_topk", default=0),
+            moe_intermediate=g("moe_intermediate_size", default=0),
+            shared_intermediate=g("shared_expert_intermediate_size", default=0),
+            lin_k_heads=g("linear_num_key_heads"), lin_v_heads=g("linear_num_value_heads"),
+            lin_k_dim=g("linear_key_head_dim"), lin_v_dim=g("linear_value_head_dim"),
+            conv_kernel=g("linear_conv_kernel_dim", "conv_kernel", default=4),
+            mamba_heads=g("mamba_num_heads"), mamba_head_dim=g("mamba_head_dim"), mamba_state=g("ssm_state_size"),
+            mamba_groups=g("n_groups", default=1),
+        )
+        shape.n_params, shape.largest_param, shape.embed_params = shape._closed_form_params()
+        if count_params:
+            counted = _meta_param_count(text)
+            if counted is not None:
+                shape.n_params, shape.largest_param, shape.embed_params = counted
+                shape.params_source = "counted on the meta device"
+        return shape
+
+    def _closed_form_params(self) -> tuple[int, int, int]:
+        h, v = self.hidden, self.vocab
+        embed = v * h * (1 if self.tied else 2)
+        attn = h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h
+        if self.moe:
+            mlp = 3 * h * self.moe_intermediate * self.experts + 3 * h * self.shared_intermediate + h * self.experts
+        else:
+            mlp = 3 * h * self.intermediate
+        vd = self.lin_v_heads * self.lin_v_dim
+        lin = h * (2 * self.lin_k_heads * self.lin_k_dim + 2 * vd + 2 * self.lin_v_heads) + vd * h
+        total = embed + sum((attn if k == "attention" else lin) + mlp + 2 * h for k in self.layer_kinds)
+        return total, v * h, embed
+
+
+def _meta_param_count(config) -> tuple[int, int, int] | None:
+    """(parameters, largest tensor, embedding + head) of the model built on the meta device: exact
+    for any family transformers can build, costs no memory. None when it cannot be built."""
+    import contextlib
+    import io
+
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # any family-specific build failure: fall back to the closed form
+        return None
+    seen, total, largest = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        largest = max(largest, p.numel())
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        embed += head.weight.numel()
+    return total, largest, embed
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class PlanOptions:
+    seq: int
+    gpus: int = 8                      # CP degree; FSDP2 (when on) shards over the same ranks
+    gpu_mem: float = 80 * GiB
+    dtype: str = "bf16"                # activation/parameter compute dtype
+    master_weights: bool | None = None  # fp32 master copy; default: on for 16-bit dtypes
+    checkpointing: str = "none"        # none | full | offload
+    fsdp: str = "none"                 # none | full
+    backend: str = "ulysses"           # ulysses | ring | ring-allgather | usp
+    ulysses: int | None = None         # USP split (default: the largest divisor of gpus dividing kv heads)
+    loss: str = "full"                 # full | chunked
+    chunk: int = 1024
+    batch: int = 1
+    optimizer: str = "foreach"         # AdamW implementation: foreach (torch's GPU default), fused, forloop (CPU)
+    reserve: float = 0.0               # bytes kept free (allocator fragmentation, CUDA context)
+
+    @property
+    def b(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mixed(self) -> bool:
+        return self.master_weights if self.master_weights is not None else self.b < 4
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    opts: PlanOptions
+    parts: dict[str, float] = field(default_factory=dict)      # name -> bytes per rank
+    activations: dict[str, float] = field(default_factory=dict)  # layer kind -> saved bytes, all layers
+    moments: dict[str, float] = field(default_factory=dict)    # forward-end / backward-end / optimizer
+    host_bytes: float = 0.0                                    # offloaded activations in host memory
+    static: float = 0.0
+    total: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.total + self.opts.reserve <= self.opts.gpu_mem
+
+
+def _usp_split(shape: ModelShape, gpus: int, ulysses: int | None) -> tuple[int, int]:
+    if ulysses:
+        return ulysses, gpus // ulysses
+    best = 1
+    for u in range(1, gpus + 1):
+        if gpus % u == 0 and shape.heads % u == 0 and (shape.kv_heads % u == 0 or u % shape.kv_heads == 0):
+            best = u
+    best = best if best < gpus else max((d for d in range(1, gpus) if gpus % d == 0 and shape.heads % d == 0),
+                                        default=1)
+    return best, gpus // best
+
+
+def _heads_indivisible(shape: ModelShape, u: int) -> bool:
+    return shape.heads % u != 0
+
+
+def split_of(shape: ModelShape, opts: PlanOptions) -> tuple[int, int]:
+    """(ulysses size, ring size) of the backend."""
+    P = opts.gpus
+    if opts.backend == "ulysses":
+        if _heads_indivisible(shape, P):
+            raise ValueError(f"{shape.heads} heads do not split over ulysses {P}; use ring or usp")
+        return P, 1
+    if opts.backend in ("ring", "ring-allgather"):
+        return 1, P
+    if opts.backend == "usp":
+        return _usp_split(shape, P, opts.ulysses)
+    raise ValueError(f"--backend {opts.backend!r}: use one of {', '.join(BACKENDS)}")
+
+
+def _kv_after_replication(kv: int, u: int) -> int:
+    """KV heads on the whole group after Ulysses replicates them (kv < u: each rank needs one)."""
+    return kv if u <= 1 or kv % u == 0 else max(u, kv)
+
+
+# ---------------------------------------------------------------------------------------------
+# activations per token (bytes), per layer kind
+
+
+def norm_bytes(width: int, b: int) -> float:
+    """HF RMSNorm saves its input upcast to fp32 (pow, mul) and the normalised value in the
+    activation dtype (the weight multiply): (4 + b) bytes per channel; rsqrt adds one fp32 per token."""
+    return (4 + b) * width + 4
+
+
+def attention_layer_bytes(s: ModelShape, b: int, kv_sdpa: int | None = None, fp32_out: bool = False) -> float:
+    """Saved bytes per local token of one attention layer with its input norm (sdpa/flash kernel:
+    no S x S tensor). RoPE saves nothing per layer (cos/sin need no gradient, so its multiplies keep
+    only them, once per model). ``kv_sdpa``: KV heads the kernel sees (Ulysses replication);
+    ``fp32_out``: Ring keeps its merged output in fp32 for the backward."""
+    h, qd = s.hidden, s.heads * s.head_dim
+    kv_k = (kv_sdpa if kv_sdpa is not None else s.kv_heads) * s.head_dim
+    out = norm_bytes(h, b) + b * h             # input norm; its output, saved by the q/k/v projections
+    if s.qk_norm:                              # per-head RMSNorm on q and k (one rsqrt per head and token)
+        out += (4 + b) * (qd + s.kv_heads * s.head_dim) + 4 * (s.heads + s.kv_heads)
+    out += b * (qd + 2 * kv_k)                 # the kernel's q, k, v (after RoPE)
+    # the kernel's output (already [S, heads, d] in memory, so HF's transpose + contiguous is a no-op
+    # and o_proj saves the same storage) and its fp32 log-sum-exp
+    out += (4 if fp32_out else b) * qd + 4 * s.heads
+    if s.attn_gate:                            # sigmoid(gate) and the gated output (a new tensor for o_proj)
+        out += 2 * b * qd
+    return out
+
+
+def mlp_bytes(s: ModelShape, b: int) -> float:
+    """Gated MLP with its input norm: norm, its output, then gate, act(gate), up, act*up (4 x intermediate).
+    MoE: the routed copy of each token per chosen expert (top_k x (hidden + 4 x moe_intermediate)),
+    router logits and probabilities (fp32, experts each), and the shared expert."""
+    h = s.hidden
+    out = norm_bytes(h, b) + b * h
+    if not s.moe:
+        return out + 4 * b * s.intermediate
+    k = max(s.top_k, 1)
+    out += k * b * (h + 4 * s.moe_intermediate)         # each routed token copy through its expert
+    out += k * b * h                                     # expert outputs before the weighted sum
+    out += 2 * 4 * s.experts + 2 * 4 * k                 # router logits, softmax (fp32); top-k weights
+    if s.shared_intermediate:
+        out += 4 * b * s.shared_intermediate + b * h + 4  # shared expert and its sigmoid gate
+    return out
+
+
+def linear_attention_bytes(s: ModelShape, b: int) -> float:
+    """Gated DeltaNet (Qwen3-Next/Qwen3.5): projections qkv, z, a, b; the depthwise conv and its SiLU;
+    l2-normed q and k; the chunked delta-rule kernel's saved inputs, gates and per-chunk [64 x 64]
+    triangular solve (fp32) per value head; the gated RMSNorm. Per-chunk states are recomputed in the
+    kernel's backward, so none are saved."""
+    kq = s.lin_k_heads * s.lin_k_dim
+    vd = s.lin_v_heads * s.lin_v_dim
+    qkv = 2 * kq + vd
+    h = s.hidden
+    out = norm_bytes(h, b) + b * h
+    out += b * qkv * 3                         # projection output, conv output, SiLU output
+    out += 2 * b * kq + 4 * 2 * s.lin_k_heads  # l2-normed q, k and their norms
+    out += b * vd * 2                          # z gate and the kernel output
+    out += 4 * s.lin_v_heads * (2 + 64)        # g, beta, and the chunk's 64-wide solve per head (fp32)
+    out += norm_bytes(vd, b) + b * vd * 2      # gated norm: its input, SiLU(z), product saved by out_proj
+    return out
+
+
+def mamba_bytes(s: ModelShape, b: int) -> float:
+    """Mamba2 mixer (chunked SSD kernel): in_proj output, conv + SiLU on x/B/C, dt, the kernel's saved
+    x, B, C, dt, and per-chunk cumulative decays, the gated norm and the output."""
+    h = s.hidden
+    inner = s.mamba_heads * s.mamba_head_dim or 2 * h
+    bc = 2 * s.mamba_groups * (s.mamba_state or 128)
+    nh = s.mamba_heads or max(inner // 64, 1)
+    out = norm_bytes(h, b) + b * h
+    out += b * (2 * inner + bc + nh)           # in_proj output (z, x, B, C, dt)
+    out += 2 * b * (inner + bc)                # conv and SiLU outputs
+    out += 4 * nh * 3                          # dt (softplus) and its cumulative sum, fp32
+    out += norm_bytes(inner, b) + 2 * b * inner
+    return out
+
+
+def layer_kind_bytes(s: ModelShape, kind: str, b: int, kv_sdpa: int | None = None, fp32_out: bool = False) -> float:
+    """Saved bytes per local token of one whole decoder layer of ``kind`` (mixer + MLP)."""
+    if kind == "attention":
+        mixer = attention_layer_bytes(s, b, kv_sdpa, fp32_out)
+    elif kind == "linear_attention":
+        mixer = linear_attention_bytes(s, b)
+    else:
+        mixer = mamba_bytes(s, b)
+    return mixer + mlp_bytes(s, b)
+
+
+def scan_state_bytes(s: ModelShape, kind: str, P: int) -> float:
+    """Per-layer bytes of the scan engine's all-gathered chunk maps (fp32), independent of S:
+    2P chunks (head_tail layout) of a transition and an offset per head."""
+    if P <= 1:
+        return 0.0
+    if kind == "linear_attention":
+        per_chunk = s.lin_v_heads * (s.lin_k_dim * s.lin_k_dim + s.lin_k_dim * s.lin_v_dim)
+    elif kind == "mamba":
+        per_chunk = (s.mamba_heads or 1) * (1 + (s.mamba_head_dim or 64) * (s.mamba_state or 128))
+    else:
+        return 0.0
+    return 4.0 * 2 * P * per_chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# attention temporaries per backend (one layer at a time)
+
+
+def attention_temporaries(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
+    """Bytes per rank that one attention layer holds only while it runs, forward and backward,
+    and what the backend saves beyond the plain kernel (``saved``, per layer)."""
+    b, S_l = opts.b, opts.seq // opts.gpus * opts.batch
+    u, r = split_of(s, opts)
+    qd = s.heads * s.head_dim
+    kv_u = _kv_after_replication(s.kv_heads, u)
+    kvd = kv_u * s.head_dim                    # per-token K or V width after replication
+    a2a = b * (qd + 2 * kvd) if u > 1 else 0.0
+    # Ulysses: the contiguous send copy and the receive buffer of q, k, v (forward), of dq, dk, dv
+    # (backward); the output's all-to-all moves qd per token in each direction
+    fwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
+    bwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
+    saved = b * 2 * (kvd - s.kv_heads * s.head_dim) if u > 1 else 0.0  # replicated K/V the kernel saves
+    if u > 1 or r > 1:
+        saved += b * qd   # the output is laid out anew (all-to-all back / Ring's [heads, S]): o_proj saves a copy
+    if r > 1:
+        kv_block = 2 * b * kvd                 # one K/V block per local token
+        if opts.backend == "ring-allgather":
+            saved += kv_block * r              # the gathered K/V is saved for the backward
+            fwd += kv_block * (r + 1) + 2 * 4 * qd + 8 * s.heads
+            bwd += 4 * 2 * kvd * r + 4 * qd + kv_block
+        else:
+            # the packed K/V, the block in use and the one in flight; fp32 merge (running and new output)
+            fwd += 3 * kv_block + 2 * 4 * qd + b * qd + 8 * s.heads
+            # dq accumulator (fp32), dK/dV accumulator sent and received (fp32), K/V blocks, block grads
+            bwd += 4 * qd + 2 * (4 * 2 * kvd) + 3 * kv_block + b * (qd + 2 * kvd)
+        saved += (4 - b) * qd                  # Ring keeps the merged output in fp32
+    return {"forward": fwd * S_l, "backward": bwd * S_l, "saved": saved * S_l,
+            "split": f"ulysses {u} x ring {r}" + (" (allgather)" if opts.backend == "ring-allgather" else ""),
+            "kv_heads": kv_u}
+
+
+# ---------------------------------------------------------------------------------------------
+# logits and loss
+
+
+def loss_bytes(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
+    """Logits and loss per rank. Full (HF's loss): the logits [S_l, V] (b), their fp32 upcast (16-bit
+    only) and the fp32 log-softmax exist together in the forward; only the log-softmax is saved. Its
+    backward holds the log-softmax, the incoming gradient and the logits' gradient (fp32, 12 V per
+    token); then the LM head's backward holds the logits' gradient in b and the head's weight
+    gradient. Chunked (``chunked_nll``): nothing saved; the same, ``chunk`` tokens at a time, with
+    the forward recomputed in the backward."""
+    b, V = opts.b, s.vocab
+    S_l = opts.seq // opts.gpus * opts.batch
+    up = 4 if b < 4 else 0
+    tokens = min(opts.chunk, S_l) if opts.loss == "chunked" else S_l
+    return {"forward": tokens * V * (b + up + 4),
+            "backward": tokens * V * max(12, b + up + 4),
+            "grad_logits": tokens * V * (b + (4 if b < 4 else 0)),
+            "saved": 0.0 if opts.loss == "chunked" else S_l * V * 4,
+            "tokens": tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+def _static(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
+    N, G, b = s.n_params, opts.gpus, opts.b
+    if opts.fsdp == "full":
+        p_bytes = 4 if opts.mixed else b
+        return {
+            "parameters (sharded; fp32 = the master copy)" if opts.mixed else "parameters (sharded)": N * p_bytes / G,
+            "gradients (sharded)": N * p_bytes / G,
+            "optimizer state (AdamW m, v fp32, sharded)": 8 * N / G,
+            # FSDP2 all-gathers the layer being computed and prefetches the next (compute dtype)
+            "unsharded layers in flight (2 x one layer)": 2 * b * s.layer_params,
+        }
+    parts = {"parameters": N * b, "gradients": N * b, "optimizer state (AdamW m, v fp32)": 8 * N}
+    if opts.mixed:
+        parts["master weights (fp32)"] = 4 * N
+    return parts
+
+
+def _optimizer_temporaries(s: ModelShape, opts: PlanOptions) -> float:
+    """AdamW's step: foreach computes sqrt(v) for every (local) parameter at once (one fp32 copy of
+    them all); the for-loop version two fp32 temporaries of one parameter (the largest); fused none."""
+    if opts.optimizer == "fused":
+        return 0.0
+    if opts.optimizer == "forloop":
+        return 2 * 4 * s.largest_param
+    if opts.optimizer == "foreach":
+        return 4 * s.n_params / (opts.gpus if opts.fsdp == "full" else 1)
+    raise ValueError(f"--optimizer {opts.optimizer!r}: use foreach, fused or forloop")
+
+
+def _mlp_width(s: ModelShape) -> int:
+    return max(s.top_k, 1) * s.moe_intermediate + s.shared_intermediate if s.moe else s.intermediate
+
+
+def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
+    """Bytes per rank of one training step (see the module docstring for the accounting)."""
+    if opts.checkpointing not in CHECKPOINTING:
+        raise ValueError(f"--checkpointing {opts.checkpointing!r}: use one of {', '.join(CHECKPOINTING)}")
+    if opts.fsdp not in ("none", "full"):
+        raise ValueError(f"--fsdp {opts.fsdp!r}: use none or full")
+    if opts.loss not in ("full", "chunked"):
+        raise ValueError(f"--loss {opts.loss!r}: use full or chunked")
+    s, b, P = shape, opts.b, opts.gpus
+    S_l = opts.seq // P * opts.batch
+    u, r = split_of(s, opts)
+    kv_sdpa = _kv_after_replication(s.kv_heads, u)
+    out = Plan(s, opts)
+    statics = _static(s, opts)
+    grads = next(v for k, v in statics.items() if k.startswith("gradients"))
+    out.static = sum(v for k, v in statics.items() if not k.startswith("gradients"))
+    fsdp = opts.fsdp == "full"
+    gb = 4 if (fsdp and opts.mixed) else b        # gradient bytes per parameter
+
+    temps = attention_temporaries(s, opts)
+    loss = loss_bytes(s, opts)
+    per_kind: dict[str, float] = {}
+    full_layer: dict[str, float] = {}
+    for kind in s.layer_kinds:
+        tok = layer_kind_bytes(s, kind, b, kv_sdpa if kind == "attention" else None, fp32_out=r > 1)
+        full = tok * S_l + (temps["saved"] if kind == "attention" else scan_state_bytes(s, kind, P))
+        full_layer[kind] = full
+        if opts.checkpointing == "none":
+            kept = full
+        elif opts.checkpointing == "full":
+            kept = b * s.hidden * S_l      # the layer input, the checkpoint's only saved tensor
+        else:
+            kept = 0.0                      # offloaded to host memory
+            out.host_bytes += b * s.hidden * S_l
+        per_kind[kind] = per_kind.get(kind, 0.0) + kept
+    label = {"attention": "attention layers", "linear_attention": "linear-attention layers",
+             "mamba": "mamba layers"}
+    for kind, v in per_kind.items():
+        out.activations[f"{label[kind]} (x{s.layer_kinds.count(kind)}, with their MLP/MoE)"] = v
+    act = sum(per_kind.values())
+    recompute = 0.0
+    if opts.checkpointing != "none":
+        # the backward recomputes one layer whole; offload also keeps ~2 layer inputs on the GPU in flight
+        recompute = max(full_layer.values()) + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
+    # outside the layers: the final norm and its output (the LM head's input), the token ids
+    head = (norm_bytes(s.hidden, b) + b * s.hidden + 8) * S_l
+
+    head_grad = s.vocab * s.hidden * gb / (P if fsdp else 1)
+    attn_fwd = temps["forward"] if "attention" in s.layer_kinds else 0.0
+    attn_bwd = temps["backward"] if "attention" in s.layer_kinds else 0.0
+    # one layer's backward (the head's tensors are freed by then): the incoming gradient, the gradients
+    # it produces (as large as the saved tensors they free, plus one MLP intermediate), its weight
+    # gradients (unsharded under FSDP2 until the reduce-scatter), its attention's backward buffers;
+    # checkpointing: the recomputed layer, its output and residual (3 x hidden with the gradient)
+    layer_grads = s.layer_params * (b + (4 if fsdp and opts.mixed else 0))
+    transient = 3 * b * s.hidden * S_l if recompute else (2 * b * s.hidden + b * _mlp_width(s)) * S_l
+    layer_bwd = transient + layer_grads + attn_bwd + recompute
+    out.moments = {
+        # the loss's forward terms include the log-softmax it saves
+        "forward end": act + head + max(loss["forward"], loss["saved"] + attn_fwd),
+        "loss backward": act + head + loss["backward"],
+        "LM head backward": act + head + loss["grad_logits"] + head_grad + b * s.hidden * S_l,
+        "layer backward": act + head_grad + layer_bwd,
+        "optimizer step": grads + _optimizer_temporaries(s, opts),
+    }
+    out.parts = dict(statics)
+    out.parts["activations (saved for backward)"] = act + head
+    if recompute:
+        out.parts["recomputed layer (during its backward)"] = recompute
+    out.parts[f"attention temporaries ({opts.backend}: {temps['split']})"] = max(attn_fwd, attn_bwd)
+    out.parts[f"logits/loss ({'chunked ' + str(loss['tokens']) if opts.loss == 'chunked' else 'full'})"] = (
+        max(loss["forward"], loss["backward"]) + loss["saved"])
+    out.total = out.static + max(out.moments.values())
+    return out
+
+
+def max_seq(shape: ModelShape, opts: PlanOptions, multiple: int | None = None, limit: int = 1 << 27) -> int:
+    """The longest sequence (a multiple of ``multiple``, default 2 x gpus: head_tail layout) whose
+    plan fits in ``gpu_mem - reserve``; 0 when not even the smallest does. Bisection: the total grows
+    with S."""
+    m = multiple or 2 * opts.gpus
+    fits = lambda S: plan(shape, replace(opts, seq=S)).fits  # noqa: E731
+    if not fits(m):
+        return 0
+    lo, hi = 1, 2
+    while hi * m <= limit and fits(hi * m):
+        lo, hi = hi, hi * 2
+    if hi * m > limit:
+        return lo * m
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * m) else (lo, mid)
+    return lo * m
+
+
+# ---------------------------------------------------------------------------------------------
+# loading and printing
+
+
+def load_config(target: str):
+    """A config from a ``config.json`` path, a model directory holding one, or a ``model_type``
+    (transformers' defaults for that type). Never downloads."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if os.path.isdir(target):
+        target = os.path.join(target, "config.json")
+    if os.path.isfile(target):
+        with open(target) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise SystemExit(f"ringmaster plan: {target} has model_type {model_type!r}, which transformers does not "
+                             "know; pass a config.json of a known model_type")
+        return CONFIG_MAPPING[model_type].from_json_file(target)
+    if target.endswith(".json"):
+        raise SystemExit(f"ringmaster plan: --config {target}: no such file")
+    try:
+        return AutoConfig.for_model(target)
+    except ValueError as e:
+        raise SystemExit(f"ringmaster plan: --config {target!r} is neither a file, a directory nor a model_type "
+                         f"transformers knows ({e})") from None
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if abs(n) >= GiB / 10 else f"{n / MiB:8.1f} MiB"
+
+
+def _fmt_seq(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f}M"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.0f}K"
+    return str(n)
+
+
+def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
+    """What ``ringmaster plan --config`` prints: the breakdown at ``opts.seq`` and the longest
+    sequence that fits per backend and checkpointing mode."""
+    p = plan(shape, opts)
+    kinds = ", ".join(f"{shape.layer_kinds.count(k)} {k}" for k in dict.fromkeys(shape.layer_kinds))
+    lines = [
+        f"model: {name or shape.model_type} ({shape.model_type}): {shape.n_params / 1e9:.2f}B parameters "
+        f"({shape.params_source}), {shape.layers} layers ({kinds}), hidden {shape.hidden}, "
+        f"{shape.heads} heads / {shape.kv_heads} KV heads x {shape.head_dim}, vocab {shape.vocab}"
+        + (f", MoE {shape.experts} experts top-{shape.top_k}" if shape.moe else ""),
+        f"run: seq {opts.seq} on {opts.gpus} GPUs x {opts.gpu_mem / GiB:.0f} GiB (CP {opts.gpus}, "
+        f"{opts.seq // opts.gpus} tokens per rank), {opts.dtype}{' + fp32 master weights' if opts.mixed else ''}, "
+        f"AdamW ({opts.optimizer}), FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, "
+        f"backend {opts.backend}",
+        "",
+        f"per rank at seq {opts.seq}:",
+    ]
+    for k, v in p.parts.items():
+        if k.startswith("activations"):
+            lines.append(f"  {k:<58} {_fmt(v)}")
+            for kk, vv in p.activations.items():
+                lines.append(f"    {kk:<56} {_fmt(vv)}")
+        elif v or not k.startswith("master"):
+            lines.append(f"  {k:<58} {_fmt(v)}")
+    if p.host_bytes:
+        lines.append(f"  {'offloaded layer inputs (host memory, not GPU)':<58} {_fmt(p.host_bytes)}")
+    worst = max(p.moments, key=p.moments.get)
+    lines.append(f"  {'peak (static + largest moment: ' + worst + ')':<58} {_fmt(p.total)}"
+                 f"   {'fits' if p.fits else 'does NOT fit'} in {opts.gpu_mem / GiB:.0f} GiB")
+    lines += ["", f"longest sequence that fits in {opts.gpu_mem / GiB:.0f} GiB per GPU "
+              f"(x{opts.gpus} GPUs, loss {opts.loss}, FSDP2 {opts.fsdp}):",
+              f"  {'backend':<16}" + "".join(f"{'ckpt ' + c:>16}" for c in CHECKPOINTING)]
+    for backend in BACKENDS:
+        if backend == "usp" and opts.gpus < 4:
+            continue
+        o = replace(opts, backend=backend)
+        try:
+            split = attention_temporaries(shape, o)["split"]
+            cells = [_fmt_seq(max_seq(shape, replace(o, checkpointing=c))) for c in CHECKPOINTING]
+        except (ValueError, ZeroDivisionError) as e:
+            lines.append(f"  {backend:<16} invalid: {e}")
+            continue
+        lines.append(f"  {backend:<16}" + "".join(f"{c:>16}" for c in cells) + f"   ({split})")
+    lines.append("(closed form, docs/planner.md: attention + dense-MLP layers within 7% of measured CPU peaks; "
+                 "recurrent and MoE terms not measured; not yet run on a GPU: leave headroom for the CUDA "
+                 "context and the allocator)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    """``ringmaster plan``'s memory-planner flags (cli.py calls this)."""
+    parser.add_argument("--config", default=None,
+                        help="memory plan for this model: config.json, a model directory or a model_type")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs = CP degree (memory plan; default --world or 8)")
+    parser.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
+    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
+                        help="activation checkpointing: none, full (every layer), offload (layer inputs to host)")
+    parser.add_argument("--offload", choices=["none", "activations"], default="none",
+                        help="'activations' = --checkpointing offload")
+    parser.add_argument("--fsdp", choices=["none", "full"], default="none", help="FSDP2 sharding over the GPUs")
+    parser.add_argument("--backend", choices=BACKENDS, default="ulysses", help="CP backend for the breakdown")
+    parser.add_argument("--loss", choices=["full", "chunked"], default="full",
+                        help="full-vocabulary logits, or sharding.loss.chunked_nll (--loss-chunk tokens at a time)")
+    parser.add_argument("--loss-chunk", type=int, default=1024)
+    parser.add_argument("--optimizer", choices=["foreach", "fused", "forloop"], default="foreach",
+                        help="AdamW implementation (its step's temporaries): foreach (torch's GPU default), fused, "
+                             "forloop")
+    parser.add_argument("--no-master-weights", action="store_true", help="no fp32 master copy for 16-bit dtypes")
+
+
+def run_from_args(args) -> int:
+    config = load_config(args.config)
+    shape = ModelShape.from_config(config)
+    gpus = args.gpus or getattr(args, "world", None) or 8
+    checkpointing = "offload" if args.offload == "activations" else args.checkpointing
+    opts = PlanOptions(seq=args.seq, gpus=gpus, gpu_mem=parse_bytes(args.gpu_mem), dtype=args.dtype,
+                       master_weights=False if args.no_master_weights else None, checkpointing=checkpointing,
+                       fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk,
+                       optimizer=args.optimizer,
+                       batch=getattr(args, "batch", 1) or 1)
+    if opts.seq % gpus:
+        raise SystemExit(f"ringmaster plan: --seq {opts.seq} is not divisible by --gpus {gpus}")
+    name = os.path.basename(os.path.dirname(args.config)) if args.config.endswith("config.json") else args.config
+    try:
+        print(report(shape, opts, name=name))
+    except ValueError as e:
+        raise SystemExit(f"ringmaster plan: {e}") from None
+    return 0
+
+
+__all__ = ["ModelShape", "PlanOptions", "Plan", "plan", "max_seq", "report", "parse_bytes", "load_config",
+           "attention_temporaries", "loss_bytes", "layer_kind_bytes", "norm_bytes"]

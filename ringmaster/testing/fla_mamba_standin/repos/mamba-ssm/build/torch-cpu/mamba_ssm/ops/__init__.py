@@ -1,0 +1,1 @@
+"""Stand-in ``mamba_ssm.ops``."""

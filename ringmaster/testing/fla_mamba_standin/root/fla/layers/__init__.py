@@ -1,0 +1,1 @@
+"""Stand-in ``fla.layers`` (only mamba, mamba2)."""

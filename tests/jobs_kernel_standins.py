@@ -1,0 +1,140 @@
+"""Jobs for tests/test_kernel_standins.py. They run only in the stand-in pool: a separate LocalPool whose
+workers put ``ringmaster.testing.kernel_standin.SITE`` first on ``sys.path`` before anything imports
+transformers, so its ``use_kernel_func_from_hub_with_fallback`` resolves ``mamba_ssm``, ``causal_conv1d``
+and ``fla`` to the CPU stand-ins, exactly as it resolves the real packages on a GPU machine."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+import jobs_mamba1 as jm1
+
+# model_type -> (modeling module, {module-level kernel name: (package, function it must resolve to)})
+RESOLVED = {
+    "mamba2": ("transformers.models.mamba2.modeling_mamba2", {
+        "mamba2_chunk_scan": ("mamba_ssm", "mamba_chunk_scan_combined"),
+        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
+    "mamba": ("transformers.models.mamba.modeling_mamba", {
+        "mamba_selective_scan": ("mamba_ssm", "selective_scan_fn"),
+        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", {
+        "torch_chunk_gated_delta_rule": ("fla", "chunk_gated_delta_rule"),
+        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", {
+        "chunk_kimi_delta_attention": ("fla", "chunk_kda"),
+        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
+}
+
+
+def implementation(wrapped: Callable):
+    """What transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper calls: its closure's
+    ``implementation`` (the package function, or the torch fallback it wraps)."""
+    return inspect.getclosurevars(wrapped).nonlocals["implementation"]
+
+
+def resolution(ctx) -> dict:
+    """For every kernel name of :data:`RESOLVED`: the module of the function transformers resolved, whether
+    it is a stand-in, and whether it is the very object the stand-in package exports."""
+    from ringmaster.testing.kernel_standin import is_standin
+
+    out = {}
+    for model_type, (module_name, names) in RESOLVED.items():
+        module = importlib.import_module(module_name)
+        for name, (package, func) in names.items():
+            impl = implementation(getattr(module, name))
+            pkg = importlib.import_module(package)
+            sub = {"mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
+                   "selective_scan_fn": "mamba_ssm.ops.selective_scan_interface",
+                   "chunk_gated_delta_rule": "fla.ops.gated_delta_rule", "chunk_kda": "fla.ops.kda"}.get(func, package)
+            exported = getattr(importlib.import_module(sub), func)
+            out[f"{model_type}.{name}"] = {"module": impl.__module__, "standin": is_standin(impl),
+                                           "exported": impl is exported,
+                                           "package_file": getattr(pkg, "__file__", "")}
+    return out
+
+
+def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
+    """fp64 parity of ``model_type`` at P=2 with the stand-in kernels (dense, or a packed row vs every
+    document alone); ``mutation``: one of :data:`MUTATIONS` applied for the run (undone after)."""
+    from ringmaster.testing.kernel_standin import is_standin
+
+    module_name, names = RESOLVED[model_type]
+    module = importlib.import_module(module_name)
+    scan_name = [n for n in names if n != "causal_conv1d_fn"][0]
+    if not (is_standin(implementation(getattr(module, scan_name))) and
+            is_standin(implementation(getattr(module, "causal_conv1d_fn")))):
+        raise RuntimeError(f"{model_type}: the kernels did not resolve to the stand-ins; not the stand-in pool?")
+    undo = MUTATIONS[mutation]() if mutation else (lambda: None)
+    try:
+        if packed:
+            return jm1.packed_parity(ctx, model_type, 2, strategy, fp64=True)
+        return jm1.family_parity(ctx, model_type, 2, strategy, fp64=True)
+    except Exception as exc:  # noqa: BLE001 - a mutation refused before any CP step is detected too
+        if mutation is None:
+            raise
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    finally:
+        undo()
+
+
+def fla_cp_refused_for(ctx, model_type) -> str:
+    """``wire`` with ``recurrent="fla_cp"`` on a model whose recurrent kind does not offer it: the error."""
+    import ringmaster as rm
+    from ringmaster.testing.parity import tiny_model
+
+    model = tiny_model(model_type)
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses", recurrent="fla_cp"), device_mesh=ctx.mesh(2))
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return "wired"
+
+
+# --------------------------------------------------------------------------- mutations
+
+
+def standin_ignores_initial_state() -> Callable[[], None]:
+    """The FLA stand-in's delta rule drops ``initial_state`` (as a kernel that ignored it would): both of
+    ringmaster's strategies hand the incoming state to the kernel through it, so ``wire``'s probe (a
+    random incoming state must change the output) refuses the layer before any CP step."""
+    from ringmaster.testing.kernel_standin import reference
+
+    rule = reference.delta_rule
+
+    def mutated(q, k, v, g, beta, scale, initial_state, *args):
+        return rule(q, k, v, g, beta, scale, None, *args)
+
+    reference.delta_rule = mutated
+    return lambda: setattr(reference, "delta_rule", rule)
+
+
+def mamba1_map_from_last_state() -> Callable[[], None]:
+    """ringmaster's Mamba1 map built from the kernel's ``return_last_state`` again (what it did before it
+    computed the end state itself): mamba-ssm (and the stand-in) drop that output's gradient."""
+    import torch
+
+    from ringmaster.recurrent import mamba1
+    from ringmaster.recurrent.scan import hi
+
+    cls = mamba1.Mamba1Segment
+    local_map = cls.local_map
+
+    def mutated(self):
+        packed, aux = local_map(self)
+        _, final = self.kernel(self.u, self.delta, self.A, self.B, self.C, D=self.D, z=None,
+                               delta_bias=self.delta_bias, delta_softplus=self.delta_softplus,
+                               return_last_state=True, **self.kwargs)
+        n = self.A.shape[-1]
+        return torch.cat([hi(final).to(packed.dtype), packed[..., n:]], dim=-1), aux
+
+    cls.local_map = mutated
+    return lambda: setattr(cls, "local_map", local_map)
+
+
+MUTATIONS = {"standin_ignores_initial_state": standin_ignores_initial_state,
+             "mamba1_map_from_last_state": mamba1_map_from_last_state}

@@ -1,0 +1,110 @@
+"""Measured peak memory of one training step, for the memory planner's checks (tests/test_plan.py,
+benchmarks/memory_plan.py). Runs in one process (P=1) or on every rank of the pool (P>1)."""
+
+from __future__ import annotations
+
+import torch
+
+import ringmaster as rm
+
+# model sizes the planner is checked on (llama, fp32, random, fixed seed)
+MODELS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1024),
+    # layers dominate (vocab small): checks the per-layer and per-backend terms
+    "deep": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=256),
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def build_config(model_type: str, overrides: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, use_cache=False, tie_word_embeddings=False, attention_dropout=0.0,
+                                max_position_embeddings=1 << 16, **overrides)
+
+
+def build(model_type: str, overrides: dict, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(build_config(model_type, overrides), attn_implementation="sdpa",
+                                            dtype=torch.float32).train()
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def measure_step(model_type: str, overrides: dict, seqs, P: int = 1, backend: str = "ulysses", mesh=None,
+                 loss: str = "full", chunk: int = 1024, checkpointing: str = "none",
+                 dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Per S: bytes alive before the step (parameters + AdamW state, after one warm-up step) and the
+    peak of tensor bytes created and alive at once during forward + backward + optimizer step
+    (``track_tensor_memory``), with grads set to None before, as a training loop leaves them."""
+    from ringmaster.profiling import track_tensor_memory
+    from ringmaster.sharding.loss import chunked_nll
+    from ringmaster.testing.parity import tiny_batch
+
+    model = build(model_type, overrides).to(dtype)   # bf16: parameters and AdamW state in bf16 too
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if P > 1:
+        rm.wire(model, rm.RingmasterConfig(size=P, backend=backend), device_mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    vocab = model.config.vocab_size
+
+    def step(batch):
+        if P > 1:
+            from ringmaster.adapters.raw import context_parallel_region
+
+            with context_parallel_region(batch) as shard:
+                if loss == "chunked":
+                    labels = shard.pop("shift_labels", None)
+                    shard.pop("labels", None)
+                    n = shard.pop("num_items_in_batch", None)
+                    hidden = model.model(**{k: v for k, v in shard.items() if k != "use_cache"}).last_hidden_state
+                    value = chunked_nll(hidden, model.lm_head.weight, labels, n if n is not None else 1, chunk)
+                else:
+                    value = model(**shard).loss
+        elif loss == "chunked":
+            hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
+            labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+            value = chunked_nll(hidden, model.lm_head.weight, labels, 1, chunk)
+        else:
+            value = model(**batch).loss
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rows = []
+    try:
+        step(tiny_batch(vocab, seqs[0]))
+        for S in seqs:
+            batch = tiny_batch(vocab, S)
+            static = _storage_bytes(list(model.parameters()) +
+                                    [v for st in opt.state.values() for v in st.values()
+                                     if isinstance(v, torch.Tensor) and v.numel() > 1])
+            with track_tensor_memory(skip_aliases=True) as mem:
+                step(batch)
+            rows.append({"S": S, "static": static, "peak_dynamic": mem.peak_bytes, "peak_op": mem.peak_op,
+                         "total": static + mem.peak_bytes})
+    finally:
+        if P > 1:
+            rm.unwire(model)
+            rm.teardown()
+    return rows
+
+
+def measure_job(ctx, model_type, overrides, seqs, P, backend="ulysses", loss="full", checkpointing="none",
+                dtype=torch.float32):
+    return measure_step(model_type, overrides, seqs, P, backend, ctx.mesh(P) if P > 1 else None, loss,
+                        checkpointing=checkpointing, dtype=dtype)
