@@ -9,6 +9,7 @@ from .recurrent.wiring import wire_recurrent_layers
 from .runtime import Runtime, runtime_of, setup, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
 from .sharding.logprobs import token_logprobs
+from .tiling import TiledHandle, tiled_mlp
 from .wiring import WireReport, unwire, wire
 
 __version__ = "0.1.0"
@@ -46,6 +47,8 @@ __all__ = [
     "setup",
     "shard",
     "teardown",
+    "TiledHandle",
+    "tiled_mlp",
     "token_logprobs",
     "unwire",
     "wire",

@@ -16,10 +16,12 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 CORE = ("ringmaster.comm", "ringmaster.mesh", "ringmaster.validation", "ringmaster.runtime", "ringmaster.sharding",
         "ringmaster.attention", "ringmaster.recurrent", "ringmaster.architectures", "ringmaster.multimodal",
-        "ringmaster.wiring", "ringmaster.config", "ringmaster.errors", "ringmaster.compat")
+        "ringmaster.wiring", "ringmaster.config", "ringmaster.errors", "ringmaster.compat", "ringmaster.checkpointing",
+        "ringmaster.tiling")
 TOOLING = ("ringmaster.profiling", "ringmaster.bench", "ringmaster.testing", "ringmaster.cli",
            "ringmaster.planning", "ringmaster.memory_plan", "ringmaster.adapters")
-LEAVES = ("ringmaster.config", "ringmaster.errors", "ringmaster.attention.binding", "ringmaster.recurrent.kind")
+LEAVES = ("ringmaster.config", "ringmaster.errors", "ringmaster.checkpointing", "ringmaster.attention.binding",
+          "ringmaster.recurrent.kind")
 
 
 def _in(name: str, prefixes) -> bool:

@@ -23,9 +23,10 @@ shard: right padding only), a ``position_table`` gets the shard's global positio
 These modules are called with a fixed argument list by their decoder layers, so the
 ``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
 current forward's batch in a :class:`BatchSlot` bound to that model (not a process global), read
-by its sites. The slot keeps the batch until the next forward, so a gradient-checkpointing replay
-in backward sees the batch of its own forward; a forward without one leaves it empty and the CP
-attention raises.
+by its sites. The slot keeps the batch until the next forward; a gradient-checkpointing replay in
+backward gets the batch of its own forward put back by its checkpoint function
+(:mod:`ringmaster.checkpointing`), also when another forward ran in between; a forward without
+one leaves it empty and the CP attention raises.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..checkpointing import replay_slots
 from ..comm import all_reduce_sum
 from ..errors import UnsupportedLayerError
 from ..recurrent import intercept
@@ -347,6 +349,7 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict, cross: dic
         for path, module in (cross or {}).items():
             undos.append(module.register_forward_pre_hook(_refuse_cross(path), with_kwargs=True).remove)
         undos.append(model.register_forward_pre_hook(slot.capture, with_kwargs=True).remove)
+        undos.append(replay_slots(model, [slot]))   # recomputation reads its own forward's slot
     except BaseException:
         for undo in reversed(undos):
             undo()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..architectures import classify_layers, get_architecture, text_config
+from ..checkpointing import replay_slots
 from ..errors import UnsupportedLayerError
 from ..runtime import active
 from ..sharding.documents import BATCH_KWARG
@@ -105,6 +106,7 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     wiring = RecurrentWiring()
     modules = dict(model.named_modules())
     hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+    contexts = []
     try:
         for path, module, kind in layers:
             if strategy in KERNEL_STRATEGIES and strategy not in get_kind(kind).strategies:
@@ -113,6 +115,7 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                     f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
                     "or 'sequential'")
             ctx = LayerContext(path, group, strategy)
+            contexts.append(ctx)
             wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
             wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))
             wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx, always=False))
@@ -123,6 +126,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                 width = get_kind(kind).probe_width
                 probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
+        # a checkpointed layer recomputes with the batch its own forward saw (ringmaster/checkpointing.py)
+        wiring._restores.append(replay_slots(model, contexts))
     except BaseException:
         wiring.restore()
         raise
@@ -183,7 +188,9 @@ def _batch_hook(parent, ctx: LayerContext, always: bool = True) -> Callable[[], 
     forwarding its kwargs. Two per layer: one on the model itself (``always``: set on every call, None
     when absent, so no batch outlives the forward that brought it) and one on the module enclosing the
     layer (its decoder layer: set when the call carries the batch, e.g. a VLM's language model gets it
-    from its own pre-hook; gradient checkpointing replays the decoder layer, hook included). RWKV's
+    from its own pre-hook). A checkpointed decoder layer is recomputed in backward without these hooks
+    (transformers 5.24 checkpoints ``forward``, not ``__call__``): its checkpoint function puts back the
+    slot of its own forward (:mod:`ringmaster.checkpointing`). RWKV's
     blocks are called with no kwargs at all, and Mamba's / Mamba2's causal-LM heads call their backbone
     without kwargs: only the model sees the batch."""
 

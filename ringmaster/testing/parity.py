@@ -269,8 +269,24 @@ class _KeepFP64(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _KeepFP64Dispatch:
+    """See :func:`keep_fp64` (``recompute=True``): the same rule at the aten level, as a dispatch mode."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = dict(kwargs or {})
+                if kwargs.get("dtype") is torch.float32 and any(_is_f64(a) for a in args):
+                    kwargs["dtype"] = torch.float64     # _to_copy(x, dtype=float32), sum(dtype=...), ...
+                return func(*args, **kwargs)
+
+        return Mode()
+
+
 @contextlib.contextmanager
-def keep_fp64():
+def keep_fp64(recompute: bool = False):
     """While active, a cast of a float64 tensor to float32 is a no-op: ``t.float()``,
     ``t.to(torch.float32, ...)``, ``t.to(dtype=torch.float32)``, ``t.type(torch.float32)``, and
     ``dtype=torch.float32`` in any call on float64 tensors (``softmax(x, dtype=torch.float32)``).
@@ -282,8 +298,18 @@ def keep_fp64():
     keep their dtype: none of the recurrent kernels makes one (they use ``zeros_like`` or the
     input's dtype). A ``TorchFunctionMode`` is per thread: run the forward and backward in the
     thread that entered it.
+
+    ``recompute=True``: also in activation-checkpointing recomputation. The autograd engine does not
+    carry a ``TorchFunctionMode`` into backward, so a checkpointed layer would be recomputed with the
+    float32 casts (and torch's checkpoint refuses saved tensors of another dtype); a dispatch mode,
+    which the engine does carry, applies the same rule to the aten calls (``_to_copy`` and any op
+    given ``dtype=torch.float32`` with a float64 input). Slower (Python per aten call): only for
+    checkpointing tests.
     """
-    with _KeepFP64():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_KeepFP64())
+        if recompute:
+            stack.enter_context(_KeepFP64Dispatch())
         yield
 
 
