@@ -96,24 +96,11 @@ def bench(args) -> int:
 
 
 def _load_config(target: str):
-    """A config from a ``config.json`` path, a model directory holding one, or a ``model_type``
-    (read by the family's own config class: transformers' JSON has its own encoding of inf)."""
-    import json
-    import os
+    """``ringmaster check``'s target: a config.json, a model directory or a model_type (the memory
+    planner's loader, which never downloads)."""
+    from .memory_plan import load_config
 
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if os.path.isdir(target):
-        target = os.path.join(target, "config.json")
-    if os.path.isfile(target):
-        with open(target) as f:
-            model_type = json.load(f).get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise SystemExit(f"ringmaster check: {target} has model_type {model_type!r}, which transformers "
-                             "does not know")
-        return CONFIG_MAPPING[model_type].from_json_file(target)
-    return AutoConfig.for_model(target)
+    return load_config(target, tool="check", flag="")
 
 
 def _check_cases(sizes: list[int]) -> list[tuple[str, int]]:

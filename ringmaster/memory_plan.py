@@ -580,9 +580,11 @@ def max_seq(shape: ModelShape, opts: PlanOptions, multiple: int | None = None, l
 # loading and printing
 
 
-def load_config(target: str):
+def load_config(target: str, tool: str = "plan", flag: str = "--config "):
     """A config from a ``config.json`` path, a model directory holding one, or a ``model_type``
-    (transformers' defaults for that type). Never downloads."""
+    (transformers' defaults for that type), read by the family's own config class (transformers'
+    JSON has its own encoding of inf). Never downloads. ``tool``/``flag`` name the command in errors
+    (``ringmaster check`` shares this loader)."""
     import json
 
     from transformers import AutoConfig
@@ -594,16 +596,16 @@ def load_config(target: str):
         with open(target) as f:
             model_type = json.load(f).get("model_type")
         if model_type not in CONFIG_MAPPING:
-            raise SystemExit(f"ringmaster plan: {target} has model_type {model_type!r}, which transformers does not "
-                             "know; pass a config.json of a known model_type")
+            raise SystemExit(f"ringmaster {tool}: {target} has model_type {model_type!r}, which transformers does "
+                             "not know; pass a config.json of a known model_type")
         return CONFIG_MAPPING[model_type].from_json_file(target)
     if target.endswith(".json"):
-        raise SystemExit(f"ringmaster plan: --config {target}: no such file")
+        raise SystemExit(f"ringmaster {tool}: {flag}{target}: no such file")
     try:
         return AutoConfig.for_model(target)
-    except ValueError as e:
-        raise SystemExit(f"ringmaster plan: --config {target!r} is neither a file, a directory nor a model_type "
-                         f"transformers knows ({e})") from None
+    except ValueError:
+        raise SystemExit(f"ringmaster {tool}: {flag}{target!r} is neither a file, a directory nor a model_type "
+                         "transformers knows (the known ones: transformers.CONFIG_MAPPING.keys())") from None
 
 
 def _fmt(n: float) -> str:
