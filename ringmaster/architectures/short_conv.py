@@ -96,15 +96,15 @@ INKLING2_TEXT = register_architecture(ArchitectureSpec(
     name="inkling2_text",
     model_types=("inkling2_text",),
     attention_classes=("Inkling2SlidingAttention", "Inkling2FullAttention"),
-    recurrent_classes={"Inkling2ShortConvolution": "short_conv"},
+    recurrent_classes={"Inkling2ShortConvolution": "short_conv",
+                       "Inkling2DynamicShortConvolution": "dynamic_short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
     relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
                    for c in ("Inkling2SlidingAttention", "Inkling2FullAttention")},
-    refuse=("Inkling2SlidingAttention / Inkling2FullAttention: " + _INKLING2_MISSING.format(
-        bias="Inkling2RelativePositionBias", block="Inkling2BlockAttentionResidual",
-        dynamic="Inkling2DynamicShortConvolution",
-        convs="Inkling2ShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the post-attention "
-              "/ post-MLP convolutions")),
+    local_attention=("Inkling2BlockAttentionResidual",),
+    notes="short convs (conv halo) and the full layers' dynamic short convs (conv halo of the windows); relative "
+          "position bias rebuilt from global positions; per-token sinks carried with the queries; the block "
+          "attention residuals (attention over layer depth) run the wrapped kernel locally",
 ))
 
 INKLING2_LOOP_TEXT = register_architecture(ArchitectureSpec(
