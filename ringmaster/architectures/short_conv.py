@@ -111,14 +111,11 @@ INKLING2_LOOP_TEXT = register_architecture(ArchitectureSpec(
     name="inkling2_loop_text",
     model_types=("inkling2_loop_text",),
     attention_classes=("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
-    recurrent_classes={"Inkling2LoopShortConvolution": "short_conv"},
+    recurrent_classes={"Inkling2LoopShortConvolution": "short_conv",
+                       "Inkling2LoopDynamicShortConvolution": "dynamic_short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
     relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
                    for c in ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention")},
-    refuse=("Inkling2LoopSlidingAttention / Inkling2LoopFullAttention: " + _INKLING2_MISSING.format(
-        bias="Inkling2LoopRelativePositionBias",
-        block="Inkling2LoopBlockAttentionResidual (and Inkling2LoopMessageAttentionResidual)",
-        dynamic="Inkling2LoopDynamicShortConvolution",
-        convs="Inkling2LoopShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the "
-              "post-attention / post-MLP convolutions")),
+    local_attention=("Inkling2LoopBlockAttentionResidual", "Inkling2LoopMessageAttentionResidual"),
+    notes="as inkling2_text; the loop layers' message attention residuals (over layer depth) also run locally",
 ))
