@@ -22,7 +22,7 @@ def check(results, P):
 
 
 @pytest.mark.parametrize("model_type,backend,P,load_balance,packed", [
-    ("inkling2_text", "ulysses", 2, "auto", False),
+    ("inkling2_text", "ulysses", 2, "auto", True),
     ("inkling2_text", "ring", 2, "head_tail", True),
     ("inkling2_loop_text", "ring", 4, "head_tail", False),
 ])

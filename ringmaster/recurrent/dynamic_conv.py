@@ -14,7 +14,9 @@ layer does. The halo is ``K`` times the static conv's (``K - 1`` columns of ``K 
 columns, tiny next to attention).
 
 ``wire``'s probe: the layer's second input is ``dynamic_input`` (the layer input of its projection); the
-probe forward passes only the conv input, so the probe call draws a seeded random ``dynamic_input``.
+probe forward passes only the conv input, so the probe call draws a seeded random ``dynamic_input``. Before
+anything is wired, ringmaster's forward with a zero halo must equal the class forward on a random input
+(:func:`check_same_as_class_forward`): a transformers release that changes the layer is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..sharding.documents import BATCH_KWARG
-from .context import LayerContext
+from ..errors import UnsupportedLayerError
+from .context import LayerContext, Probe
 from .conv import cp_conv_kernel
 from .intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
@@ -56,6 +59,7 @@ def wire_dynamic_conv_layer(module, ctx: LayerContext, names: dict | None = None
                              "ringmaster's forward of the dynamic short conv does not apply: use a CP size of 1")
     guard = _call_guard(ctx, cls_forward)
     windows_conv = cp_conv_kernel(ctx, {"conv": _depthwise}, "conv")
+    check = _same_as_class_forward(module, ctx, cls_forward, windows_conv)
 
     def forward(hidden_states, dynamic_input=None, cache=None, conv_mask=None, cache_offset=0, **kwargs):
         guard((hidden_states, dynamic_input), {"cache": cache, "conv_mask": conv_mask, **kwargs})
@@ -86,7 +90,36 @@ def wire_dynamic_conv_layer(module, ctx: LayerContext, names: dict | None = None
         out = (windows * weights).sum(-1).reshape(B, L, C)
         return ((out + residual) / math.sqrt(2 * K + 1)).to(input_dtype)
 
+    check(forward)
     return rebind_attributes(module, ctx.path, {"forward": forward, "_ringmaster_recurrent": ctx.path})
+
+
+def _same_as_class_forward(module, ctx: LayerContext, cls_forward, windows_conv):
+    """``check(forward)``: ringmaster's forward of this layer (zero halo: a probe call that injects no state)
+    must compute what its class forward computes on a random input, or the layer is refused before it is
+    wired (float64 rounding apart: the same operations in the same order)."""
+    def check(forward) -> None:
+        param = next(module.parameters(), None)
+        if param is None or param.device.type == "meta" or type(param).__name__ == "DTensor":
+            return
+        g = torch.Generator().manual_seed(5)
+        L, C, D = module.conv_kernel_size + 3, module.static_weight.shape[1], module.weight_proj.in_features
+        x = torch.randn(1, L, C, generator=g, dtype=torch.float64).to(param)
+        dyn = torch.randn(1, L, D, generator=g, dtype=torch.float64).to(param)
+        saved, ctx.probe = ctx.probe, Probe(inject=set(), seed=0)
+        try:
+            with torch.no_grad():
+                got = forward(x, dyn)
+                want = cls_forward(module, x, dyn)
+        finally:
+            ctx.probe = saved
+        err = (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+        if not err <= 1e-6:
+            raise UnsupportedLayerError(
+                f"layer {ctx.path!r} ({type(module).__name__}): ringmaster's CP forward of the dynamic short conv "
+                f"differs from the class forward by {err:.1e} on a random input; the installed transformers changed "
+                "the layer, so CP would be silently wrong. Use a CP size of 1 for this model")
+    return check
 
 
 def probe_width(module, hidden):
