@@ -34,3 +34,24 @@ def test_inkling2_mutations_are_caught(pool):
     errs = pool.run(ji.mutated, sorted(ji.MUTATIONS))[0]
     for name, r in errs.items():
         assert max(r["loss_err"], r["logits_err"], r["grad_err"]) > 1e-4, (name, r)
+
+
+def test_per_token_sink_merge_and_gradient():
+    """The ring's per-token sink (``merge_sink`` / ``sink_grad``) against the model's eager formula (the sink as
+    one extra zero-value column of each row's softmax) and its autograd gradient, float64."""
+    import torch
+
+    from ringmaster.attention.ring.merge import merge_sink, reference_attention, sink_grad
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * 0.5
+    probs = torch.softmax(torch.cat([scores, sinks[..., None]], dim=-1), dim=-1)[..., :-1]
+    want = torch.matmul(probs, v)
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad(want, sinks, dout)
+    out, lse = reference_attention(q, k, v, 0.5)
+    got, total = merge_sink(out, lse, sinks.detach())
+    assert torch.allclose(got, want, atol=1e-12)
+    assert torch.allclose(sink_grad(sinks.detach(), total, dout, got), want_grad, atol=1e-12)
