@@ -20,7 +20,7 @@ from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, position_convention, position_tables, refuse_if_unsafe,
                             stateful_layers, text_config, unsupported_message)
 from .architectures.heads import common_split, head_splits
-from .attention import bridge, relbias
+from .attention import bridge, local, relbias
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -204,6 +204,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             if spec.relative_bias:  # Inkling: the bias modules return per-token states (attention.relbias)
                 modules = dict(model.named_modules())
                 undo.append(relbias.wire(spec, {p: modules[p] for p in layers.attention}))
+            if spec.local_attention:  # Inkling2: attention over layer depth runs the wrapped kernel locally
+                undo.append(local.wire(spec, model))
             bridged, handles = bridge.install(model, layers.attention)
             undo.extend(handle.remove for handle in handles)
         if recurrent:

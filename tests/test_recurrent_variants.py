@@ -146,8 +146,7 @@ INKLING = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
                          ids=["P2-head_tail", "P4", "P4-packed"])
 @pytest.mark.parametrize("model_type", INKLING)
 def test_inkling_short_convs_layer_by_layer(pool, model_type, case):
-    """Inkling2 / Inkling2-loop are refused (sinks, block attention residuals, dynamic convs; inkling_text runs
-    whole in tests/test_relbias.py), but their short convs
+    """The Inkling families run whole in tests/test_relbias.py / tests/test_inkling2.py; here their short convs
     (k/v projections: narrower than the hidden size; the residual-stream ones) are exact on their own:
     every declared layer, output and every gradient, float64. Documents start mid-shard and on the P=4
     edge 8 (packed: no tap crosses a start)."""

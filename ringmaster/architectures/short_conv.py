@@ -1,11 +1,13 @@
-"""Hybrids with short convolutions: LFM2, LFM2-MoE, LFM3 (Liquid); Inkling; Inkling2, Inkling2-loop (refused).
+"""Hybrids with short convolutions: LFM2, LFM2-MoE, LFM3 (Liquid); Inkling; Inkling2, Inkling2-loop.
 
 ``full_attention`` / ``sliding_attention`` layers get Ulysses/Ring/USP through the attention
 function; the ``conv`` layers (``Lfm*ShortConv``: a gated causal depthwise conv1d of
 ``conv_L_cache`` taps) get the halo of the previous shard (:mod:`ringmaster.recurrent.short_conv`).
 MLP / MoE blocks are token-local. Inkling's attention adds a hidden-state-conditioned relative
-position bias, rebuilt from global positions by :mod:`ringmaster.attention.relbias`; Inkling2 and
-Inkling2-loop stay refused for the pieces named in their ``refuse`` reasons.
+position bias, rebuilt from global positions by :mod:`ringmaster.attention.relbias`. Inkling2 and
+Inkling2-loop add per-token attention sinks (:mod:`ringmaster.attention.token_sinks`), attention residuals
+over layer depth that call the attention interface (run locally: :mod:`ringmaster.attention.local`) and the
+full layers' dynamic short convs (:mod:`ringmaster.recurrent.dynamic_conv`).
 """
 
 from .spec import ArchitectureSpec, RelativeBiasSite, register_architecture
@@ -80,45 +82,35 @@ INKLING_TEXT = register_architecture(ArchitectureSpec(
           "positions inside the CP attention (Ulysses: eager with a dense bias; Ring: math block kernel)",
 ))
 
-# Inkling2 / Inkling2-loop: the relative bias is declared (the same mechanism), but three more pieces have no
-# CP path yet, so the families stay refused, each named in the reason.
-_INKLING2_MISSING = (
-    "ringmaster rebuilds its relative position bias ({bias}) from global positions, but three pieces of these "
-    "layers have no CP path yet: (1) per-token attention sinks (`sinks` [B, H, q, 1] from sink_proj, a logit per "
-    "query that the Ulysses all-to-all and the Ring merge would have to carry with the queries); (2) "
-    "{block} calls the attention interface for a per-token attention over layer depth (q [B, S, n, D]: the "
-    "sequence sits in the heads dim), which the CP attention function would treat as sequence attention over "
-    "another length and refuses; (3) the full-attention layers' {dynamic} (k/v) computes per-token taps inline "
-    "(unfold, no kernel call to give the previous shard's halo). The short convolutions ({convs}) are declared "
-    "as 'short_conv' and are exact under CP on their own. Use a CP size of 1 for this family")
+# Inkling2 / Inkling2-loop: the relative bias as Inkling's; per-token sinks (sink_proj) carried with the queries;
+# the block / message attention residuals (a per-token attention over layer depth through the attention
+# interface: q [B, S, n, D]) run the wrapped kernel locally; the full layers' dynamic short convs (per-token
+# taps computed inline) get ringmaster's forward with the conv halo.
 
 INKLING2_TEXT = register_architecture(ArchitectureSpec(
     name="inkling2_text",
     model_types=("inkling2_text",),
     attention_classes=("Inkling2SlidingAttention", "Inkling2FullAttention"),
-    recurrent_classes={"Inkling2ShortConvolution": "short_conv"},
+    recurrent_classes={"Inkling2ShortConvolution": "short_conv",
+                       "Inkling2DynamicShortConvolution": "dynamic_short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
     relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
                    for c in ("Inkling2SlidingAttention", "Inkling2FullAttention")},
-    refuse=("Inkling2SlidingAttention / Inkling2FullAttention: " + _INKLING2_MISSING.format(
-        bias="Inkling2RelativePositionBias", block="Inkling2BlockAttentionResidual",
-        dynamic="Inkling2DynamicShortConvolution",
-        convs="Inkling2ShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the post-attention "
-              "/ post-MLP convolutions")),
+    local_attention=("Inkling2BlockAttentionResidual",),
+    notes="short convs (conv halo) and the full layers' dynamic short convs (conv halo of the windows); relative "
+          "position bias rebuilt from global positions; per-token sinks carried with the queries; the block "
+          "attention residuals (attention over layer depth) run the wrapped kernel locally",
 ))
 
 INKLING2_LOOP_TEXT = register_architecture(ArchitectureSpec(
     name="inkling2_loop_text",
     model_types=("inkling2_loop_text",),
     attention_classes=("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
-    recurrent_classes={"Inkling2LoopShortConvolution": "short_conv"},
+    recurrent_classes={"Inkling2LoopShortConvolution": "short_conv",
+                       "Inkling2LoopDynamicShortConvolution": "dynamic_short_conv"},
     recurrent_kernels=SHORT_CONV_KERNELS,
     relative_bias={c: RelativeBiasSite(module="relative_position_bias", states=_inkling2_states)
                    for c in ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention")},
-    refuse=("Inkling2LoopSlidingAttention / Inkling2LoopFullAttention: " + _INKLING2_MISSING.format(
-        bias="Inkling2LoopRelativePositionBias",
-        block="Inkling2LoopBlockAttentionResidual (and Inkling2LoopMessageAttentionResidual)",
-        dynamic="Inkling2LoopDynamicShortConvolution",
-        convs="Inkling2LoopShortConvolution: the sliding layers' k_proj.sconv / v_proj.sconv and the "
-              "post-attention / post-MLP convolutions")),
+    local_attention=("Inkling2LoopBlockAttentionResidual", "Inkling2LoopMessageAttentionResidual"),
+    notes="as inkling2_text; the loop layers' message attention residuals (over layer depth) also run locally",
 ))

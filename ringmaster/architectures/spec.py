@@ -156,6 +156,10 @@ class ArchitectureSpec:
     # attention class -> RelativeBiasSite, for modules that pass a hidden-state-conditioned relative position
     # bias to their attention call (attention.relbias re-binds each instance's bias module)
     relative_bias: dict = field(default_factory=dict)
+    # classes that call the attention interface for something that mixes nothing along the sequence
+    # (Inkling2's attention residuals over layer depth): their calls run the wrapped kernel locally
+    # (attention.local)
+    local_attention: tuple[str, ...] = ()
     notes: str = ""
     # a family ringmaster knows to be wrong under CP: ``rm.wire`` raises this reason (naming the layer or
     # feature and the fix) instead of wiring it, even when the generic path would accept the model

@@ -34,6 +34,8 @@ together and no collective is left waiting.
   ``RelativeBiasSite``): its ``position_bias`` arrives as per-token states and becomes a
   :class:`~ringmaster.attention.relbias.RelativeBias` the backends build from global positions; queries
   and states log-scaled by the *local* index are rescaled to the global one (:mod:`.relbias`).
+* **Per-token attention sinks** (Inkling2's ``sinks`` ``[B, H, q, 1]``): moved to the backends' per-token
+  sink kwarg; Ulysses all-to-alls them with q, Ring merges them per row (:mod:`.token_sinks`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..sharding import balancers
-from . import relbias
+from . import relbias, token_sinks
 
 # kwargs that carry a bias built for the local shard's scores: nothing here rebuilds them globally
 # (``position_bias`` of a declared relative-bias module is rebuilt: attention.relbias)
@@ -108,6 +110,7 @@ def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     query, rel = relbias.take(module, query, cpb, kwargs, _where(module))
     if rel is not None:
         kwargs[relbias.KWARG] = rel
+    token_sinks.take(query, kwargs, _where(module))   # Inkling2's per-token sinks travel with the queries
     for name in _REFUSED_BIAS_KWARGS:
         if isinstance(kwargs.get(name), torch.Tensor):
             raise NotImplementedError(

@@ -14,7 +14,7 @@ from functools import partial
 from ..comm import with_layer_context
 from ..compat import has_module
 from ..sharding.documents import BATCH_KWARG, CPBatch
-from . import layer_rules, ulysses, usp
+from . import layer_rules, local, ulysses, usp
 from .binding import AttentionBinding
 from .ring import hf as ring_hf
 
@@ -55,6 +55,9 @@ def require_batch(kwargs: dict, binding: AttentionBinding, module=None) -> CPBat
 
 
 def _call(fn, binding: AttentionBinding, module, query, key, value, attention_mask, **kwargs):
+    if local.is_local(module):  # per-token attention over layer depth: the wrapped kernel, no collective
+        kwargs.pop(BATCH_KWARG, None)
+        return ulysses.inner_attention(binding.inner, module)(module, query, key, value, attention_mask, **kwargs)
     ledger = binding.ledger
     if ledger is not None and ledger.armed:  # the first CP forward only (attention.accounting)
         ledger.record(module, attention_mask)

@@ -20,6 +20,7 @@ from ..comm import all_to_all
 from . import flash_kernels
 from .binding import AttentionBinding
 from . import relbias, tiled
+from .token_sinks import KWARG as TOKEN_SINKS
 from .flex import block_mask as flex_block_mask
 
 # kwargs that describe the local shard only: the inner kernel must not see them
@@ -65,7 +66,7 @@ class _HeadSliceModule:
         return getattr(object.__getattribute__(self, "_module"), name)
 
 
-def _inner_attention(inner: str, module: torch.nn.Module) -> Callable:
+def inner_attention(inner: str, module: torch.nn.Module) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if inner == "eager":
@@ -146,8 +147,10 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
     inner = binding.inner
     rel = kwargs.pop(relbias.KWARG, None)
-    if kwargs.get("alibi_slopes") is not None or rel is not None:
-        # bloom/mpt compute eager S x S attention themselves, Inkling's bias is an S x S tensor: so does CP
+    token_sinks = kwargs.pop(TOKEN_SINKS, None)
+    if kwargs.get("alibi_slopes") is not None or rel is not None or token_sinks is not None:
+        # bloom/mpt compute eager S x S attention themselves, Inkling's bias is an S x S tensor, Inkling2's
+        # per-token sinks are a kwarg of its own eager kernel: so does CP
         inner = "eager"
     elif binding.inner_kernel is not None:
         return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
@@ -167,6 +170,8 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     hq, hk = q.shape[1], k.shape[1]
     if rel is not None:  # per-query features: they travel with the queries
         rel = relbias.RelativeBias(states=seq_to_head([rel.states], group)[0], proj=rel.proj)
+    if token_sinks is not None:  # one logit per query: it travels with the queries, back in the model's shape
+        kwargs["sinks"] = seq_to_head([token_sinks.unsqueeze(-1)], group)[0]
 
     heads = slice(rank * hq, (rank + 1) * hq)
     overrides = {"num_key_value_groups": hq // hk}
@@ -181,7 +186,7 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
         kwargs.pop(name, None)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     window = kwargs.get("sliding_window")
-    fn = _inner_attention(inner, module)
+    fn = inner_attention(inner, module)
     if alibi is not None:  # ALiBi slopes are per head: this rank's heads only
         out, _ = fn(_HeadSliceModule(module, overrides), q, k, v,
                     alibi_mask(cpb, causal, window, local_heads(alibi, rank, hq), q), **kwargs)

@@ -25,7 +25,9 @@ def usp_attention_hf(module, query, key, value, *, binding: AttentionBinding, cp
     if rel is not None:  # Inkling's per-query bias features travel with the queries
         kwargs[REL_KWARG] = RelativeBias(states=seq_to_head([rel.states], ug)[0], proj=rel.proj)
     sinks = module_sinks(module, kwargs)
-    if sinks is not None:
+    if sinks is not None and sinks.dim() == 3:  # Inkling2's per-token sinks travel with the queries
+        sinks = seq_to_head([sinks.unsqueeze(-1)], ug)[0][..., 0]
+    elif sinks is not None:
         sinks = sinks[i * q.shape[1]:(i + 1) * q.shape[1]]
     if kwargs.get("alibi_slopes") is not None:  # per-head, like the sinks: this rank's heads only
         kwargs["alibi_slopes"] = kwargs["alibi_slopes"][i * q.shape[1]:(i + 1) * q.shape[1]]

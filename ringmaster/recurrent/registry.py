@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedLayerError
-from . import gated_deltanet, kda, lightning, mamba1, mamba2, mlstm, rglru, rwkv, short_conv
+from . import dynamic_conv, gated_deltanet, kda, lightning, mamba1, mamba2, mlstm, rglru, rwkv, short_conv
 from .kind import RecurrentKind
 
 _KINDS: dict[str, RecurrentKind] = {}
@@ -37,5 +37,6 @@ register_kind(rglru.KIND)
 register_kind(rwkv.KIND)
 register_kind(rwkv.CHANNEL_MIX)
 register_kind(short_conv.KIND)
+register_kind(dynamic_conv.KIND)
 register_kind(mamba1.KIND)
 register_kind(mlstm.KIND)

@@ -17,7 +17,7 @@ own kernel computes every document as if it ran alone.
 The layers call ``causal_conv1d_fn`` by module-level name from ``forward``; a layer instance gets
 a copy of its forward in which that name resolves to the CP conv (:mod:`.intercept`). A short
 conv whose taps are computed inline (Inkling2's ``DynamicShortConvolution``: per-token taps,
-``unfold`` instead of a kernel) has no name to route and is not this kind.
+``unfold`` instead of a kernel) has no name to route: it is its own kind (:mod:`.dynamic_conv`).
 """
 
 from __future__ import annotations

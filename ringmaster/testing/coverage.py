@@ -32,6 +32,7 @@ KIND_MUTATIONS = {
     "mamba2": _HYBRID,
     "gated_deltanet": _HYBRID,
     "short_conv": _VARIANTS,
+    "dynamic_short_conv": "tests/test_inkling2.py::test_inkling2_mutations_are_caught",
     "kda": _LINEAR,
     "lightning": _LINEAR,
     "rglru": _LINEAR,
@@ -46,8 +47,8 @@ FAMILY_MUTATIONS = {
     "olmo_hybrid": (_VARIANTS,),
     "bailing_hybrid": (_VARIANTS,),
     "inkling_text": ("tests/test_relbias.py::test_inkling_mutations_are_caught", _INKLING_CONVS),
-    "inkling2_text": (_INKLING_CONVS,),
-    "inkling2_loop_text": (_INKLING_CONVS,),
+    "inkling2_text": ("tests/test_inkling2.py::test_inkling2_mutations_are_caught", _INKLING_CONVS),
+    "inkling2_loop_text": ("tests/test_inkling2.py::test_inkling2_mutations_are_caught", _INKLING_CONVS),
 }
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...comm import diagnosed, timed_comm
 from ...sharding import balancers
 from .masks import BlockMask
-from .merge import acc_dtype, merge, merge_sink
+from .merge import acc_dtype, merge, merge_sink, sink_grad
 
 SKIP = "skip"
 # gloo matches p2p messages by (peer, tag): one tag per message kind keeps kinds apart
@@ -313,9 +313,7 @@ class DistFlashAttention(torch.autograd.Function):
         _absorb_grads(pending_grads[0], ex.wait(pending_grads[1]), add_dq, dkv)
         dsinks = None
         if sinks is not None:
-            delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
-            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
-            dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+            dsinks = sink_grad(sinks, lse.to(acc), dout, out)   # per head [H] or per token [B, H, S]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 

@@ -9,6 +9,7 @@ from ...config import RingImpl
 from ...sharding import balancers
 from ..binding import AttentionBinding
 from ..relbias import KWARG as REL_KWARG
+from ..token_sinks import KWARG as TOKEN_SINKS
 from . import distflash
 from .loop import RingPlan, ring_attention
 from .math_kernel import MathKernel
@@ -17,7 +18,11 @@ _MATH = MathKernel()
 
 
 def module_sinks(module, kwargs):
-    """gpt-oss style sinks ``[Hq]``: the ``s_aux`` kwarg or the module's ``sinks`` parameter."""
+    """gpt-oss style sinks ``[Hq]``: the ``s_aux`` kwarg or the module's ``sinks`` parameter; Inkling2's
+    per-token sinks ``[B, Hq, q]`` (:mod:`..token_sinks`) when the call has them."""
+    sinks = kwargs.pop(TOKEN_SINKS, None)
+    if sinks is not None:
+        return sinks
     sinks = kwargs.get("s_aux")
     if not isinstance(sinks, torch.Tensor):
         sinks = getattr(module, "sinks", None)

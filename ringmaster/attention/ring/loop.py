@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...comm import _all_gather, _reduce_scatter, diagnosed, timed_comm
 from ...sharding import balancers
 from .masks import BlockMask
-from .merge import acc_dtype, merge, merge_sink
+from .merge import acc_dtype, merge, merge_sink, sink_grad
 
 SKIP = "skip"
 
@@ -287,9 +287,7 @@ class RingAttention(torch.autograd.Function):
                                 drel)
         dsinks = None
         if sinks is not None:
-            delta = (dout.to(acc) * out).sum(-1)                    # [B, H, S]
-            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # the sink's share of each row
-            dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+            dsinks = sink_grad(sinks, lse.to(acc), dout, out)   # per head [H] or per token [B, H, S]
         return (dq.to(q.dtype), lay.k(dkv).to(k.dtype), lay.v(dkv).to(v.dtype), dsinks,
                 None, None, None, None, None, None, None if rel is None else drel.to(rel.dtype))
 

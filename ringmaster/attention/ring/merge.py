@@ -32,12 +32,31 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
     return merged, total
 
 
-def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
-    """Add an attention sink (a per-head logit whose value vector is zero) to a merged result.
+def sink_logits(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The sink logit of every row of ``lse`` ``[B, H, S]``: ``sink`` is per head ``[H]`` (gpt-oss) or per
+    query token ``[B, H, S]`` (Inkling2's ``sink_proj`` of the query's hidden state, the rows in ``lse``'s
+    order: it travels with the queries)."""
+    if sink.dim() == 1:
+        return sink.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    if sink.shape != lse.shape:
+        raise ValueError(f"per-token sinks {tuple(sink.shape)} for rows {tuple(lse.shape)}")
+    return sink.to(lse.dtype)
 
-    ``sink`` is ``[H]``; ``out`` ``[B, H, S, D]``. The sink enters the normaliser once.
+
+def sink_grad(sink: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sink's gradient: ``-p_sink * (dout . out)`` per row, summed over batch and rows for a per-head sink."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)     # [B, H, S]
+    g = -torch.exp(sink_logits(sink, lse) - lse) * delta          # the sink's share of each row, times delta
+    return (g.sum(dim=(0, 2)) if sink.dim() == 1 else g).to(sink.dtype)
+
+
+def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
+    """Add an attention sink (a logit whose value vector is zero) to a merged result.
+
+    ``sink`` is ``[H]`` or per token ``[B, H, S]`` (:func:`sink_logits`); ``out`` ``[B, H, S, D]``. The sink
+    enters the normaliser once.
     """
-    s = sink.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    s = sink_logits(sink, lse)
     total = torch.logaddexp(lse, s)
     return out * _weight(lse, total).unsqueeze(-1), total
 
