@@ -482,8 +482,11 @@ def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=
     and ringmaster's own record), bytes saved for backward, step times. Other ranks return None.
 
     Per system: one counted step (bytes at the c10d op level, :func:`ringmaster.profiling.count_collectives`,
-    whoever issues them; ringmaster's own :func:`profile_comms` record; saved-for-backward bytes),
-    then ``reps`` timed steps with no counter active (the counter's dispatch mode costs a Python call per op)."""
+    whoever issues them; ringmaster's own :func:`profile_comms` record; saved-for-backward bytes). Then
+    one untimed warm-up round and ``reps`` timed rounds with no counter active (the counter's dispatch
+    mode costs a Python call per op); each round steps every system once, in an order that alternates
+    between rounds, so no system pays the process's warm-up or a drift of the machine alone (one system
+    after another made the first one up to 1.25x slower on a quiet machine)."""
     import torch
     import torch.distributed as dist
 
@@ -504,6 +507,7 @@ def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=
     ref_out, ref_grads = _reference(q_full, k_full, v_full, dout_full)
     refs = [ref_out] + ref_grads
     out: dict[str, Any] = {}
+    ready = {}  # name -> (fn, context factory, local shards)
     for name in systems:
         try:
             try:
@@ -513,36 +517,50 @@ def peers_job(ctx, P: int, S: int, H: int, Hkv: int, D: int, reps: int, systems=
             except Exception as exc:
                 raise Skip(_why(exc)) from None
             local = [shard_tensor(t, 2, rank, P, layout) for t in (q_full, k_full, v_full, dout_full)]
-            times = []
-            with context():
-                for i in range(reps + 1):
-                    leaves = [t.clone().requires_grad_(True) for t in local[:3]]
-                    dist.barrier(group=group)
-                    _sync(device)
-                    if i == 0:  # the counted step (also the warm-up)
-                        with count_collectives() as comms, rm.profile_comms() as rm_comms, \
-                                rm.profile_memory() as mem:
-                            o = fn(*leaves)
-                            o.backward(local[3])
-                        mine = [o.detach()] + [t.grad for t in leaves]
-                        continue
-                    start = time.perf_counter()
-                    o = fn(*leaves)
-                    o.backward(local[3])
-                    _sync(device)
-                    times.append(time.perf_counter() - start)
+            leaves = [t.clone().requires_grad_(True) for t in local[:3]]
+            dist.barrier(group=group)
+            _sync(device)
+            with context(), count_collectives() as comms, rm.profile_comms() as rm_comms, \
+                    rm.profile_memory() as mem:
+                o = fn(*leaves)
+                o.backward(local[3])
+            mine = [o.detach()] + [t.grad for t in leaves]
             refs_local = [shard_tensor(t, 2, rank, P, layout) for t in refs]
             out[name] = {"status": "ok", "err": max(_rel(a, b) for a, b in zip(mine, refs_local)),
                          "fwd": comms.total_bytes(phase="forward"), "bwd": comms.total_bytes(phase="backward"),
                          "rm_fwd": rm_comms.total_bytes(phase="forward") if rm_comms.records else None,
                          "rm_bwd": rm_comms.total_bytes(phase="backward") if rm_comms.records else None,
                          "kinds": sorted({f"{r.kind}/{r.phase[:3]}" for r in comms.records}),
-                         "saved": mem.peak_saved_bytes, "time": statistics.median(times)}
+                         "saved": mem.peak_saved_bytes, "time": None}
+            ready[name] = (fn, context, local)
         except Skip as exc:
             out[name] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:  # a peer that imports but fails to run is reported, not fatal
             out[name] = {"status": "failed", "reason": _why(exc)}
         dist.barrier(group=group)
+    times: dict[str, list] = {name: [] for name in ready}
+    order = list(ready)
+    for i in range(reps + 1):  # round 0: the warm-up
+        for name in (order if i % 2 else order[::-1]):
+            fn, context, local = ready[name]
+            try:
+                with context():
+                    leaves = [t.clone().requires_grad_(True) for t in local[:3]]
+                    dist.barrier(group=group)
+                    _sync(device)
+                    start = time.perf_counter()
+                    o = fn(*leaves)
+                    o.backward(local[3])
+                    _sync(device)
+                    if i:
+                        times[name].append(time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - a peer failing in a later step is reported, not fatal
+                out[name] = {"status": "failed", "reason": _why(exc)}
+                order.remove(name)
+                times.pop(name)
+                break
+    for name, ts in times.items():
+        out[name]["time"] = statistics.median(ts)
     out["_kv_local"] = 2 * (S // P) * Hkv * D * q_full.element_size()
     return out
 
