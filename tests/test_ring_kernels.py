@@ -410,3 +410,29 @@ def test_hub_kernel_without_softcap_is_refused_by_name():
         kernel.check(q, q, 30.0)
     with pytest.raises(NotImplementedError, match="takes no softcap"):
         kernel.forward(q, q, q, 0.3, None, softcap=30.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_aten_cpu_gqa_blocks_pass_kv_unexpanded(monkeypatch, causal):
+    """The CPU flash op takes fewer K/V heads itself (torch 2.13): an unmasked or causal GQA block
+    must not expand K/V to the query heads (a copy of both, forward and backward, every block: ~9%
+    of a P=2 ring step), and its dK/dV come back per K/V head, exact."""
+    from ringmaster.attention.ring import aten
+
+    assert aten._cpu_gqa_native()
+    monkeypatch.setattr(aten, "expand_heads", lambda *a: (_ for _ in ()).throw(AssertionError("K/V expanded")))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 32, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 32, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = as_block_mask("causal" if causal else None, 32, 32)
+    kernel = AtenKernel()
+    out, lse = kernel.forward(q, k, v, 0.25, mask)
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref_out, _ = reference_attention(qr, kr, vr, 0.25, _dense("causal" if causal else None, 1, 32, 32))
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (ref_out * dout).sum().backward()
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, 0.25, mask)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

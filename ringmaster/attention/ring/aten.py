@@ -19,6 +19,8 @@ math kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...config import RingImpl
@@ -31,6 +33,23 @@ from .tiles import TILE_ROWS, additive, rows_seen, tiles
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_gqa_native() -> bool:
+    """Does the CPU flash op take fewer K/V heads than query heads (GQA) itself? torch 2.13's does,
+    and returns dK/dV per K/V head. Then an unmasked or causal block passes K/V as they are:
+    expanding them to the query heads copied both, forward and backward, every block (about 9% of
+    a ring step at S=4096, 8/4 heads, P=2 on CPU). A capability of the installed torch, probed once
+    on tiny tensors; not per-step state."""
+    q = torch.zeros(1, 2, 2, 8)
+    kv = torch.zeros(1, 1, 2, 8)
+    try:
+        out, lse = _CPU_FWD(q, kv, kv, 0.0, True, scale=1.0)
+        grads = _CPU_BWD(torch.ones_like(out), q, kv, kv, out, lse, 0.0, True, scale=1.0)
+    except RuntimeError:
+        return False
+    return tuple(grads[1].shape) == tuple(kv.shape)
 
 
 def _unsupported(device) -> NotImplementedError:
@@ -129,11 +148,13 @@ def _tile_bias(m, tm, r0, r1, k0, k1, q):
 
 def _cpu_forward(q, k, v, scale, m, tile_rows):
     g = q.shape[1] // k.shape[1]
-    kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     acc = acc_dtype(q)
     if (m.full or m.causal_square) and m.alibi_slopes is None:
-        out, lse = _CPU_FWD(q.contiguous(), kx, vx, 0.0, m.causal_square, scale=scale)
+        if g > 1 and not _cpu_gqa_native():
+            k, v = expand_heads(k, g), expand_heads(v, g)
+        out, lse = _CPU_FWD(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, m.causal_square, scale=scale)
         return out.to(acc), lse.to(acc)
+    kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     out, lse = empty_result(q)
     for r0, r1, k0, k1, tm in tiles(m, q.device, tile_rows):
         bias = _tile_bias(m, tm, r0, r1, k0, k1, q)
@@ -149,12 +170,16 @@ def _cpu_forward(q, k, v, scale, m, tile_rows):
 
 def _cpu_backward(dout, q, k, v, out, lse, scale, m, tile_rows):
     g = q.shape[1] // k.shape[1]
-    kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     dout, out, lse = dout.to(q.dtype), out.to(q.dtype), finite_lse(lse, acc_dtype(q))
     if (m.full or m.causal_square) and m.alibi_slopes is None:
+        if g > 1 and _cpu_gqa_native():   # dK/dV come back per K/V head
+            return _CPU_BWD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                            lse, 0.0, m.causal_square, scale=scale)
+        kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
         dq, dk, dv = _CPU_BWD(dout.contiguous(), q.contiguous(), kx, vx, out.contiguous(), lse, 0.0,
                               m.causal_square, scale=scale)
         return dq, reduce_groups(dk, g), reduce_groups(dv, g)
+    kx, vx = expand_heads(k, g).contiguous(), expand_heads(v, g).contiguous()
     acc = acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(kx.shape, dtype=acc, device=q.device)
