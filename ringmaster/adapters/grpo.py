@@ -28,7 +28,6 @@ Checked on CPU (gloo) against ``GRPOTrainer`` without CP on fixed completions; n
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,10 @@ from transformers.utils import ModelOutput
 from ..errors import UnsupportedLayerError
 from ..runtime import runtime_of
 from ..sharding import balancers
-from ..sharding.batch import ContextParallelContextManager, shift_labels as _shift_labels
+from ..sharding.batch import ContextParallelContextManager
 from ..sharding.documents import BATCH_KWARG
 from ..sharding.logprobs import token_logprobs
+from .head_forward import install_head_forward
 
 
 @dataclass
@@ -66,39 +66,13 @@ def install_logprob_forward(model, temperature: float = 1.0, chunk_size: int = 1
     call goes through the top module, so ringmaster's pre-hooks (shard, recurrent batch, first-forward
     ledger) and FSDP2's root hooks run. Returns ``restore()``.
     """
-    had = "forward" in vars(model)
-    original = model.forward
-
-    @functools.wraps(type(model).forward)
-    def forward(*args, ringmaster_token_logprobs: bool = False, ringmaster_entropy: bool = False, **kwargs):
-        if not ringmaster_token_logprobs:
-            return original(*args, **kwargs)
-        labels = kwargs.pop("labels", None)
-        shift = kwargs.pop("shift_labels", None)
-        for key in ("num_items_in_batch", "fused_lm_head", "logits_to_keep"):
-            kwargs.pop(key, None)
-        kwargs["use_cache"] = False
-        if shift is None:
-            if labels is None:
-                raise ValueError("ringmaster_token_logprobs needs labels or shift_labels")
-            shift = _shift_labels(labels)
-        backbone = getattr(model, model.base_model_prefix, None) or model.get_decoder()
-        batch = kwargs.get(BATCH_KWARG)
-        out = backbone(*args, **kwargs)
-        result = token_logprobs(out, shift, model=model, batch=batch, runtime=runtime_of(model),
+    def head(model, out, shift, kwargs, num_items, ringmaster_entropy=False):
+        result = token_logprobs(out, shift, model=model, batch=kwargs.get(BATCH_KWARG), runtime=runtime_of(model),
                                 temperature=temperature, chunk_size=chunk_size, entropy=ringmaster_entropy)
         logps, ent = result if ringmaster_entropy else (result, None)
         return TokenLogprobsOutput(log_probs=logps, entropy=ent)
 
-    model.forward = forward
-
-    def restore():
-        if had:
-            model.forward = original
-        else:
-            del model.forward
-
-    return restore
+    return install_head_forward(model, "ringmaster_token_logprobs", head, options=("ringmaster_entropy",))
 
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",

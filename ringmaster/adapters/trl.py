@@ -23,7 +23,6 @@ packing and padding-free batches are all exact. What this class adds to ``SFTTra
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - trl is an optional extra
 from ..sharding.batch import IGNORE_INDEX
 from ..sharding.loss import reduce_mean
 from .accelerate import cp_num_items_in_batch
+from .head_forward import install_head_forward
 
 
 def _install_chunked_loss(model, chunk_size: int):
@@ -49,45 +49,16 @@ def _install_chunked_loss(model, chunk_size: int):
 
     from ..sharding.loss import chunked_nll
 
-    had = "forward" in vars(model)
-    original = model.forward
-
-    @functools.wraps(type(model).forward)
-    def forward(*args, ringmaster_chunked_loss: bool = False, **kwargs):
-        if not ringmaster_chunked_loss:
-            return original(*args, **kwargs)
-        labels = kwargs.pop("labels", None)
-        shift_labels = kwargs.pop("shift_labels", None)
-        num_items = kwargs.pop("num_items_in_batch", None)
-        kwargs.pop("fused_lm_head", None)
-        kwargs.pop("logits_to_keep", None)
-        kwargs["use_cache"] = False
-        if shift_labels is None:
-            if labels is None:
-                raise ValueError("ringmaster_chunked_loss needs labels or shift_labels")
-            from ..sharding.batch import shift_labels as _shift
-
-            shift_labels = _shift(labels)
-        backbone = getattr(model, model.base_model_prefix, None) or model.get_decoder()
-        hidden = backbone(*args, **kwargs).last_hidden_state
-        head = model.get_output_embeddings()
-        weight = head.weight
+    def head(model, out, shift_labels, kwargs, num_items):
+        weight = model.get_output_embeddings().weight
         if hasattr(weight, "full_tensor"):  # FSDP2 DTensor
             weight = weight.full_tensor()
         if num_items is None:
             num_items = shift_labels.ne(IGNORE_INDEX).sum().clamp_min(1)
-        loss = chunked_nll(hidden, weight, shift_labels, num_items, chunk_size=chunk_size)
+        loss = chunked_nll(out.last_hidden_state, weight, shift_labels, num_items, chunk_size=chunk_size)
         return CausalLMOutputWithPast(loss=loss)
 
-    model.forward = forward
-
-    def restore():
-        if had:
-            model.forward = original
-        else:
-            del model.forward
-
-    return restore
+    return install_head_forward(model, "ringmaster_chunked_loss", head)
 
 
 class _PackingCheckView:
