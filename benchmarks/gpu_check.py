@@ -170,6 +170,31 @@ def _batch(kind: str, vocab: int, S: int, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def _cp_step(model, cfg, batch, world: int, ctx=None):
+    """Wire ``model`` with ``cfg``, run one CP forward+backward on ``batch`` (inside ``ctx``), unwire:
+    the CP-group mean loss, the gathered logits and the CP-group mean gradients (float32)."""
+    import torch.distributed as dist
+
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+
+    runtime = rm.wire(model, cfg)
+    try:
+        with (ctx if ctx is not None else _null()), context_parallel_region(batch, runtime=runtime) as shard:
+            out = model(**shard)
+            out.loss.backward()
+        loss = out.loss.detach().float().clone()
+        dist.all_reduce(loss, group=runtime.cp_group)
+        logits = rm.gather_sequence(out.logits.detach().float(), dim=1, runtime=runtime)
+        grads = _grads(model)
+        for g in grads.values():
+            dist.all_reduce(g, group=runtime.cp_group)
+            g.div_(world)
+    finally:
+        rm.unwire(model)
+    return loss / world, logits, grads
+
+
 def _grads(model):
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -183,10 +208,7 @@ def parity_job(rank, world, device, cases, quick):
     """Every case on every rank: fp32 truth and bf16 reference without CP, bf16 with CP."""
     import copy
 
-    import torch.distributed as dist
-
     import ringmaster as rm
-    from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.testing.parity import tiny_model
 
     S = 256 if quick else 4096
@@ -221,23 +243,9 @@ def parity_job(rank, world, device, cases, quick):
             cfg = rm.RingmasterConfig(size=world, **case["cfg"])
             if inner != build_inner:  # a flash kernel: ringmaster resolves and calls it itself, so the name
                 _name_attention(model, inner)  # is set as from_pretrained(attn_implementation=...) sets it
-            runtime = rm.wire(model, cfg)
-            try:
-                ctx = torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, case["sdpa_backend"])) \
-                    if case.get("sdpa_backend") else _null()
-                with ctx, context_parallel_region(batch, runtime=runtime) as shard:
-                    out = model(**shard)
-                    out.loss.backward()
-                loss = out.loss.detach().float().clone()
-                dist.all_reduce(loss, group=runtime.cp_group)
-                loss = loss / world
-                logits = rm.gather_sequence(out.logits.detach().float(), dim=1, runtime=runtime)
-                grads = _grads(model)
-                for g in grads.values():
-                    dist.all_reduce(g, group=runtime.cp_group)
-                    g.div_(world)
-            finally:
-                rm.unwire(model)
+            ctx = torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, case["sdpa_backend"])) \
+                if case.get("sdpa_backend") else _null()
+            loss, logits, grads = _cp_step(model, cfg, batch, world, ctx)
             cp_grad = max(_rel(grads[n], t_grads[n]) for n in t_grads)
             ref_grad = max(_rel(r_grads[n], t_grads[n]) for n in t_grads)
             row.update(
@@ -341,14 +349,11 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
     CPU stand-in packages first on ``sys.path`` (plumbing run only; never on a GPU)."""
     import copy
 
-    import torch.distributed as dist
-
     if standins:
         from ringmaster.testing.kernel_standin import SITE
 
         sys.path.insert(0, SITE)          # before transformers imports the modeling modules
     import ringmaster as rm
-    from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.testing.parity import per_document_forward, tiny_model
 
     S = 64 if quick else 4096
@@ -388,22 +393,9 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
                     r_loss, r_logits, r_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(ref)
                     del ref, out
                     model = copy.deepcopy(base).to(torch.bfloat16)
-                    runtime = rm.wire(model, rm.RingmasterConfig(size=world, backend="ulysses", recurrent=strategy,
-                                                                 load_balance="none"))
-                    try:
-                        with context_parallel_region(batch, runtime=runtime) as shard:
-                            out = model(**shard)
-                            out.loss.backward()
-                        loss = out.loss.detach().float().clone()
-                        dist.all_reduce(loss, group=runtime.cp_group)
-                        loss = loss / world
-                        logits = rm.gather_sequence(out.logits.detach().float(), dim=1, runtime=runtime)
-                        grads = _grads(model)
-                        for g in grads.values():
-                            dist.all_reduce(g, group=runtime.cp_group)
-                            g.div_(world)
-                    finally:
-                        rm.unwire(model)
+                    loss, logits, grads = _cp_step(
+                        model, rm.RingmasterConfig(size=world, backend="ulysses", recurrent=strategy,
+                                                   load_balance="none"), batch, world)
                     row.update(loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
                                logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
                                grad_cp=max(_rel(grads[n], t_grads[n]) for n in t_grads),
