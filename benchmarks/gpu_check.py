@@ -204,6 +204,18 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def _score(row: dict, cp, ref, truth) -> bool:
+    """Fill ``row`` with the bf16 CP and bf16 non-CP errors against the fp32 truth (each a
+    ``(loss, logits, grads)``) and whether CP is within the rule: at most 2x the non-CP error + 1e-3."""
+    (loss, logits, grads), (r_loss, r_logits, r_grads), (t_loss, t_logits, t_grads) = cp, ref, truth
+    row.update(loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
+               logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
+               grad_cp=max(_rel(grads[n], t_grads[n]) for n in t_grads),
+               grad_ref=max(_rel(r_grads[n], t_grads[n]) for n in t_grads),
+               missing=len(set(t_grads) - set(grads)))
+    return all(row[f"{k}_cp"] <= 2 * row[f"{k}_ref"] + 1e-3 for k in ("loss", "logits", "grad"))
+
+
 def parity_job(rank, world, device, cases, quick):
     """Every case on every rank: fp32 truth and bf16 reference without CP, bf16 with CP."""
     import copy
@@ -246,13 +258,7 @@ def parity_job(rank, world, device, cases, quick):
             ctx = torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, case["sdpa_backend"])) \
                 if case.get("sdpa_backend") else _null()
             loss, logits, grads = _cp_step(model, cfg, batch, world, ctx)
-            cp_grad = max(_rel(grads[n], t_grads[n]) for n in t_grads)
-            ref_grad = max(_rel(r_grads[n], t_grads[n]) for n in t_grads)
-            row.update(
-                loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
-                logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
-                grad_cp=cp_grad, grad_ref=ref_grad, missing=len(set(t_grads) - set(grads)))
-            ok = all(row[f"{k}_cp"] <= 2 * row[f"{k}_ref"] + 1e-3 for k in ("loss", "logits", "grad"))
+            ok = _score(row, (loss, logits, grads), (r_loss, r_logits, r_grads), (t_loss, t_logits, t_grads))
             row["verdict"] = "ok" if ok and not row["missing"] else "FAIL"
         except BaseException as e:  # one row's failure is that row's result
             row["verdict"] = "error"
@@ -396,12 +402,8 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
                     loss, logits, grads = _cp_step(
                         model, rm.RingmasterConfig(size=world, backend="ulysses", recurrent=strategy,
                                                    load_balance="none"), batch, world)
-                    row.update(loss_cp=_rel(loss, t_loss), loss_ref=_rel(r_loss, t_loss),
-                               logits_cp=_rel(logits, t_logits), logits_ref=_rel(r_logits, t_logits),
-                               grad_cp=max(_rel(grads[n], t_grads[n]) for n in t_grads),
-                               grad_ref=max(_rel(r_grads[n], t_grads[n]) for n in t_grads),
-                               missing=len(set(t_grads) - set(grads)))
-                    ok = all(row[f"{k}_cp"] <= 2 * row[f"{k}_ref"] + 1e-3 for k in ("loss", "logits", "grad"))
+                    ok = _score(row, (loss, logits, grads), (r_loss, r_logits, r_grads),
+                                (t_loss, t_logits, t_grads))
                     if strategy == "scan":
                         scan_out[kind] = (logits, grads)
                     elif strategy == "fla_cp" and kind in scan_out:
