@@ -683,3 +683,61 @@ def count_collectives(tag: str = "c10d", include_zero: bool = False):
 
     with _Counter():
         yield prof
+
+
+# aten ops that make the host wait for the device on a GPU: a scalar read, or an output whose size
+# depends on tensor values (the device must finish before the host can allocate it)
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim",
+            "bincount", "_assert_async")
+# Python-level reads of tensor values that bypass those ops (a copy to host memory)
+SYNC_METHODS = ("tolist", "numpy")
+
+
+class HostSyncs:
+    """What :func:`count_host_syncs` saw: per op name, how many calls."""
+
+    def __init__(self):
+        self.ops: dict[str, int] = {}
+
+    def add(self, name: str) -> None:
+        self.ops[name] = self.ops.get(name, 0) + 1
+
+    @property
+    def scalar_reads(self) -> int:
+        """``aten._local_scalar_dense`` calls: ``.item()``, ``int(t)``, ``bool(t)``, ``float(t)``."""
+        return self.ops.get("_local_scalar_dense", 0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count the reads of tensor values on the host inside the block (forward and backward alike):
+    scalar reads (``aten._local_scalar_dense``), ops whose output size depends on values (``nonzero``,
+    boolean indexing, ``bincount``, ``unique``) and ``tensor.tolist()`` / ``.numpy()``. On a GPU each is a
+    stall until the device has drained its queue; on CPU the same calls are counted, so the CPU run
+    measures what a GPU step would pay. Yields a :class:`HostSyncs`."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = HostSyncs()
+    sync_ops = set(SYNC_OPS)
+    methods = {getattr(torch.Tensor, m) for m in SYNC_METHODS}
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::", 1)[1]
+            if name in sync_ops:
+                seen.add(name)
+            return func(*args, **(kwargs or {}))
+
+    class _Methods(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in methods:
+                seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with _Methods(), _Ops():
+        yield seen

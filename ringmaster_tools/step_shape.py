@@ -1,0 +1,150 @@
+"""The shape of one CP training step: host syncs per step and whether each decoder block compiles.
+
+Run on every rank of a CP group (a ``LocalPool`` job, ``benchmarks/step_shape.py``, the tests):
+
+* :func:`host_syncs` counts host syncs (:func:`ringmaster.profiling.count_host_syncs`) over one forward
+  and backward after a warm-up step, for the model without CP and for the same model wired for CP;
+  the shard step (built once per batch from the full batch, on the host) is counted apart.
+* :func:`compile_parity` compiles every decoder block with ``torch.compile(block, fullgraph=True)``
+  after ``rm.wire`` (torchtitan's order: wire, checkpoint, compile) and compares loss, gathered
+  logits and every gradient with the model without CP; a block that cannot compile raises there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+MODELS = {
+    "llama": ("llama", dict(num_hidden_layers=4)),
+    "gdn-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4,
+                                        layer_types=["linear_attention", "full_attention"] * 2)),
+    "mamba2-hybrid": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3])),
+}
+
+# backend name -> RingmasterConfig fields (size added per run)
+BACKENDS = {
+    "ulysses": dict(backend="ulysses"),
+    "ring-alltoall": dict(backend="ring", rotate_method="alltoall", load_balance="head_tail"),
+    "ring-allgather": dict(backend="ring", rotate_method="allgather", load_balance="head_tail"),
+    "distflash": dict(backend="ring", rotate_method="alltoall", load_balance="distflash"),
+    "usp": dict(backend="usp", ulysses_size=2, ring_size=2),
+}
+
+
+def make_batch(kind: str, vocab: int, seq_len: int = 64) -> dict:
+    from ringmaster.testing.parity import packed_batch, padded_rows, tiny_batch
+
+    if kind == "dense":
+        return tiny_batch(vocab, seq_len)
+    if kind == "packed":
+        return packed_batch(vocab, [20, seq_len - 36, 16])
+    if kind == "padded":
+        return padded_rows(vocab, seq_len)
+    raise ValueError(f"batch kind {kind!r}: dense, packed or padded")
+
+
+def _model(name: str, dtype=torch.float32):
+    from ringmaster.testing.parity import tiny_model
+
+    model_type, overrides = MODELS[name]
+    return tiny_model(model_type, dtype=dtype, **overrides)
+
+
+def _cfg(backend: str, size: int):
+    import ringmaster as rm
+
+    return rm.RingmasterConfig(size=size, **BACKENDS[backend])
+
+
+def _step(model, batch):
+    out = model(**batch)
+    out.loss.backward()
+    return out
+
+
+def _cp_step(model, runtime, batch):
+    from ringmaster.adapters.raw import context_parallel_region
+
+    with context_parallel_region(batch, runtime=runtime) as shard:
+        out = model(**shard)
+        out.loss.backward()
+    return out
+
+
+def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2) -> dict:
+    """Host syncs of one warm step: ``plain`` (no CP), ``cp`` (forward + backward under CP) and ``shard``
+    (the shard step: once per batch, on the host)."""
+    import ringmaster as rm
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.profiling import count_host_syncs
+
+    mesh = ctx.mesh(size)
+    torch.manual_seed(0)
+    plain = _model(model_name)
+    batch = make_batch(batch_kind, plain.config.vocab_size)
+    _step(plain, batch)
+    with count_host_syncs() as ref:
+        _step(plain, batch)
+    model = copy.deepcopy(plain)
+    runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh)
+    try:
+        _cp_step(model, runtime, batch)
+        with count_host_syncs() as shard_syncs:
+            region = context_parallel_region(batch, runtime=runtime)
+            shard = region.__enter__()
+        with count_host_syncs() as cp:
+            out = model(**shard)
+            out.loss.backward()
+        region.__exit__(None, None, None)
+    finally:
+        rm.unwire(model)
+    return {"plain": ref.scalar_reads, "plain_all": ref.total, "cp": cp.scalar_reads, "cp_all": cp.total,
+            "cp_ops": dict(cp.ops), "shard": shard_syncs.total}
+
+
+def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, fullgraph: bool = True) -> dict:
+    """Every decoder block compiled (``fullgraph``) after ``rm.wire``: errors against the model without
+    CP (loss, gathered logits, the worst gradient, each relative to its own norm) and graph breaks."""
+    import torch._dynamo
+
+    import ringmaster as rm
+    from ringmaster.testing.parity import group_mean_grad_errors, rel_err
+
+    mesh = ctx.mesh(size)
+    group = mesh.get_group("cp")
+    torch.manual_seed(0)
+    ref = _model(model_name)
+    batch = make_batch(batch_kind, ref.config.vocab_size)
+    model = copy.deepcopy(ref)
+    ref_out = _step(ref, batch)
+    runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        for layer in decoder_blocks(model):
+            layer.compile(fullgraph=fullgraph, backend="inductor" if fullgraph else "eager")
+        out = _cp_step(model, runtime, batch)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1, runtime=runtime)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        grads, missing, _ = group_mean_grad_errors(model, ref, group, size)
+        if missing:
+            raise AssertionError(f"no CP gradient for {missing}")
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    finally:
+        for layer in decoder_blocks(model):
+            layer._compiled_call_impl = None
+        rm.unwire(model)
+    return {"loss": rel_err(loss / size, ref_out.loss.detach()), "logits": rel_err(logits, ref_out.logits.detach()),
+            "grad": max(grads.values()) if grads else 0.0, "graph_breaks": breaks}
+
+
+def decoder_blocks(model) -> list:
+    """The decoder blocks: the modules of the model's layer list (``model.model.layers``)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.endswith("layers") and len(module):
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: found no decoder layer list")
