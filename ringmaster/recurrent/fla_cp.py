@@ -61,18 +61,14 @@ def unavailable_reason(kernel: Callable) -> str | None:
     return None
 
 
-def cu_seqlens_of_row(docs: torch.Tensor | None, row: int, seq_len: int, device) -> torch.Tensor:
-    """The global ``cu_seqlens`` of one batch row: its document starts (``docs [b, S]`` global ids), or one
-    document spanning the row."""
-    if docs is None:
-        return torch.tensor([0, seq_len], dtype=torch.long, device=device)
-    d = docs[row]
-    starts = (torch.nonzero(d[1:] != d[:-1]).flatten() + 1).tolist()
-    return torch.tensor([0, *starts, seq_len], dtype=torch.long, device=device)
+def cu_seqlens_of_row(runs, row: int, seq_len: int, device) -> torch.Tensor:
+    """The global ``cu_seqlens`` of one batch row: its document starts (``runs``: the batch's host copy of its
+    documents, ``sharding.documents.Runs``), or one document spanning the row."""
+    starts = [0] if runs is None else list(runs.row(row))
+    return torch.tensor([*starts, seq_len], dtype=torch.long).to(device, non_blocking=True)
 
 
-def fla_cp_rule(kernel: Callable, path: str, group, layout: str, docs: torch.Tensor | None, query, key, value, g,
-                beta, kwargs: dict):
+def fla_cp_rule(kernel: Callable, path: str, group, layout: str, runs, query, key, value, g, beta, kwargs: dict):
     """The layer's chunk kernel under FLA's own CP, one batch row at a time; returns the outputs ``[b, l, hv, dv]``."""
     if layout != "contiguous":
         raise NotImplementedError(f"{path}: recurrent='fla_cp' needs the contiguous layout (FLA's context "
@@ -83,7 +79,7 @@ def fla_cp_rule(kernel: Callable, path: str, group, layout: str, docs: torch.Ten
     seq_len = l * torch.distributed.get_world_size(group)
     outs = []
     for r in range(b):
-        cp_context = build_cp_context(cu_seqlens_of_row(docs, r, seq_len, query.device), group=group)
+        cp_context = build_cp_context(cu_seqlens_of_row(runs, r, seq_len, query.device), group=group)
         o, _ = kernel(query[r:r + 1], key[r:r + 1], value[r:r + 1], g=g[r:r + 1], beta=beta[r:r + 1],
                       cp_context=cp_context, **kwargs)
         outs.append(o)

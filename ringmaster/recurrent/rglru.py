@@ -133,7 +133,8 @@ def wire_rglru_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
             return probe_conv(ctx, conv_kernel, x, weight)
         group, size, layout, _ = ctx.resolve(batch)
         return cp_causal_conv1d(conv_kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=conv_documents(batch, ctx.path, size, x))
+                                docs=conv_documents(batch, ctx.path, size, x),
+                                runs=getattr(batch, "runs", None))
 
     def cp_scan(hidden_states, recurrent_gate, reset, recurrent_states=None, **kwargs):
         def kernel(**kw):

@@ -152,7 +152,7 @@ def _shift(ctx: LayerContext, pad) -> Callable:
         if size == 1 and docs is None:
             return pad_forward(pad, hidden)
         return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=docs).transpose(1, 2)
+                                docs=docs, runs=getattr(batch, "runs", None)).transpose(1, 2)
     return shift
 
 
