@@ -14,7 +14,6 @@ layers), so no module global holds per-batch state and gradient checkpointing re
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -89,6 +88,30 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
         bump = pad.long() + torch.cat([torch.zeros_like(pad[:, :1]), pad[:, :-1]], 1).long()
         doc = real_doc + bump.cumsum(-1)
     return doc
+
+
+def bisect_right(seq: tuple[int, ...], x: int) -> int:
+    """``bisect.bisect_right`` in plain Python: torch.compile traces it (the C builtin is a graph break)."""
+    lo, hi = 0, len(seq)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < seq[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def bisect_left(seq: tuple[int, ...], x: int) -> int:
+    """``bisect.bisect_left`` in plain Python (see :func:`bisect_right`)."""
+    lo, hi = 0, len(seq)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seq[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(frozen=True)
