@@ -712,11 +712,19 @@ class HostSyncs:
         return sum(self.ops.values())
 
 
+def _device_to_host(args, out) -> bool:
+    src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) and isinstance(out, torch.Tensor) \
+        and out is args[0] else (args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    return (src is not None and isinstance(out, torch.Tensor) and src.device.type not in ("cpu", "meta")
+            and out.device.type == "cpu")
+
+
 @contextlib.contextmanager
 def count_host_syncs():
     """Count the reads of tensor values on the host inside the block (forward and backward alike):
     scalar reads (``aten._local_scalar_dense``), ops whose output size depends on values (``nonzero``,
-    boolean indexing, ``bincount``, ``unique``) and ``tensor.tolist()`` / ``.numpy()``. On a GPU each is a
+    boolean indexing, ``bincount``, ``unique``), ``tensor.tolist()`` / ``.numpy()`` and copies of a device
+    tensor to host memory (``device_to_host``; none exist on a CPU run). On a GPU each is a
     stall until the device has drained its queue; on CPU the same calls are counted, so the CPU run
     measures what a GPU step would pay. Yields a :class:`HostSyncs`."""
     from torch.overrides import TorchFunctionMode
@@ -731,7 +739,10 @@ def count_host_syncs():
             name = func._schema.name.split("::", 1)[1]
             if name in sync_ops:
                 seen.add(name)
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if name in ("_to_copy", "copy_") and _device_to_host(args, out):
+                seen.add("device_to_host")   # .cpu() / .to("cpu") of a device tensor (never seen on a CPU run)
+            return out
 
     class _Methods(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
