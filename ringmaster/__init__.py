@@ -19,7 +19,7 @@ def __getattr__(name: str):
     """``rm.profile_comms`` / ``rm.profile_memory``: measurement tooling, loaded on first use so that
     ``import ringmaster`` (the training path) does not import it."""
     if name in ("profile_comms", "profile_memory"):
-        from . import profiling
+        from ringmaster_tools import profiling
 
         return getattr(profiling, name)
     raise AttributeError(f"module 'ringmaster' has no attribute {name!r}")

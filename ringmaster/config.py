@@ -176,7 +176,7 @@ class RingmasterConfig:
 
         ``num_kv_heads`` caps the Ulysses degree (each rank needs whole KV heads);
         ``intra_node_size`` keeps Ulysses inside a node. ``step_cost`` (``(u, r) -> seconds``,
-        ``ringmaster.step_model.step_cost``) makes an AUTO split the fastest predicted one
+        ``ringmaster_tools.step_model.step_cost``) makes an AUTO split the fastest predicted one
         (``auto_select``); without it the head/node rule decides. Returns ``self`` for chaining.
         """
         P = self.size

@@ -34,7 +34,7 @@ naming the layer: a view that is not axolotl's layout, a kernel path that no lon
 an unbound view on a CUDA machine (axolotl would bind at its first CUDA forward, over ringmaster's),
 FLA's triton conv backend, a Mamba2 activation that bypasses the conv kernel, and an adapter on a
 module whose weight FLA's kernel path reads directly (``conv1d``, Mamba1's ``dt_proj``, Mamba2's ``norm``).
-Verified on CPU with stand-ins of fla and the hub kernels (ringmaster/testing/fla_mamba_standin); not
+Verified on CPU with stand-ins of fla and the hub kernels (tests/standins/fla_mamba); not
 yet run on a GPU.
 """
 
