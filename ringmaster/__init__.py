@@ -6,7 +6,8 @@ from .architectures import ArchitectureSpec, get_architecture, register_architec
 from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RotateMethod
 from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
-from .runtime import Runtime, runtime_of, setup, teardown
+from .attention.setup import setup
+from .runtime import Runtime, runtime_of, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
 from .sharding.logprobs import token_logprobs
 from .tiling import TiledHandle, tiled_mlp

@@ -10,10 +10,10 @@ import time
 
 
 def _demo_job(ctx, model_type, world, backend, seq_len, attn, overrides):
-    import ringmaster as rm
+    from ringmaster.config import RingmasterConfig
     from ringmaster_tools.parity import compare
 
-    cfg = rm.RingmasterConfig(size=world, backend=backend)
+    cfg = RingmasterConfig(size=world, backend=backend)
     result = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(world), attn_implementation=attn,
                      **overrides)
     result["rank"] = ctx.rank

@@ -26,13 +26,14 @@ from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
 from .attention.selfattn import check_sites, split_cross, wire_sites
+from .attention.setup import setup
 from .attention.ulysses import kv_replication
 from .config import LoadBalance, RingmasterConfig
 from .errors import UnsupportedLayerError
 from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
-from .runtime import Runtime, setup
+from .runtime import Runtime
 
 __all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
 

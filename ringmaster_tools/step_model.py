@@ -13,7 +13,7 @@ with:
 * **communication**: every p2p exchange or collective costs ``latency + bytes / bandwidth`` of the
   link it crosses (``Link``): intra-node when the group fits in ``ranks_per_node`` ranks, else
   inter-node (a ring spanning nodes moves at its slowest hop). Latency is charged once per call
-  (what ``testing/latency.inject_latency`` injects).
+  (what ``ringmaster_tools.latency.inject_latency`` injects).
 * **overlap**: a p2p hop issued before a block's compute and waited after it costs
   ``max(0, hop - compute)``; collectives are synchronous (nothing hides them).
 

@@ -324,9 +324,9 @@ def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.fl
 
 
 def skip_composed_rebind():
-    """``ringmaster.recurrent.intercept.composed_forward`` as if axolotl's instance forward were not
+    """``ringmaster.intercept.composed_forward`` as if axolotl's instance forward were not
     recognised: wire must then refuse the layer (the instance forward would bypass the state passing)."""
-    from ringmaster.recurrent import intercept
+    from ringmaster import intercept
 
     return _patch(intercept, "composed_forward", lambda module: None)
 

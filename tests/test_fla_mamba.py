@@ -115,7 +115,7 @@ def test_axolotl_plugin_accepts_fla_backend(fla_pool):
 
 
 # axolotl's default ``mamba_backend: transformers``: its mixers carry an instance-level forward
-# (``_native_forward``) that ringmaster re-binds through (recurrent/intercept.COMPOSABLE_FORWARDS)
+# (``_native_forward``) that ringmaster re-binds through (intercept.COMPOSABLE_FORWARDS)
 @pytest.mark.parametrize("model_type,packed,strategy", [("mamba", False, "auto"), ("mamba", True, "scan"),
                                                         ("mamba2", False, "scan"), ("mamba2", True, "auto"),
                                                         ("falcon_mamba", True, "auto")],

@@ -51,7 +51,7 @@ import torch
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
-from .intercept import compose_attributes, rebind_function
+from ..intercept import compose_attributes, rebind_function
 from .mamba1 import cp_selective_scan
 from .mamba2 import cp_mamba2_chunk_scan
 

@@ -3,6 +3,9 @@ module-level kernel names (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) res
 ringmaster's CP versions. Nothing shared (the class, the transformers module) is patched. A known
 instance-level forward another tool installed around the class forward (:data:`COMPOSABLE_FORWARDS`:
 axolotl's default-backend Mamba mixers) is copied the same way, its wrappers kept, and put back by the undo.
+
+Used by the recurrent kinds (their kernel names) and by ``attention/selfattn.py`` (torch's SDPA name at a
+self-attention site), so it sits below both (the runtime layer of tools/import_graph.py).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import inspect
 import types
 from typing import Callable, Sequence
 
-from ..errors import UnsupportedLayerError
+from .errors import UnsupportedLayerError
 
 
 
