@@ -3,7 +3,7 @@ that wraps the kernels a Hugging Face model already uses, with architecture-awar
 
 from . import compat, mesh, shard
 from .architectures import ArchitectureSpec, get_architecture, register_architecture
-from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RotateMethod
+from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RingmasterPlan, RotateMethod
 from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
 from .attention.setup import setup
@@ -33,6 +33,7 @@ __all__ = [
     "LoadBalance",
     "RingImpl",
     "RingmasterConfig",
+    "RingmasterPlan",
     "RotateMethod",
     "Runtime",
     "UnsupportedLayerError",

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .attention.binding import AttentionBinding
-from .config import Backend, LoadBalance, RingImpl, RingmasterConfig
+from .config import Backend, LoadBalance, RingImpl, RingmasterPlan
 
 
 @dataclass(eq=False)
 class Runtime:
-    config: RingmasterConfig
+    config: RingmasterPlan             # the resolved, frozen plan (never the caller's RingmasterConfig)
     cp_group: Any
     cp_rank: int
     cp_size: int

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..config import Backend, LoadBalance, RingmasterConfig
+from ..config import Backend, LoadBalance, RingmasterConfig, RingmasterPlan
 from ..mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
 from ..runtime import Runtime, make_current, name_runtime
 from . import flash_kernels, register
@@ -20,7 +20,7 @@ from .ring.select import resolve_ring_impl, resolve_rotate
 _SERIAL = itertools.count(1)
 
 
-def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
+def _check_layout_for_backend(cfg: RingmasterPlan) -> bool:
     ulysses_only = cfg.backend is Backend.ULYSSES or (cfg.backend is Backend.USP and cfg.ring_size == 1)
     if ulysses_only and cfg.load_balance is not LoadBalance.NONE:
         raise ValueError(
@@ -41,15 +41,17 @@ def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
     return ulysses_only
 
 
-def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=None, cp_dim: str = "cp",
-          inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
+def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = None, device_mesh=None,
+          cp_dim: str = "cp", inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
     """Resolve the config against the CP group and register an attention function bound to it.
 
-    Every check runs before anything collective, so a bad argument raises on every rank
-    instead of hanging one of them; the only collective step, creating the USP sub-groups,
-    comes last. Returns the runtime and makes it the current one.
+    The config is resolved into a frozen :class:`RingmasterPlan` (``runtime.config``); the caller's
+    ``RingmasterConfig`` is left exactly as it was (a plan, or a config ``normalize()`` resolved in place,
+    is taken as it is). Every check runs before anything collective, so a bad argument raises on every rank
+    instead of hanging one of them; the only collective step, creating the USP sub-groups, comes last.
+    Returns the runtime and makes it the current one.
     """
-    if not isinstance(cfg, RingmasterConfig):
+    if not isinstance(cfg, (RingmasterConfig, RingmasterPlan)):
         raise TypeError(f"setup() needs a RingmasterConfig, got {type(cfg).__name__}")
     group = cp_group_from(device_mesh, cp_dim)
     size = group_size(group)
@@ -59,8 +61,7 @@ def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=No
             f"RingmasterConfig.size={cfg.size} but {where} has {size} ranks; set size={size} "
             f"or build the mesh with a {cp_dim!r} dim of {cfg.size}"
         )
-    if not cfg.normalized:
-        cfg.normalize(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
+    cfg = cfg.resolve(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
     ulysses_only = _check_layout_for_backend(cfg)
     inner = inner_attn or "sdpa"
     rank = group_rank(group)
