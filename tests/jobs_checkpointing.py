@@ -42,7 +42,7 @@ import torch.distributed as dist
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
 from ringmaster.checkpointing import CHECKPOINT_ATTRS, Replaying
-from ringmaster.testing.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
+from ringmaster_tools.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
 
 # backend -> (model type, RingmasterConfig kwargs, P)
 BACKENDS = {

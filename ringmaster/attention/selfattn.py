@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..checkpointing import replay_slots
 from ..comm import all_reduce_sum
 from ..errors import UnsupportedLayerError
-from ..recurrent import intercept
+from .. import intercept
 from ..sharding import balancers
 from ..sharding.documents import BATCH_KWARG
 from .binding import AttentionBinding

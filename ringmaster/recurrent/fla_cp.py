@@ -15,15 +15,14 @@ resolved ``fla``, and the function takes ``cp_context``: through the torch fallb
 out and the rows silently computed without the other ranks' state), ``fla.ops.cp`` must import, and the
 layout must be ``contiguous`` (FLA's parts are contiguous; ``head_tail`` is not). The parity of this path
 against ringmaster's ``scan`` is a GPU check (benchmarks/gpu_check.py): on CPU it runs only against the
-stand-in ``fla`` (``ringmaster.testing.kernel_standin``, whose ``cp_context`` gathers the stream), not
-yet against the real FLA on a GPU.
+stand-in ``fla`` (``tests/standins/kernels``, whose ``cp_context`` gathers the stream; it looks like the real
+package to this module), not yet against the real FLA on a GPU.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from typing import Callable
 
 import torch
@@ -44,8 +43,7 @@ def unavailable_reason(kernel: Callable) -> str | None:
     """Why ``recurrent="fla_cp"`` cannot run with this layer kernel (None: it can)."""
     impl = kernel_implementation(kernel)
     module = getattr(impl, "__module__", "") or ""
-    standin = getattr(sys.modules.get(module), "__ringmaster_standin__", False)   # ringmaster.testing.kernel_standin
-    if not (module == "fla" or module.startswith("fla.") or standin):
+    if not (module == "fla" or module.startswith("fla.")):
         return (f"the layer's kernel is {module}.{getattr(impl, '__name__', impl)}, not flash-linear-attention's "
                 "(install flash-linear-attention before transformers imports the model)")
     try:

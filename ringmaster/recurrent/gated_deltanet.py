@@ -42,7 +42,7 @@ from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from .documents import global_documents, host_runs, local_documents, with_documents
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
-from .intercept import rebind_forward
+from ..intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 

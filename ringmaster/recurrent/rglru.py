@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from .documents import local_documents, with_documents
-from .intercept import interceptable, rebind_attributes
+from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .context import LayerContext, decode_only_without_cp
 from .conv import cp_conv_kernel
-from .intercept import rebind_forward
+from ..intercept import rebind_forward
 from .kind import RecurrentKind
 
 # role -> the module-level name transformers' short-conv layers call (a family spec may rename them)

@@ -16,7 +16,7 @@ from ..runtime import active
 from ..sharding.documents import BATCH_KWARG
 from .context import LayerContext, Probe
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
-from .intercept import interceptable
+from ..intercept import interceptable
 from .registry import get_kind, known_kinds
 from .scan import KERNEL_STRATEGIES
 
