@@ -4,7 +4,7 @@
                                     [--batches dense,packed,padded] [--no-compile] [--out step_shape]
 
 Per (model, backend, batch), on every rank (tiny 4-layer models, fp32; P=2, USP 2x2 at P=4):
-  * host syncs over one warm forward + backward (``ringmaster.profiling.count_host_syncs``: scalar reads,
+  * host syncs over one warm forward + backward (``ringmaster_tools.profiling.count_host_syncs``: scalar reads,
     ``nonzero``/boolean indexing/``bincount``/``unique``, ``tolist``/``numpy``), the model without CP next to
     the same model wired for CP; the shard step (once per batch, from the full batch on the host) apart;
   * every decoder block compiled with ``torch.compile(block, fullgraph=True)`` after ``rm.wire`` (inductor):
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--out", default="step_shape")
     args = parser.parse_args()
 
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
     from ringmaster_tools import step_shape
 
     rows = []

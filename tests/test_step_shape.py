@@ -1,6 +1,6 @@
 """Host syncs per CP training step equal (at most) the non-CP model's: every per-batch fact (documents,
 masks, cuts, boundaries) is read on the host once, in the shard step (issue 26). Counted with
-ringmaster.profiling.count_host_syncs over one warm forward + backward, on every rank."""
+ringmaster_tools.profiling.count_host_syncs over one warm forward + backward, on every rank."""
 
 import itertools
 
