@@ -169,7 +169,7 @@ def wire_mlstm_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
 
     def forward(query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
                 return_last_states=None, mode=None):
-        if ctx.probe is None and ctx.size == 1 and getattr(ctx.batch, "doc_ids", None) is None:
+        if ctx.probe is None and ctx.size == 1 and getattr(ctx.carrier.current, "doc_ids", None) is None:
             return backend_forward(backend, query, key, value, igate, fgate, c_initial, n_initial, m_initial,
                                    return_last_states, mode)
         if c_initial is not None or n_initial is not None or m_initial is not None:
