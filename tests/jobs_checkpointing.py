@@ -58,6 +58,8 @@ BACKENDS = {
     "mamba2": ("mamba2", dict(recurrent="scan"), 2),
     # falcon computes attention itself (torch's SDPA, a declared site): the site reads the step carrier
     "falcon": ("falcon", dict(backend="ulysses"), 2),
+    # a hybrid whose Mamba decoder layers drop **kwargs: its mixers read the step carrier (attention gets the kwarg)
+    "jamba": ("jamba", dict(backend="ulysses", recurrent="scan"), 2),
 }
 MODES = ("hf_reentrant", "hf", "hf_offload", "torch", "fsdp2")
 TOL = 1e-8   # fp64: measured <= 1e-15, but 3e-10 on the A_log of the gated-DeltaNet layers (cancellation)
@@ -276,3 +278,12 @@ def matrix(ctx, cells, mutation: str | None = None) -> dict:
             out[f"{backend}/{mode}"]["cpu_s"] = time.process_time() - start
     return out
 
+
+
+def raised(ctx, cells, mutation: str | None = None):
+    """:func:`matrix`, returning ``(exception type, message)`` if it raised on this rank, else None."""
+    try:
+        matrix(ctx, cells, mutation)
+    except Exception as exc:  # the test asserts on the type and message
+        return type(exc).__name__, str(exc)
+    return None
