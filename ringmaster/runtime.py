@@ -45,6 +45,9 @@ class Runtime:
     report: Any = None                 # rm.wire's WireReport
     recurrent_wiring: Any = None       # rm.wire's RecurrentWiring (restore() undoes the recurrent layers only)
     adapter: Any = None                # a framework adapter's record (e.g. adapters.accelerate.AccelerateWiring)
+    # the step carriers (sharding.carrier.StepCarrier) of the models wired against this runtime: what
+    # context_parallel_region(batch, runtime=...) sets for its step when it is not given the model
+    carriers: list = field(default_factory=list, repr=False)
     undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property

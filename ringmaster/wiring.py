@@ -34,6 +34,7 @@ from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime
+from .sharding.carrier import attach
 
 __all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
 
@@ -193,6 +194,9 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         rt.multimodal = spec if spec.multimodal else None
         rt.positions = positions   # the shard step numbers absolute positions by it (sharding.positions)
         undo.append(lambda: setattr(rt, "positions", None))
+        # the model's step carrier, for the layers transformers calls without the ringmaster_batch kwarg
+        carrier, detach = attach(model, rt)
+        undo.append(detach)
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []
@@ -201,7 +205,7 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
             modules = dict(model.named_modules())
             undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention},
-                                   cross={p: modules[p] for p in cross}))
+                                   cross={p: modules[p] for p in cross}, carrier=carrier))
         elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
             if spec.relative_bias:  # Inkling: the bias modules return per-token states (attention.relbias)

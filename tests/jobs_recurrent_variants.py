@@ -167,7 +167,7 @@ def short_conv_layers(ctx, model_type, P, layout="contiguous", doc_lens=None, S=
             undo = wire_short_conv_layer(cp, lctx)
             try:
                 probe_layer(cp, lctx, KERNELS, C)
-                lctx.batch = CPBatch(rank, P, layout, S, docs)
+                lctx.carrier.set(CPBatch(rank, P, layout, S, docs))   # what the shard step does
                 xl = x[:, pos].clone().requires_grad_()
                 y = cp(xl)
                 (y * W[:, pos]).sum().backward()

@@ -176,7 +176,7 @@ def _torch_fallback(kind: str, name: str):
 
 def _cp_call(ctx: LayerContext) -> bool:
     """Whether this call needs ringmaster's path: under CP, in wire's probe, or a packed/padded row."""
-    return ctx.probe is not None or ctx.size > 1 or getattr(ctx.batch, "doc_ids", None) is not None
+    return ctx.probe is not None or ctx.size > 1 or getattr(ctx.carrier.current, "doc_ids", None) is not None
 
 
 def _same(path: str, what: str, given, own) -> None:
@@ -336,7 +336,7 @@ def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Call
                                "Unwire, rebuild or re-bind, then wire again")
         _check_raw_weights(view, f"layer {ctx.path!r}", kind)   # an adapter added after wiring
         guard((hidden_states, *args), kwargs)
-        if ctx.batch is not None:   # axolotl's per-shard split: the CP kernels use the global documents
+        if ctx.carrier.current is not None:   # axolotl's per-shard split: the CP kernels use the global documents
             drop_local_segments(ctx, kwargs, "_axolotl_segments")
         return previous_forward(hidden_states, *args, **kwargs)
 

@@ -13,7 +13,7 @@ incoming state exactly.
 
 transformers 5.24 calls both pieces as *methods* of submodules (``self.conv_1d(x)``,
 ``self.rg_lru._rnn_scan(...)``), not as module-level kernels, so the wired block instance gets
-instance attributes that shadow them (:func:`~ringmaster.recurrent.intercept.rebind_attributes`):
+instance attributes that shadow them (:func:`~ringmaster.intercept.rebind_attributes`):
 ``conv_1d.forward`` (the module's own conv on ``[halo | shard]``,
 :func:`~ringmaster.recurrent.conv.cp_causal_conv1d`) and ``rg_lru._rnn_scan`` (the layer's own scan
 per chunk, with the state passed across ranks). The gates, the input normalisation and the reset at
