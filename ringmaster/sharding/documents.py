@@ -7,9 +7,15 @@ flows) only within the same id. Padding tokens get an id of their own each, so t
 only themselves: they are never attended by real tokens, never produce NaN rows, and carry
 label -100 so they are never counted.
 
-The per-batch :class:`CPBatch` travels to every layer as the ``ringmaster_batch`` keyword
-argument (transformers forwards unknown kwargs to the attention and linear-attention
-layers), so no module global holds per-batch state and gradient checkpointing replays it.
+The per-batch :class:`CPBatch` is the step context: built once per batch by the shard step from the
+full batch, on the host. It holds the layout, the global document ids (on the batch's device) and
+their host copy, :class:`Runs` (every document boundary as Python ints, read from the device once,
+here), from which every mask plan, ring pair skip, block segment, tile skip, ``cu_seqlens``, and
+recurrent document cut is derived without reading a tensor value in forward or backward; what it
+derives is cached in the context, so every layer after the first reuses it. It travels to every layer
+as the ``ringmaster_batch`` keyword argument (transformers forwards unknown kwargs to the attention and
+linear-attention layers; a checkpoint captures it), and where a layer is called without kwargs, in the
+model's one step carrier (:mod:`.carrier`). No module global holds per-batch state.
 """
 
 from __future__ import annotations
