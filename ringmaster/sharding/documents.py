@@ -11,8 +11,8 @@ The per-batch :class:`CPBatch` is the step context: built once per batch by the 
 full batch, on the host. It holds the layout, the global document ids (on the batch's device) and
 their host copy, :class:`Runs` (every document boundary as Python ints, read from the device once,
 here), from which every mask plan, ring pair skip, block segment, tile skip, ``cu_seqlens``, and
-recurrent document cut is derived without reading a tensor value in forward or backward; what it
-derives is cached in the context, so every layer after the first reuses it. It travels to every layer
+recurrent document cut is derived without reading a tensor value in forward or backward (device
+tensors it derives, masks and ``cu_seqlens``, are cached in the context: made once per batch). It travels to every layer
 as the ``ringmaster_batch`` keyword argument (transformers forwards unknown kwargs to the attention and
 linear-attention layers; a checkpoint captures it), and where a layer is called without kwargs, in the
 model's one step carrier (:mod:`.carrier`). No module global holds per-batch state.
