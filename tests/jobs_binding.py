@@ -110,11 +110,12 @@ def wrong_layout_on_one_rank(ctx, P, validate=True):
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ring", load_balance="none",
                                                  validate_inputs=validate), device_mesh=mesh)
     try:
+        plan = runtime.config   # the runtime's frozen plan: this rank alone gets one that cuts head_tail
         if runtime.cp_rank == 1:
-            runtime.config.load_balance = rm.LoadBalance.HEAD_TAIL  # this rank alone cuts head_tail
+            runtime.config = plan.replace(load_balance=rm.LoadBalance.HEAD_TAIL)
         with context_parallel_region(batch, runtime=runtime) as shard:
             out = model(**shard)
-        runtime.config.load_balance = rm.LoadBalance.NONE
+        runtime.config = plan
         logits = rm.gather_sequence(out.logits.detach(), dim=1, group=runtime.cp_group, layout="contiguous")
         return {"logits_err": rel_err(logits, ref_out.logits)}
     except Exception as exc:  # noqa: BLE001 - the test asserts on type and message
