@@ -221,7 +221,7 @@ def all_gather(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
 
 
 def start_exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Size]], group,
-                   like: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, torch.Size]]]:
+                   like: torch.Tensor, after: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, torch.Size]]]:
     """Issue point-to-point messages over ``group`` as one functional all-to-all (``torch.distributed.
     _functional_collectives.all_to_all_single``) and return at once: ``(flat, layout)`` for
     :func:`finish_exchange`.
@@ -232,7 +232,12 @@ def start_exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int,
     ends derive the sizes from the same global plan. In eager mode the result is an
     ``AsyncCollectiveTensor``: the transfer runs while the caller computes, and waits at
     :func:`finish_exchange` (or first use). Under ``torch.compile`` it traces as ``all_to_all_single`` +
-    ``wait_tensor``, which the compiler schedules (isend/irecv and ``P2POp`` would break the graph)."""
+    ``wait_tensor``, which the compiler schedules (isend/irecv and ``P2POp`` would break the graph);
+    ``after`` (a backward's incoming gradient) keeps it in that phase (:func:`pinned`), and a rank that
+    receives nothing must :func:`anchor` the result.
+
+    Every collective's order is the program's: the compiler never reorders collectives relative to one
+    another, and each rank issues the same ones in the same order."""
     P = dist.get_world_size(group)
     if len({peer for peer, _ in sends}) < len(sends) or len({peer for peer, _ in recvs}) < len(recvs):
         raise ValueError("start_exchange: at most one message to and one from each peer")
@@ -247,6 +252,8 @@ def start_exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int,
     layout = [(starts[peer], torch.Size(shape)) for peer, shape in recvs]
     chunks = [p for p in parts if p is not None]
     flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else like.new_empty((0,))
+    if after is not None:
+        flat = pinned(flat, after)
     return funcol.all_to_all_single(flat.contiguous(), out_splits, in_splits, group), layout
 
 
@@ -259,3 +266,32 @@ def finish_exchange(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) ->
     """The messages :func:`start_exchange` posted, waited for, in the order of its ``recvs``."""
     flat = complete(flat)
     return [flat[offset:offset + shape.numel()].view(shape) for offset, shape in layout]
+
+
+def pinned(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``x``, depending on ``after`` under ``torch.compile`` (``x`` itself in eager mode).
+
+    AOTAutograd's partitioner places each node of the joint graph by what its inputs depend on: a backward
+    collective on saved tensors only (the ring's first K/V hop) goes to the end of the forward graph, and a
+    receive with nothing to send (its input a fresh empty tensor) depends on nothing at all, so it may be
+    placed in either graph or both: out of order with the peers' collectives. A zero-element slice of the
+    phase's input (the forward's q, the backward's incoming gradient), summed (0) into ``x``, keeps the
+    collective in its phase."""
+    if not torch.compiler.is_compiling():
+        return x
+    return x + after.reshape(-1)[:0].sum().to(x.dtype)
+
+
+def anchor(x: torch.Tensor, unread: list[torch.Tensor]) -> torch.Tensor:
+    """``x``, made to depend on exchanges whose (empty) result this rank never reads: a rank that only sends.
+
+    To the compiler a functional collective is a pure function of its input: one whose result nothing
+    uses is dead code and is dropped, on this rank only, while its peers wait for its message (a hang,
+    or the next collective matched with the wrong one). Under ``torch.compile`` each such result's sum
+    (over no elements: 0) is added to ``x``, which the graph returns; in eager mode ``x`` is returned as
+    it is (every exchange is waited for in program order)."""
+    if not torch.compiler.is_compiling():
+        return x
+    for t in unread:
+        x = x + t.sum().to(x.dtype)
+    return x

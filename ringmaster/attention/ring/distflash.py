@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...comm import diagnosed, finish_exchange, start_exchange, timed_comm
+from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
 from ...sharding import balancers
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
@@ -131,8 +131,10 @@ def task_mask(plan: DistFlashPlan, task):
 class _Exchange:
     """Point-to-point messages inside the CP group: one functional all-to-all per message kind, waited for later."""
 
-    def __init__(self, group, device):
-        self.group, self.device = group, device
+    def __init__(self, group, device, after: torch.Tensor | None = None):
+        # after: the phase's input (q forward, dout backward): every exchange stays in its phase (comm.pinned)
+        self.group, self.device, self.after = group, device, after
+        self.unread: list[torch.Tensor] = []   # results of collectives that brought this rank nothing
 
     def post(self, sends, recvs, kinds: dict, phase: str, tag: str):
         """``sends``: ``[(group rank, tensor, kind)]``; ``recvs``: ``[(group rank, shape, kind)]``; ``kinds``:
@@ -146,7 +148,7 @@ class _Exchange:
             like = torch.empty(0, dtype=dtype, device=self.device)
             mine = [(peer, t.to(dtype)) for peer, t, k in sends if k == kind]
             order = [i for i, (_, _, k) in enumerate(recvs) if k == kind]
-            flat, layout = start_exchange(mine, [recvs[i][:2] for i in order], self.group, like)
+            flat, layout = start_exchange(mine, [recvs[i][:2] for i in order], self.group, like, after=self.after)
             flights.append((flat, layout, order))
         nbytes = sum(t.numel() * t.element_size() for _, t, _ in sends)
         return flights, len(recvs), (phase, nbytes, tag)
@@ -158,9 +160,15 @@ class _Exchange:
         got = [None] * n
         with diagnosed("p2p", tag, self.group), timed_comm("p2p", phase, nbytes, tag):
             for flat, layout, order in flights:
+                if not order:
+                    self.unread.append(complete(flat))
                 for i, t in zip(order, finish_exchange(flat, layout)):
                     got[i] = t
         return got
+
+    def anchor(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` depending on every exchange this rank only sent on (``comm.anchor``: kept under compile)."""
+        return anchor(x, self.unread)
 
 
 def _moves(step, active) -> tuple[bool, bool]:
@@ -210,7 +218,7 @@ class DistFlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, plan: DistFlashPlan, group, kernel, scale: float):
         me, c = plan.rank, plan.chunk
         steps, active = plan.steps(), active_tasks(plan)
-        ex = _Exchange(group, q.device)
+        ex = _Exchange(group, q.device, after=q)
         kv = torch.stack([k, v]).contiguous()
         acc = acc_dtype(q)
         B, H, _, D = q.shape
@@ -260,7 +268,7 @@ class DistFlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active = (
             sinks is not None, plan, group, kernel, scale, active)
-        return out.to(q.dtype)
+        return ex.anchor(out.to(q.dtype))
 
     @staticmethod
     def backward(ctx, dout):
@@ -269,10 +277,10 @@ class DistFlashAttention(torch.autograd.Function):
         plan, group, kernel, scale, active = ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active
         me, c = plan.rank, plan.chunk
         steps = plan.steps()
-        ex = _Exchange(group, q.device)
+        dout = dout.contiguous()
+        ex = _Exchange(group, q.device, after=dout)
         acc = acc_dtype(q)
         B, H, _, D = q.shape
-        dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
@@ -339,7 +347,7 @@ class DistFlashAttention(torch.autograd.Function):
         dsinks = None
         if sinks is not None:
             dsinks = sink_grad(sinks, lse.to(acc), dout, out)   # per head [H] or per token [B, H, S]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
+        return ex.anchor(dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 
 def _absorb_grads(homing, got, add_dq, dkv):

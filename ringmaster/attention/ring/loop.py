@@ -139,15 +139,16 @@ class _Ring:
     caller computes (an ``AsyncCollectiveTensor``, waited for in :meth:`wait`). Messages are matched by
     issue order, the same on every rank (``channel`` is kept for callers; tags are a p2p notion)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, after: torch.Tensor | None = None):
+        self.group, self.after = group, after   # after: backward's dout, every hop stays in backward (comm.pinned)
         P, r = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (r + 1) % P, (r - 1) % P   # group ranks
 
     def start(self, tensor: torch.Tensor, phase: str, tag: str, channel: int = 0):
         """Issue the hop; returns ``(recv, works, meta)``: ``recv`` is ``tensor``-shaped, in flight until
         :meth:`wait` (``works``: the in-flight buffers; empty when already complete)."""
-        flat, _ = start_exchange([(self.next, tensor)], [(self.prev, tensor.shape)], self.group, tensor)
+        flat, _ = start_exchange([(self.next, tensor)], [(self.prev, tensor.shape)], self.group, tensor,
+                                 after=self.after)
         nbytes = tensor.numel() * tensor.element_size()
         return flat.view(tensor.shape), [flat], (phase, nbytes, tag)
 
@@ -214,7 +215,7 @@ def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _K
     P, acc = plan.size, dq.dtype
     home = torch.zeros(kv.shape, dtype=acc, device=q.device)
     early, late = _own_split(block_pairs(plan, plan.rank, q.device, rel))
-    ring = _Ring(group) if P > 1 else None
+    ring = _Ring(group, after=dout) if P > 1 else None
     pending_kv = ring.start(kv, "backward", "ring_kv") if ring else None
     _backward_pairs(kernel, plan, q, kv, early, scale, dout, out, lse, dq, home, lay, softcap, drel)
     pending_dkv = None
