@@ -28,6 +28,7 @@ MODELS = {
 # backend name -> RingmasterConfig fields (size added per run)
 BACKENDS = {
     "ulysses": dict(backend="ulysses"),
+    "ulysses-scan": dict(backend="ulysses", recurrent="scan"),   # recurrent layers: the all-gather scan at P=2 too
     "ring-alltoall": dict(backend="ring", rotate_method="alltoall", load_balance="head_tail"),
     "ring-allgather": dict(backend="ring", rotate_method="allgather", load_balance="head_tail"),
     "distflash": dict(backend="ring", rotate_method="alltoall", load_balance="distflash"),
