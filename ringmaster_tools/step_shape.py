@@ -48,11 +48,11 @@ def make_batch(kind: str, vocab: int, seq_len: int = 64) -> dict:
     raise ValueError(f"batch kind {kind!r}: dense, packed or padded")
 
 
-def _model(name: str, dtype=torch.float32):
+def _model(name: str, dtype=torch.float32, **extra):
     from ringmaster.testing.parity import tiny_model
 
     model_type, overrides = MODELS[name]
-    overrides = dict(overrides)
+    overrides = {**overrides, **extra}
     inner = overrides.pop("attn_implementation", "sdpa")
     return tiny_model(model_type, attn_implementation=inner, dtype=dtype, **overrides)
 
@@ -113,13 +113,14 @@ def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 
 
 
 def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, fullgraph: bool = True,
-                   compiler: str | None = None, backward: bool | None = None) -> dict:
+                   compiler: str | None = None, backward: bool | None = None, overrides: dict | None = None) -> dict:
     """Every decoder block compiled (``fullgraph``) after ``rm.wire``: errors against the model without
     CP (loss, gathered logits, the worst gradient, each relative to its own norm) and graph breaks.
     ``compiler``: the torch.compile backend (default ``inductor`` with ``fullgraph``, ``eager`` without;
     ``aot_eager`` traces forward and backward like inductor without its slow CPU codegen). ``backward``:
     run the backward and compare gradients (default: unless the model runs flex_attention on CPU, which
-    has no CPU backward in torch 2.13; then forward only, ``grad`` is None)."""
+    has no CPU backward in torch 2.13; then forward only, ``grad`` is None). ``overrides``: config fields over
+    the row's model (fewer layers for a quick test)."""
     import torch._dynamo
 
     import ringmaster as rm
@@ -128,7 +129,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
     mesh = ctx.mesh(size)
     group = mesh.get_group("cp")
     torch.manual_seed(0)
-    ref = _model(model_name)
+    ref = _model(model_name, **(overrides or {}))
     batch = make_batch(batch_kind, ref.config.vocab_size)
     model = copy.deepcopy(ref)
     if backward is None:
