@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
 
-    from ringmaster.bench import MODELS, cp_table, is_main, make_pool, run_cp_vs_noncp, write_csv, write_png
+    from ringmaster_tools.bench import MODELS, cp_table, is_main, make_pool, run_cp_vs_noncp, write_csv, write_png
 
     models = {name: MODELS[name] for name in args.models.split(",")}
     sizes = tuple(int(p) for p in args.sizes.split(","))

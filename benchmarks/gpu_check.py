@@ -43,6 +43,9 @@ import traceback
 
 import torch
 
+# tests/: the CPU plumbing run's stand-ins (tests/standins, never shipped) import from there
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+
 # --------------------------------------------------------------------------------------------
 # models
 
@@ -160,7 +163,7 @@ def run_ranks(world: int, job, *args, device: str = "cuda", backend: str = "gloo
 
 
 def _batch(kind: str, vocab: int, S: int, device):
-    from ringmaster.testing.parity import packed_batch, tiny_batch
+    from ringmaster_tools.parity import packed_batch, tiny_batch
 
     if kind == "packed":
         lens = [S // 4, S // 2 - 8, S // 4 + 8]
@@ -221,7 +224,7 @@ def parity_job(rank, world, device, cases, quick):
     import copy
 
     import ringmaster as rm
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     S = 256 if quick else 4096
     overrides = QUICK_LLAMA if quick else PARITY_LLAMA
@@ -288,7 +291,7 @@ def nccl_job(rank, world, device, quick):
     """World=1 over NCCL: wiring, sharding, the input check and one step through the same code."""
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     rows = []
     for backend in ("ulysses", "ring"):
@@ -356,11 +359,12 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
     import copy
 
     if standins:
-        from ringmaster.testing.kernel_standin import SITE
+        sys.path.append(TESTS)
+        from standins.kernels import SITE
 
         sys.path.insert(0, SITE)          # before transformers imports the modeling modules
     import ringmaster as rm
-    from ringmaster.testing.parity import per_document_forward, tiny_model
+    from ringmaster_tools.parity import per_document_forward, tiny_model
 
     S = 64 if quick else 4096
     rows = []
@@ -431,7 +435,7 @@ def step_job(rank, world, device, model_name, overrides, S, reps):
 
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model_type = "qwen3_5_text" if model_name == "hybrid" else "llama"
     with torch.device(device):
@@ -528,7 +532,8 @@ def main(argv=None) -> int:
     start = time.time()
     device = args.device
     if device == "cpu":  # the plumbing run: hub flash names resolve to ringmaster's CPU stand-in (never on GPU)
-        from ringmaster.testing.flash_standin import local_kernels
+        sys.path.append(TESTS)
+        from standins.flash_repos import local_kernels
 
         os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
     header = [f"# GPU check ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "

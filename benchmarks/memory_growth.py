@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated row ids (default: every row)")
     args = parser.parse_args()
 
-    from ringmaster.testing.flash_standin import local_kernels
+    from standins.flash_repos import local_kernels
 
     # the hub flash rows run ringmaster's CPU stand-in (a CPU benchmark: never the real kernel)
     os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
@@ -33,7 +33,7 @@ def main() -> None:
     import test_memory
 
     from ringmaster.sharding.balancers import schedule_work
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     print("causal work max/mean per rank (diagonal block counted as half a block)")
     print(f"{'P':>3} {'contiguous':>11} {'head_tail':>10} {'distflash':>10}")

@@ -50,8 +50,8 @@ def main() -> None:
     import jobs_plan
     import torch
 
-    from ringmaster.memory_plan import ModelShape, PlanOptions, plan
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.memory_plan import ModelShape, PlanOptions, plan
+    from ringmaster_tools.pool import LocalPool
 
     wanted = set(args.models.split(","))
     if args.quick:

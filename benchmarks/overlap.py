@@ -5,7 +5,7 @@
 
 One causal GQA attention layer, fp32, forward + backward, on CPU gloo ranks (1 thread each), through
 Ring p2p (head_tail), Ring allgather (head_tail), Ulysses and USP (2x2 at P=4). Every p2p exchange
-and collective is delayed by X ms (``ringmaster.testing.latency.inject_latency``: a hop's ``wait()``
+and collective is delayed by X ms (``ringmaster_tools.latency.inject_latency``: a hop's ``wait()``
 returns no earlier than X after it was issued; a collective sleeps X after it ran). Per row:
 
 * ``calls``: p2p exchanges + collectives a rank issued in one step (counted by the injector);
@@ -22,7 +22,7 @@ returns no earlier than X after it was issued; a collective sleeps X after it ra
   share the schedule covered with work. A peer's lag does not enter it, so it holds on a loaded machine
   where the step-time difference is noise; the ``hidden (step)`` column confirms it on a quiet one.
   ``model hidden``: the step model's share;
-* ``model s`` / ``err``: ``ringmaster.step_model.predict`` with the link's bandwidth measured (one
+* ``model s`` / ``err``: ``ringmaster_tools.step_model.predict`` with the link's bandwidth measured (one
   exchange of a K/V block), its latency set to X, the backward/forward factor of the block kernel
   measured here (every rank times one full block at once, so the cores are shared as in the run), and
   the compute rate fitted per system on its X=0 row ("fit": the block rate alone, printed above the
@@ -48,7 +48,7 @@ def _systems(ctx, P, S, H, Hkv, D):
     from ringmaster.attention.ring.loop import RingPlan, ring_attention
     from ringmaster.attention.ring.select import resolve_ring_impl
     from ringmaster.attention.ulysses import head_to_seq, seq_to_head
-    from ringmaster.bench import attention_system
+    from ringmaster_tools.bench import attention_system
     from ringmaster.config import RingImpl
     from ringmaster.mesh import split_usp_groups
 
@@ -113,7 +113,7 @@ def job(ctx, P, S, H, Hkv, D, latencies, reps):
     import torch
     import torch.distributed as dist
 
-    from ringmaster.testing.latency import inject_latency
+    from ringmaster_tools.latency import inject_latency
 
     group, kernel, systems = _systems(ctx, P, S, H, Hkv, D)
     flops, bwd_factor, bw = _calibrate(group, kernel, P, S, H, Hkv, D)
@@ -150,7 +150,7 @@ def job(ctx, P, S, H, Hkv, D, latencies, reps):
 
 
 def table(P, S, H, Hkv, D, results, latencies) -> list[str]:
-    from ringmaster.step_model import Hardware, Link, Shape, predict
+    from ringmaster_tools.step_model import Hardware, Link, Shape, predict
 
     rows0 = results[0]["rows"]
     flops = statistics.median(res["flops"] for res in results)
@@ -212,7 +212,7 @@ def main() -> None:
     if latencies[0] != 0:
         latencies = [0.0] + latencies
 
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     print(f"causal attention, seq={args.seq} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
           f"fp32, one layer, forward + backward, slowest rank, median of {args.reps}\n")

@@ -6,7 +6,7 @@
 One causal GQA attention layer, forward + backward, fp32, batch 1, through:
   * ringmaster Ulysses (fused q/k/v all-to-all + SDPA), Ring p2p, Ring allgather (head_tail) and
     Ring distflash;
-  * the peers (``pip install -e ".[bench]"``; ringmaster.peers makes them run on CPU gloo):
+  * the peers (``pip install -e ".[bench]"``; ringmaster_tools.peers makes them run on CPU gloo):
     DeepSpeed Ulysses (``deepspeed.sequence.layer.DistributedAttention``, as shipped); torch's
     native ``context_parallel`` with all-to-all and with all-gather rotation (CPU sharding rules
     for aten._scaled_dot_product_flash_attention_for_cpu, registered for the benchmark only, route
@@ -18,7 +18,7 @@ A system that is not installed or cannot run here is listed with the reason.
 Per system and P: the max relative error of the output and dq/dk/dv against the
 single-process reference (a fast wrong answer shows here: ring-flash-attn's and yunchang's ring
 backward alias their fp32 dq buffer), the bytes each rank sends forward and backward at the c10d
-op level (ringmaster.profiling.count_collectives: every collective, whoever issues it, functional
+op level (ringmaster_tools.profiling.count_collectives: every collective, whoever issues it, functional
 collectives included), ringmaster's own record next to it, the bytes saved for backward per
 rank, and the median step time (slowest rank) as a ratio to the fastest ringmaster system of
 the same class (Ulysses / ring). Times on a shared CPU machine are noisy; the stand-in kernel is
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
 
-    from ringmaster.bench import (PEER_CSV_FIELDS, SYSTEMS, is_main, make_pool, peers_table, run_peers, write_csv,
+    from ringmaster_tools.bench import (PEER_CSV_FIELDS, SYSTEMS, is_main, make_pool, peers_table, run_peers, write_csv,
                                   write_peers_png)
 
     sizes = tuple(int(p) for p in args.sizes.split(","))

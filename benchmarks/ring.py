@@ -37,7 +37,7 @@ def job(ctx, P, S, H, Hkv, D, reps):
     import ringmaster as rm
     from ringmaster.config import RingImpl
     from ringmaster.attention.ring.kernels import get_kernel
-    from ringmaster.bench import attention_system
+    from ringmaster_tools.bench import attention_system
     from ringmaster.attention.ring.loop import RingPlan, ring_attention
 
     group = ctx.mesh(P)["cp"].get_group()
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     print(f"causal attention, seq={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} fp32, one layer, per rank\n")

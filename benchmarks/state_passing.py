@@ -295,7 +295,7 @@ def main() -> None:
         args.skip_pool, args.seq = True, 1024
     analytic(32768)
     if not args.skip_pool:
-        from ringmaster.testing.pool import LocalPool
+        from ringmaster_tools.pool import LocalPool
 
         with LocalPool(4, timeout=300) as pool:
             measured(pool)

@@ -24,7 +24,7 @@ import torch
 
 
 def step_peak(model, run) -> tuple[float, float]:
-    from ringmaster.profiling import track_tensor_memory
+    from ringmaster_tools.profiling import track_tensor_memory
 
     for p in model.parameters():   # gradients allocated before: the row measures what the step adds
         p.grad = torch.zeros_like(p)

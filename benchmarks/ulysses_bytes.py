@@ -20,7 +20,7 @@ import argparse
 
 def job(ctx, P, seq, hidden, heads, kv_heads, layers):
     import ringmaster as rm
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     r = compare("llama", rm.RingmasterConfig(size=P, backend="ulysses"), seq_len=seq,
                 device_mesh=ctx.mesh(P), hidden_size=hidden, intermediate_size=2 * hidden,
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4")
     args = parser.parse_args()
 
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     D = args.hidden // args.heads
     print(f"Llama hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} head_dim={D} "

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
-from ringmaster.testing.parity import tiny_batch, tiny_model
+from ringmaster_tools.parity import tiny_batch, tiny_model
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--model", default="llama", help="any family in ringmaster.testing.parity.TINY (e.g. qwen3_5_text)")
+    parser.add_argument("--model", default="llama", help="any family in ringmaster_tools.parity.TINY (e.g. qwen3_5_text)")
     opts = parser.parse_args()
 
     cuda = torch.cuda.is_available()

@@ -3,10 +3,11 @@ that wraps the kernels a Hugging Face model already uses, with architecture-awar
 
 from . import compat, mesh, shard
 from .architectures import ArchitectureSpec, get_architecture, register_architecture
-from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RotateMethod
+from .config import AUTO, Backend, LoadBalance, RingImpl, RingmasterConfig, RingmasterPlan, RotateMethod
 from .errors import UnsupportedLayerError
 from .recurrent.wiring import wire_recurrent_layers
-from .runtime import Runtime, runtime_of, setup, teardown
+from .attention.setup import setup
+from .runtime import Runtime, runtime_of, teardown
 from .sharding.batch import ContextParallelContextManager, gather_sequence
 from .sharding.logprobs import token_logprobs
 from .tiling import TiledHandle, tiled_mlp
@@ -19,7 +20,7 @@ def __getattr__(name: str):
     """``rm.profile_comms`` / ``rm.profile_memory``: measurement tooling, loaded on first use so that
     ``import ringmaster`` (the training path) does not import it."""
     if name in ("profile_comms", "profile_memory"):
-        from . import profiling
+        from ringmaster_tools import profiling
 
         return getattr(profiling, name)
     raise AttributeError(f"module 'ringmaster' has no attribute {name!r}")
@@ -32,6 +33,7 @@ __all__ = [
     "LoadBalance",
     "RingImpl",
     "RingmasterConfig",
+    "RingmasterPlan",
     "RotateMethod",
     "Runtime",
     "UnsupportedLayerError",

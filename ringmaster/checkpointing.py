@@ -1,107 +1,102 @@
-"""Activation checkpointing replays each layer with the per-step state of *its own* forward.
+"""Activation-checkpoint recomputation replays the step carrier's value of *its own* forward.
 
-Most CP layers get the batch's global structure (``ringmaster_batch``) as a kwarg, which a
-checkpoint captures with the layer's call, so a recomputation in backward sees the same batch.
-Some cannot: a layer called with a fixed argument list (Mamba's and RWKV's blocks, attention modules
-that compute attention themselves, decoder layers that drop ``**kwargs`` before a recurrent mixer)
-reads the batch from a *slot* a forward pre-hook filled (``LayerContext.batch``,
-``attention.selfattn.BatchSlot``). A slot holds the **last** forward's batch: with two forwards
-before one backward (two micro-batches summed, a pipeline schedule, a policy forward between) the
-recomputation of the first would read the second's documents and layout. Measured before this
-module: Mamba2 under reentrant checkpointing, gradients 87% off with no error; non-reentrant: a
-``CheckpointError`` on mismatching shapes.
+The step context reaches most CP layers as the ``ringmaster_batch`` kwarg, which a checkpoint captures
+with the layer's call. Where transformers drops kwargs the layers read the model's step carrier
+(:class:`ringmaster.sharding.carrier.StepCarrier`), which the shard step sets for the forward and
+clears after it. A recomputation in backward runs after that, and with two forwards before one
+backward (micro-batches summed, a policy forward in between) the carrier would hold another forward's
+context anyway. So the one place that sees both the forward and its recomputation, the checkpoint
+function, carries the value across: :class:`Replaying` reads ``holder.current`` when the checkpoint is
+taken and hands the checkpoint a function that puts that value back while the checkpointed function
+runs (at the forward, where it is already the value, and at the recomputation), restoring the previous
+value afterwards.
 
-So the checkpoint function of every checkpointed module is wrapped, per instance, by
-:class:`Replaying`: at the forward it snapshots the slots and hands the checkpoint a function that
-puts that snapshot back while the layer runs (the forward and its recomputation) and restores the
-slots afterwards. Two per-instance attributes hold a checkpoint function in practice:
-``_gradient_checkpointing_func`` (transformers' ``GradientCheckpointingLayer``: HF
-``gradient_checkpointing_enable``, reentrant or not, ``offload=True``) and ``checkpoint_fn`` (torch's
-``checkpoint_wrapper``, what accelerate's FSDP activation checkpointing applies). Both are set
-after ``rm.wire`` in the usual order (the Trainer enables checkpointing in ``train()``), so the
-wrapping happens in a forward pre-hook of the model, idempotently, every forward; ``restore()``
-puts the original functions back. A checkpoint the model does not hold (a user's own
-``torch.utils.checkpoint.checkpoint(layer, ...)``) is not seen: one forward per backward is
-exact there (the slot still holds that forward's batch); two are not supported.
+Why the checkpoint function and not a hook: transformers 5.24's ``GradientCheckpointingLayer``
+checkpoints ``partial(forward, self, **kwargs)``, not ``__call__`` ("so module hooks (e.g. FSDP2's)
+stay outside the checkpoint"), so no hook of the checkpointed layer runs at the recomputation, and a
+block called without kwargs (Mamba's, RWKV's) carries nothing the recomputation could key on. Only
+torch's ``checkpoint_wrapper`` recomputes through ``__call__``.
+
+Two per-instance attributes hold a checkpoint function in practice (:data:`CHECKPOINT_ATTRS`):
+``_gradient_checkpointing_func`` (``GradientCheckpointingLayer``: HF's ``gradient_checkpointing_enable``
+/ ``activation_checkpointing_enable``, reentrant or not, ``offload=True``; FSDP2 keeps it) and
+``checkpoint_fn`` (torch's ``CheckpointWrapper``, what accelerate's FSDP activation checkpointing
+applies). Both are set after ``rm.wire`` in the usual order (the Trainer enables checkpointing in
+``train()``, accelerate wraps in ``prepare``), with no event to hook, so :func:`arm` runs when the step
+sets the carrier: it wraps a function the first time it sees it and finds it wrapped afterwards (an
+identity check per module per step; nothing is rewritten per forward). :func:`disarm` puts every
+original back. A checkpoint the model does not hold (a user's own ``torch.utils.checkpoint.checkpoint(layer,
+...)``) is not seen, and a layer reading the carrier raises at its recomputation rather than guess.
+
+A leaf: ``holder`` is anything with a ``current`` attribute.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Any, Iterator
 
 CHECKPOINT_ATTRS = ("_gradient_checkpointing_func", "checkpoint_fn")
-_FIELDS = ("batch", "kwargs")
 
 
-def _snapshot(slots) -> list[dict]:
-    return [{f: getattr(s, f) for f in _FIELDS if hasattr(s, f)} for s in slots]
-
-
-def _put(slots, state) -> None:
-    for slot, values in zip(slots, state):
-        for name, value in values.items():
-            setattr(slot, name, value)
-
-
-def _replayed(function, slots, state, /, *args, **kwargs):
-    before = _snapshot(slots)
-    _put(slots, state)
+def _replayed(holder, value, function, /, *args, **kwargs):
+    before = holder.current
+    holder.current = value
     try:
         return function(*args, **kwargs)
     finally:
-        _put(slots, before)
+        holder.current = before
 
 
 class Replaying:
-    """A module's checkpoint function, run with the slots as they were at the forward."""
+    """A module's checkpoint function that runs the checkpointed function with ``holder.current`` as it
+    was when the checkpoint was taken (the forward), also when it is recomputed in backward."""
 
-    def __init__(self, inner: Callable, slots: list):
+    def __init__(self, inner, holder):
         self.inner = inner
-        self.slots = list(slots)
+        self.holder = holder
 
     def __call__(self, function, /, *args, **kwargs):
-        state = _snapshot(self.slots)
-        return self.inner(functools.partial(_replayed, function, self.slots, state), *args, **kwargs)
+        return self.inner(functools.partial(_replayed, self.holder, self.holder.current, function), *args, **kwargs)
 
 
-class SlotReplay:
-    """Keeps every checkpoint function of ``model`` wrapped for ``slots`` (objects with a ``batch``
-    attribute, and optionally ``kwargs``)."""
-
-    def __init__(self, model, slots: Iterable):
-        self.model = model
-        self.slots = list(slots)
-        self.handle = model.register_forward_pre_hook(self.wrap)
-
-    def _mine(self, wrapper: Replaying) -> bool:
-        return any(s is mine for s in wrapper.slots for mine in self.slots)
-
-    def wrap(self, *_):
-        for module in self.model.modules():
-            for attr in CHECKPOINT_ATTRS:
-                fn = module.__dict__.get(attr)
-                if fn is None or not callable(fn):
-                    continue
-                if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in module._modules:
-                    continue   # only torch's CheckpointWrapper holds its checkpoint function under this name
-                if isinstance(fn, Replaying):
-                    if not self._mine(fn):
-                        fn.slots.extend(self.slots)
-                else:
-                    module.__dict__[attr] = Replaying(fn, self.slots)
-
-    def restore(self) -> None:
-        self.handle.remove()
-        for module in self.model.modules():
-            for attr in CHECKPOINT_ATTRS:
-                fn = module.__dict__.get(attr)
-                if isinstance(fn, Replaying):
-                    fn.slots = [s for s in fn.slots if not any(s is mine for mine in self.slots)]
-                    if not fn.slots:
-                        module.__dict__[attr] = fn.inner
+def checkpoint_functions(model) -> Iterator[tuple[Any, str, Any]]:
+    """``(module, attribute, function)`` for every checkpoint function an instance of ``model`` holds."""
+    for module in model.modules():
+        for attr in CHECKPOINT_ATTRS:
+            fn = module.__dict__.get(attr)
+            if fn is None or not callable(fn):
+                continue
+            if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in module._modules:
+                continue   # only torch's CheckpointWrapper holds its checkpoint function under this name
+            yield module, attr, fn
 
 
-def replay_slots(model, slots: Iterable) -> Callable[[], None]:
-    """Install :class:`SlotReplay` on ``model``; returns its undo."""
-    return SlotReplay(model, slots).restore
+def _replays(fn, holder) -> bool:
+    while isinstance(fn, Replaying):
+        if fn.holder is holder:
+            return True
+        fn = fn.inner
+    return False
+
+
+def arm(model, holder) -> None:
+    """Wrap every checkpoint function of ``model`` not yet replaying ``holder`` (idempotent)."""
+    for module, attr, fn in checkpoint_functions(model):
+        if not _replays(fn, holder):
+            module.__dict__[attr] = Replaying(fn, holder)
+
+
+def _without(fn, holder):
+    if not isinstance(fn, Replaying):
+        return fn
+    if fn.holder is holder:
+        return _without(fn.inner, holder)
+    fn.inner = _without(fn.inner, holder)
+    return fn
+
+
+def disarm(model, holder) -> None:
+    """Put back every checkpoint function :func:`arm` wrapped for ``holder``."""
+    for module, attr, fn in list(checkpoint_functions(model)):
+        module.__dict__[attr] = _without(fn, holder)

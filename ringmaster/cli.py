@@ -10,10 +10,10 @@ import time
 
 
 def _demo_job(ctx, model_type, world, backend, seq_len, attn, overrides):
-    import ringmaster as rm
-    from ringmaster.testing.parity import compare
+    from ringmaster.config import RingmasterConfig
+    from ringmaster_tools.parity import compare
 
-    cfg = rm.RingmasterConfig(size=world, backend=backend)
+    cfg = RingmasterConfig(size=world, backend=backend)
     result = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(world), attn_implementation=attn,
                      **overrides)
     result["rank"] = ctx.rank
@@ -29,7 +29,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def demo(args) -> int:
-    from .testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     overrides = dict(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     print(f"ringmaster demo: {args.world} CPU gloo ranks, tiny random {args.model} "
@@ -59,14 +59,14 @@ def demo(args) -> int:
 
 def plan(args) -> int:
     if getattr(args, "config", None):  # the memory planner: bytes per rank and the longest sequence that fits
-        from .memory_plan import run_from_args
+        from ringmaster_tools.memory_plan import run_from_args
 
         return run_from_args(args)
     missing = [f"--{n.replace('_', '-')}" for n in ("heads", "kv_heads", "world", "hidden") if getattr(args, n) is None]
     if missing:
         raise SystemExit(f"ringmaster plan: {', '.join(missing)} required (or --config <config.json | dir | "
                          "model_type> for the memory plan)")
-    from .planning import plan_table
+    from ringmaster_tools.planning import plan_table
 
     print(plan_table(args.heads, args.kv_heads, args.world, args.ranks_per_node, args.seq, args.hidden, args.layers,
                      args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype], hardware=_plan_hardware(args)))
@@ -75,7 +75,7 @@ def plan(args) -> int:
 
 def _plan_hardware(args):
     """The step model's inputs from ``plan``'s link flags, or None (then bytes and heads decide)."""
-    from .step_model import Hardware, Link
+    from ringmaster_tools.step_model import Hardware, Link
 
     if args.tflops is None and args.intra_gbps is None:
         return None
@@ -88,7 +88,7 @@ def _plan_hardware(args):
 
 
 def bench(args) -> int:
-    from .bench import bench as run_bench
+    from ringmaster_tools.bench import bench as run_bench
 
     run_bench(quick=args.quick, world=args.world, out_dir=args.out, progress=not args.no_progress,
               max_seq=args.max_seq, peer_seq=args.peer_seq)
@@ -98,7 +98,7 @@ def bench(args) -> int:
 def _load_config(target: str):
     """``ringmaster check``'s target: a config.json, a model directory or a model_type (the memory
     planner's loader, which never downloads)."""
-    from .memory_plan import load_config
+    from ringmaster_tools.memory_plan import load_config
 
     return load_config(target, tool="check", flag="")
 
@@ -131,7 +131,7 @@ def run_check(pool, base, sizes: list[int], seq: int = 32, target: str = "") -> 
     ``base``'s architecture, one parity case per backend and size. Returns the JSON-able result
     (``rc``: 0 some backend exact, 2 every backend refused or the tiny model does not run, 1 wrong,
     crash or hang)."""
-    from .testing.zoo import _merge_ranks, tiny_config, zoo_job
+    from ringmaster_tools.zoo import _merge_ranks, tiny_config, zoo_job
 
     start = time.perf_counter()
     model_type = base.model_type
@@ -162,7 +162,7 @@ def run_check(pool, base, sizes: list[int], seq: int = 32, target: str = "") -> 
 
 
 def check(args) -> int:
-    from .testing.zoo import RestartingPool
+    from ringmaster_tools.zoo import RestartingPool
 
     sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
     if not sizes or min(sizes) < 2:
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
     p.add_argument("--inter-latency-us", type=float, default=20.0, help="inter-node latency per call, us (default 20)")
     p.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
-    from .memory_plan import add_arguments as add_memory_plan_arguments
+    from ringmaster_tools.memory_plan import add_arguments as add_memory_plan_arguments
 
     add_memory_plan_arguments(p)
     p.set_defaults(func=plan)

@@ -7,7 +7,7 @@ re-binds to the hub kernels (``kernels-community/mamba-ssm``, ``causal-conv1d``)
 mixers exactly under CP, composing with axolotl's re-binding, PEFT LoRA on their projections included
 (``rm.wire`` / ``wire_recurrent_layers``; the code is :mod:`ringmaster.recurrent.fla_mamba`). The plugin
 refuses ``mamba_backend: fla`` when this returns nothing for every model. Stand-in verified on CPU
-(ringmaster/testing/fla_mamba_standin: fla and the hub kernels); not yet run on a GPU.
+(tests/standins/fla_mamba: fla and the hub kernels); not yet run on a GPU.
 """
 
 from __future__ import annotations

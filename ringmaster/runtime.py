@@ -1,8 +1,10 @@
 """A runtime: the groups, sizes, layout and block kernel one CP setup uses, bound at setup time.
 
-``rm.setup`` resolves the config against the CP group and registers an attention function
-with transformers under a name of its own (``runtime.attn_implementation``). That function
-is closed over an :class:`AttentionBinding`: its groups, its ring block kernel and rotation.
+``rm.setup`` (:mod:`ringmaster.attention.setup`: it binds attention, so it sits above it) resolves the
+config against the CP group and registers an attention function with transformers under a name of its
+own (``runtime.attn_implementation``). That function is closed over an :class:`AttentionBinding`: its
+groups, its ring block kernel and rotation. This module holds what the layers below attention need: the
+:class:`Runtime` record, the current runtime and :func:`runtime_of`.
 Nothing inside a forward looks up "the active runtime": the per-step layout and document
 structure arrive in the per-batch ``ringmaster_batch`` kwarg that the shard step writes, and
 every CP function checks that batch against what it was bound to before any collective.
@@ -17,23 +19,17 @@ called outside a forward (``context_parallel_region(batch)`` without ``runtime=`
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .attention import flash_kernels, register
-from .attention.accounting import Ledger
 from .attention.binding import AttentionBinding
-from .attention.ring.kernels import get_kernel
-from .attention.ring.select import resolve_ring_impl, resolve_rotate
-from .config import Backend, LoadBalance, RingImpl, RingmasterConfig
-from .mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
+from .config import Backend, LoadBalance, RingImpl, RingmasterPlan
 
 
 @dataclass(eq=False)
 class Runtime:
-    config: RingmasterConfig
+    config: RingmasterPlan             # the resolved, frozen plan (never the caller's RingmasterConfig)
     cp_group: Any
     cp_rank: int
     cp_size: int
@@ -49,6 +45,9 @@ class Runtime:
     report: Any = None                 # rm.wire's WireReport
     recurrent_wiring: Any = None       # rm.wire's RecurrentWiring (restore() undoes the recurrent layers only)
     adapter: Any = None                # a framework adapter's record (e.g. adapters.accelerate.AccelerateWiring)
+    # the step carriers (sharding.carrier.StepCarrier) of the models wired against this runtime: what
+    # context_parallel_region(batch, runtime=...) sets for its step when it is not given the model
+    carriers: list = field(default_factory=list, repr=False)
     undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property
@@ -66,7 +65,6 @@ class Runtime:
 _CURRENT: Runtime | None = None
 # registered attention name -> the runtime that registered it (weak: a dropped runtime disappears)
 _BY_NAME: "weakref.WeakValueDictionary[str, Runtime]" = weakref.WeakValueDictionary()
-_SERIAL = itertools.count(1)
 
 
 def active(required: bool = True) -> Runtime | None:
@@ -136,80 +134,9 @@ def runtime_of(model) -> Runtime | None:
     return None
 
 
-def _check_layout_for_backend(cfg: RingmasterConfig) -> bool:
-    ulysses_only = cfg.backend is Backend.ULYSSES or (cfg.backend is Backend.USP and cfg.ring_size == 1)
-    if ulysses_only and cfg.load_balance is not LoadBalance.NONE:
-        raise ValueError(
-            f"load_balance={cfg.load_balance.value!r} only helps Ring; Ulysses computes the whole sequence "
-            "on every rank, so use load_balance='none' (or 'auto')"
-        )
-    if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.load_balance is LoadBalance.HEAD_TAIL:
-        raise ValueError(
-            "backend='usp' shards the sequence contiguously (each Ulysses group holds one span of the ring); "
-            "use load_balance='none' (or 'auto'), or backend='ring' for head_tail balancing"
-        )
-    if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.load_balance is LoadBalance.DISTFLASH:
-        raise ValueError(
-            "load_balance='distflash' is a schedule for pure Ring (backend='ring'); under backend='usp' each "
-            "Ulysses group holds one span of the ring and runs the plain ring loop. Use load_balance='none' "
-            "(or 'auto'), or backend='ring' for distflash"
-        )
-    return ulysses_only
-
-
-def setup(cfg: RingmasterConfig, num_kv_heads: int | None = None, device_mesh=None, cp_dim: str = "cp",
-          inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
-    """Resolve the config against the CP group and register an attention function bound to it.
-
-    Every check runs before anything collective, so a bad argument raises on every rank
-    instead of hanging one of them; the only collective step, creating the USP sub-groups,
-    comes last. Returns the runtime and makes it the current one.
-    """
-    global _CURRENT
-    if not isinstance(cfg, RingmasterConfig):
-        raise TypeError(f"setup() needs a RingmasterConfig, got {type(cfg).__name__}")
-    group = cp_group_from(device_mesh, cp_dim)
-    size = group_size(group)
-    if cfg.size != size:
-        where = f"device_mesh[{cp_dim!r}]" if device_mesh is not None else "the default process group"
-        raise ValueError(
-            f"RingmasterConfig.size={cfg.size} but {where} has {size} ranks; set size={size} "
-            f"or build the mesh with a {cp_dim!r} dim of {cfg.size}"
-        )
-    if not cfg.normalized:
-        cfg.normalize(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
-    ulysses_only = _check_layout_for_backend(cfg)
-    inner = inner_attn or "sdpa"
-    rank = group_rank(group)
-    rt = Runtime(config=cfg, cp_group=group, cp_rank=rank, cp_size=size, inner_attn=inner,
-                 num_kv_heads=num_kv_heads)
-    serial = next(_SERIAL)
-    if ulysses_only:
-        rt.ulysses_group = group
-        binding = AttentionBinding("ulysses", inner, group, rank, size, ulysses_group=group,
-                                   name=register.attention_name("ulysses", inner, serial),
-                                   inner_kernel=flash_kernels.load(inner) if flash_kernels.is_flash(inner) else None,
-                                   ledger=Ledger())
-    else:
-        if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
-            rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
-                                                               cfg.ring_size)
-            backend = "usp"
-        else:  # a 1 x P USP split is plain Ring
-            rt.ring_group, backend = group, "ring"
-        rt.ring_impl = resolve_ring_impl(cfg.ring_impl, inner)
-        # distflash owns its p2p schedule: rotate_method is not consulted (axolotl passes its default)
-        schedule = "distflash" if cfg.load_balance is LoadBalance.DISTFLASH else "ring"
-        binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
-                                   ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
-                                   rotate=resolve_rotate(cfg.rotate_method), schedule=schedule,
-                                   name=register.attention_name(backend, inner, serial), ledger=Ledger())
-    rt.binding = binding
-    if register.register_attention(binding):
-        rt.attn_implementation = binding.name
-        _BY_NAME[binding.name] = rt
-    _CURRENT = rt
-    return rt
+def name_runtime(name: str, rt: Runtime) -> None:
+    """Record that ``rt`` registered the attention implementation ``name`` (for :func:`runtime_of`)."""
+    _BY_NAME[name] = rt
 
 
 def teardown() -> None:

@@ -26,13 +26,15 @@ from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
 from .attention.selfattn import check_sites, split_cross, wire_sites
+from .attention.setup import setup
 from .attention.ulysses import kv_replication
-from .config import LoadBalance, RingmasterConfig
+from .config import LoadBalance, RingmasterConfig, RingmasterPlan
 from .errors import UnsupportedLayerError
 from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
-from .runtime import Runtime, setup
+from .runtime import Runtime
+from .sharding.carrier import attach
 
 __all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
 
@@ -131,11 +133,13 @@ def _refuse_router_logits_kwarg(model, undo: list) -> None:
     undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
 
 
-def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: str = "cp") -> Runtime:
+def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mesh=None,
+         cp_dim: str = "cp") -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
     ``runtime.report`` says what changed and ``unwire(model)`` undoes it. On any failure the model
-    (and the current runtime) is left exactly as it was."""
+    (and the current runtime) is left exactly as it was. ``cfg`` is resolved into a frozen plan
+    (``runtime.config``); the object passed in is never changed."""
     if getattr(model, "_ringmaster_runtime", None) is not None:
         raise RuntimeError(
             f"{type(model).__name__} is already wired by ringmaster; call rm.unwire(model) before wiring again"
@@ -165,8 +169,8 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
     refuse_if_unsafe(model, spec, [p for p, _, _ in layers.recurrent])
     # absolute position tables: probe (tiny forwards of the still unwired model) how the model numbers them
     positions = position_convention(model, spec, [p for p, _, _ in layers.recurrent])
-    if not cfg.normalized:
-        cfg.normalize(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
+    # the frozen plan this model runs by (runtime.config); the caller's config object is never changed
+    cfg = cfg.resolve(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
     if cfg.ulysses_size > 1:
         for path, (hq, hk) in (splits or {"": (num_heads, num_kv)}).items():
             if hq is None:
@@ -190,6 +194,9 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
         rt.multimodal = spec if spec.multimodal else None
         rt.positions = positions   # the shard step numbers absolute positions by it (sharding.positions)
         undo.append(lambda: setattr(rt, "positions", None))
+        # the model's step carrier, for the layers transformers calls without the ringmaster_batch kwarg
+        carrier, detach = attach(model, rt)
+        undo.append(detach)
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []
@@ -198,7 +205,7 @@ def wire(model, cfg: RingmasterConfig | None = None, device_mesh=None, cp_dim: s
             # stays (falcon's forward takes its SDPA branch only while it says "sdpa")
             modules = dict(model.named_modules())
             undo.append(wire_sites(model, spec, rt.binding, {p: modules[p] for p in layers.attention},
-                                   cross={p: modules[p] for p in cross}))
+                                   cross={p: modules[p] for p in cross}, carrier=carrier))
         elif rt.attn_implementation is not None:
             _switch_attention(model, spec, rt.attn_implementation, undo)
             if spec.relative_bias:  # Inkling: the bias modules return per-token states (attention.relbias)

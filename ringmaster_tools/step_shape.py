@@ -2,7 +2,7 @@
 
 Run on every rank of a CP group (a ``LocalPool`` job, ``benchmarks/step_shape.py``, the tests):
 
-* :func:`host_syncs` counts host syncs (:func:`ringmaster.profiling.count_host_syncs`) over one forward
+* :func:`host_syncs` counts host syncs (:func:`ringmaster_tools.profiling.count_host_syncs`) over one forward
   and backward after a warm-up step, for the model without CP and for the same model wired for CP;
   the shard step (built once per batch from the full batch, on the host) is counted apart.
 * :func:`compile_parity` compiles every decoder block with ``torch.compile(block, fullgraph=True)``
@@ -37,7 +37,7 @@ BACKENDS = {
 
 
 def make_batch(kind: str, vocab: int, seq_len: int = 64) -> dict:
-    from ringmaster.testing.parity import packed_batch, padded_rows, tiny_batch
+    from ringmaster_tools.parity import packed_batch, padded_rows, tiny_batch
 
     if kind == "dense":
         return tiny_batch(vocab, seq_len)
@@ -49,7 +49,7 @@ def make_batch(kind: str, vocab: int, seq_len: int = 64) -> dict:
 
 
 def _model(name: str, dtype=torch.float32, **extra):
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model_type, overrides = MODELS[name]
     overrides = {**overrides, **extra}
@@ -86,7 +86,7 @@ def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 
     (the shard step: once per batch, on the host)."""
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.profiling import count_host_syncs
+    from ringmaster_tools.profiling import count_host_syncs
 
     mesh = ctx.mesh(size)
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
     import torch._dynamo
 
     import ringmaster as rm
-    from ringmaster.testing.parity import group_mean_grad_errors, rel_err
+    from ringmaster_tools.parity import group_mean_grad_errors, rel_err
 
     mesh = ctx.mesh(size)
     group = mesh.get_group("cp")

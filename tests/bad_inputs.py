@@ -28,7 +28,7 @@ class Scenario:
 
 
 def _model(**overrides):
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     return tiny_model("llama", **overrides)
 
@@ -48,7 +48,7 @@ def _forward(model, batch):
 
 
 def _batch(S=64, seed=1):
-    from ringmaster.testing.parity import tiny_batch
+    from ringmaster_tools.parity import tiny_batch
 
     return tiny_batch(128, S, seed=seed)
 
@@ -87,7 +87,7 @@ def wire_twice(ctx):
 
 
 def unknown_model(ctx):
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     # phi3 and the other interface-dispatching decoders need no registration now (tests/test_generic.py);
     # an unregistered family the generic path cannot make exact is refused naming the layer
@@ -114,7 +114,7 @@ def mamba1_model(ctx):
     from dataclasses import replace
 
     from ringmaster.architectures.mamba import JAMBA
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model("jamba", num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
                        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -337,7 +337,7 @@ def run_locally(name: str):
 
 def warm_up(ctx):
     """Build the meshes and import the models once, so scenario timings measure only the scenario."""
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     ctx.mesh(2), ctx.mesh(4)
     tiny_model("llama")

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # The hub flash kernels resolve to ringmaster's CPU stand-in (``kernels``' LOCAL_KERNELS mechanism).
 # Set before the pool starts, so every worker rank inherits it; entries the caller set win.
-from ringmaster.testing.flash_standin import local_kernels  # noqa: E402
+from standins.flash_repos import local_kernels  # noqa: E402
 
 os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
 
@@ -26,7 +26,7 @@ class PoolHolder:
         self._pool = None
 
     def run(self, fn, *args, **kwargs):
-        from ringmaster.testing.pool import LocalPool
+        from ringmaster_tools.pool import LocalPool
 
         if self._pool is None or self._pool.broken:
             self._pool = LocalPool(self.world, timeout=240, grace=15)

@@ -9,7 +9,7 @@ import ringmaster as rm
 
 def parity(ctx, model_type, P, attn="sdpa", overrides=None, backend="ulysses", seq_len=64, via="region",
            cfg_kwargs=None):
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), attn_implementation=attn,
@@ -33,7 +33,7 @@ def unwired_cp_is_wrong(ctx, P):
 
     import torch.distributed as dist
 
-    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
     from ringmaster.shard import CP_SHARD_KEY, shard_collated_batch
 
     mesh = ctx.mesh(P)
@@ -54,7 +54,7 @@ def collectives(ctx, P, layout):
     import torch.distributed as dist
 
     from ringmaster.comm import all_gather, all_to_all
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
     from ringmaster.shard import shard_tensor
 
     group = ctx.mesh(P)["cp"].get_group()
@@ -86,7 +86,7 @@ def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
     import torch.distributed as dist
 
     from ringmaster.config import RingImpl
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
     from ringmaster.attention.ring.kernels import get_kernel
     from ringmaster.attention.ring.loop import RingPlan, ring_attention
     from ringmaster.attention.ring.merge import reference_attention
@@ -109,7 +109,7 @@ def ring_memory(ctx, P, rotate, S=256, H=4, Hkv=2, D=16):
 def packed_parity(ctx, P, doc_lens, backend="ulysses", cfg_kwargs=None, model_type="llama", attn="sdpa",
                   overrides=None, pad=0):
     """A packed row against every document run alone (token-weighted)."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     overrides = dict(overrides or {})
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
@@ -121,7 +121,7 @@ def packed_parity(ctx, P, doc_lens, backend="ulysses", cfg_kwargs=None, model_ty
 def document_isolation(ctx, P, doc_lens, backend, cfg_kwargs=None, model_type="llama", prepare=None, **overrides):
     """Change every token of document 0: the other documents' CP logits must stay bit-identical."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import packed_batch, tiny_model
+    from ringmaster_tools.parity import packed_batch, tiny_model
 
     if model_type == "llama" and not overrides:
         overrides = dict(num_attention_heads=8, num_key_value_heads=2)
@@ -156,7 +156,7 @@ def padded_parity(ctx, P, backend="ulysses", cfg_kwargs=None, model_type="llama"
 
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster.sharding.batch import global_num_items, shift_labels
-    from ringmaster.testing.parity import group_mean_grad_errors, padded_rows, rel_err, tiny_model
+    from ringmaster_tools.parity import group_mean_grad_errors, padded_rows, rel_err, tiny_model
 
     if model_type == "llama" and not overrides:
         overrides = dict(num_attention_heads=8, num_key_value_heads=2)
@@ -200,7 +200,7 @@ def vlm_parity(ctx, model_type, P, backend="ulysses", image_at=28, cfg_kwargs=No
     (``fp64``: in float64 under ``keep_fp64``)."""
     from functools import partial
 
-    from ringmaster.testing.parity import compare, tiny_vlm, vlm_batch
+    from ringmaster_tools.parity import compare, tiny_vlm, vlm_batch
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), build=tiny_vlm,
@@ -236,7 +236,7 @@ def bf16_gap(ctx, P, cfg_kwargs, model_type="llama", overrides=None):
     """bf16 CP and bf16 non-CP, both measured against the fp32 single-device truth."""
     import copy
 
-    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
     truth = tiny_model(model_type, **(overrides or {}))
     batch = tiny_batch(128, 128)
@@ -262,7 +262,7 @@ def bf16_gap(ctx, P, cfg_kwargs, model_type="llama", overrides=None):
 
 def determinism(ctx, P, cfg_kwargs, model_type="llama"):
     """Two CP runs from the same seed and batch are bit-identical."""
-    from ringmaster.testing.parity import packed_batch, tiny_model
+    from ringmaster_tools.parity import packed_batch, tiny_model
 
     runs = []
     for _ in range(2):

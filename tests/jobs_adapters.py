@@ -58,7 +58,7 @@ def accelerate_mesh(ctx, cp: int):
 def grads_vs(model, reference, group, P):
     """(worst error, its parameter, parameters without a CP gradient, whole-gradient error, every
     parameter's error)."""
-    from ringmaster.testing.parity import group_mean_grad_errors
+    from ringmaster_tools.parity import group_mean_grad_errors
 
     errs, missing, total = group_mean_grad_errors(model, reference, group, P)
     worst = max(errs, key=errs.get) if errs else None
@@ -101,7 +101,7 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
     from axolotl.utils.dict import DictDefault
     from transformers import Trainer, TrainingArguments
 
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     pc, mesh = accelerate_mesh(ctx, P)
     model = tiny_model(model_type, **(overrides or {}))
@@ -196,7 +196,7 @@ def fsdp2_dp_cp(ctx, model_type="llama", attn="sdpa", overrides=None, cfg_kwargs
     from torch.distributed.fsdp import fully_shard
 
     from ringmaster.adapters.accelerate import setup_from_parallelism_config, teardown
-    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
     pc, mesh = accelerate_mesh(ctx, 2)
     dp_rank = mesh["dp_shard"].get_local_rank()
@@ -270,7 +270,7 @@ def sft_steps(ctx, P, model_type="llama", cp_loss="chunked_nll", steps=3, packin
     from trl import SFTConfig, SFTTrainer
 
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster.testing.parity import rel_err, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_model
 
     mesh = ctx.mesh(P)
     group = mesh["cp"].get_group()
@@ -336,7 +336,7 @@ def sft_eval_loss(ctx, P):
     from trl import SFTConfig, SFTTrainer
 
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     mesh = ctx.mesh(P)
     tok = tiny_tokenizer()
@@ -409,7 +409,7 @@ def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
     from trl import SFTConfig, SFTTrainer
 
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster.testing.parity import rel_err, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_model
 
     pc, mesh = accelerate_mesh(ctx, 2)
     dp_rank = mesh["dp_shard"].get_local_rank()
@@ -478,9 +478,9 @@ def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
 
 def fp64_step(ctx, job, *args, **kwargs):
     """``job`` (a job of this module taking ``overrides``) with the model in float64 and everything
-    under ``ringmaster.testing.parity.keep_fp64``: per-parameter errors of recurrent models measure CP, not fp32
+    under ``ringmaster_tools.parity.keep_fp64``: per-parameter errors of recurrent models measure CP, not fp32
     cancellation in the A_log / dt_bias gradients."""
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     kwargs["overrides"] = {**(kwargs.get("overrides") or {}), "dtype": torch.float64}
     with keep_fp64():

@@ -19,7 +19,7 @@ def _reference(model, batch):
 
 
 def _errors(model, reference, out, ref_out, runtime, layout=None):
-    from ringmaster.testing.parity import group_mean_grad_errors, rel_err
+    from ringmaster_tools.parity import group_mean_grad_errors, rel_err
 
     group, P = runtime.cp_group, runtime.cp_size
     loss = out.loss.detach().clone()
@@ -37,7 +37,7 @@ def two_models(ctx, P, cfgs, rounds=2, model_types=("llama", "llama")):
     """Wire one model per config in this process and run them alternately (forward and backward,
     ``rounds`` times each), each against its own non-CP reference."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     entries = []
     cfgs = [dict(cfg) for cfg in cfgs]
@@ -69,7 +69,7 @@ def two_models(ctx, P, cfgs, rounds=2, model_types=("llama", "llama")):
 def manager_layout(ctx, P, load_balance, backend="auto", model_type="llama"):
     """A Ring-AUTO (or other) model hooked by ContextParallelContextManager built the way trainers
     build it, with ``load_balance`` given (or not): exact, or the error raised before any collective."""
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     mesh = ctx.mesh(P)
     model = tiny_model(model_type, num_attention_heads=4, num_key_value_heads=1)  # 1 KV head: AUTO picks Ring
@@ -100,7 +100,7 @@ def wrong_layout_on_one_rank(ctx, P, validate=True):
     """Mutation: one rank cuts its batch head_tail while the others cut it contiguous (a Ring model,
     which plans with whatever layout the batch says)."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
     mesh = ctx.mesh(P)
     model = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
@@ -127,7 +127,7 @@ def wrong_layout_on_one_rank(ctx, P, validate=True):
 def batch_for_another_model(ctx, P):
     """A shard cut for a head_tail Ring model, passed to a Ulysses model: refused before any collective."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     mesh = ctx.mesh(P)
     ring = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
@@ -152,7 +152,7 @@ def default_config_trains(ctx, P, model_type="llama"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch
+    from ringmaster_tools.parity import tiny_batch
 
     config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -269,7 +269,7 @@ def wire_fails_midway(ctx, P, step):
     import ringmaster.recurrent.wiring as recurrent_wiring
     import ringmaster.wiring as wiring
     from ringmaster import runtime as runtime_module
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model("qwen3_5_text", use_cache=True)
     before = _snapshot(model)
@@ -308,8 +308,8 @@ def setup_path(ctx, model_type: str, padded: bool = False, check: bool = True):
     rm.wire): a model that needs only the attention kernel trains exactly; one that needs what only
     rm.wire installs is refused at its first sharded forward, before any collective."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch
-    from ringmaster.testing.zoo import build_tiny
+    from ringmaster_tools.parity import tiny_batch
+    from ringmaster_tools.zoo import build_tiny
 
     P = 2
     model = build_tiny(model_type, dtype=torch.float32)

@@ -19,7 +19,8 @@ with the ``scan`` and ``sequential`` strategies. Modes:
 
 Every step runs **two micro-batches** (different packed document structures) forward, then one
 backward of the summed losses: a recompute that reads per-step state from "the last forward" instead
-of its own (a slot a pre-hook wrote) uses the second batch's documents for the first and is wrong.
+of its own (a step carrier not replayed by the checkpoint) uses the second batch's documents for the
+first and is wrong.
 
 Checks per cell (fp64, keep_fp64): the CP-group mean loss, the gathered logits of both micro-batches and
 every parameter gradient (each against its own norm) against the reference; and the collectives: the
@@ -42,7 +43,8 @@ import torch.distributed as dist
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
 from ringmaster.checkpointing import CHECKPOINT_ATTRS, Replaying
-from ringmaster.testing.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
+from ringmaster.sharding.carrier import StepCarrier
+from ringmaster_tools.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
 
 # backend -> (model type, RingmasterConfig kwargs, P)
 BACKENDS = {
@@ -52,10 +54,12 @@ BACKENDS = {
     "usp": ("llama", dict(backend="usp", ulysses_size=2, ring_size=2), 4),
     "scan": ("qwen3_5_text", dict(backend="ulysses", recurrent="scan"), 2),
     "sequential": ("qwen3_5_text", dict(backend="ring", recurrent="sequential"), 2),
-    # pure Mamba2: its blocks never get the batch kwarg, the mixers read it from a slot
+    # pure Mamba2: its blocks never get the batch kwarg, the mixers read it from the step carrier
     "mamba2": ("mamba2", dict(recurrent="scan"), 2),
-    # falcon computes attention itself (torch's SDPA, a declared site): the site reads the batch from a slot
+    # falcon computes attention itself (torch's SDPA, a declared site): the site reads the step carrier
     "falcon": ("falcon", dict(backend="ulysses"), 2),
+    # a hybrid whose Mamba decoder layers drop **kwargs: its mixers read the step carrier (attention gets the kwarg)
+    "jamba": ("jamba", dict(backend="ulysses", recurrent="scan"), 2),
 }
 MODES = ("hf_reentrant", "hf", "hf_offload", "torch", "fsdp2")
 TOL = 1e-8   # fp64: measured <= 1e-15, but 3e-10 on the A_log of the gated-DeltaNet layers (cancellation)
@@ -218,20 +222,30 @@ def cell(ctx, backend: str, mode: str, base, batches, ref, ref_grads) -> dict:
 
 @contextlib.contextmanager
 def _mutation(name: str | None):
-    """``stale_slot``: no replay of the slots (a recomputation reads the last forward's batch);
-    ``grad_path``: Ulysses sends q, k, v in three all-to-alls when grad is off (a reentrant checkpoint's
-    forward) and in one fused all-to-all with grad (its recomputation); exact, but not the same collectives."""
+    """``stale_slot`` / ``stale_site_slot`` / ``stale_carrier`` (Mamba2's mixers, falcon's sites, the hybrid's
+    gated-DeltaNet mixers): the step carrier is neither replayed by the checkpoint functions nor cleared
+    after the step, so a recomputation reads the last forward's batch; ``unreplayed_carrier``: not replayed
+    but cleared, so a recomputation finds no batch; ``grad_path``: Ulysses sends q, k, v in three
+    all-to-alls when grad is off (a reentrant checkpoint's forward) and in one fused all-to-all with grad
+    (its recomputation); exact, but not the same collectives."""
     if name is None:
         yield
         return
-    if name in ("stale_slot", "stale_site_slot"):
-        if name == "stale_slot":
-            from ringmaster.recurrent import wiring as target
-        else:
-            from ringmaster.attention import selfattn as target
+    if name in ("stale_slot", "stale_site_slot", "stale_carrier", "unreplayed_carrier"):
+        from ringmaster.sharding import carrier as target
 
-        attr, stock = "replay_slots", target.replay_slots
-        mutant = lambda model, slots: (lambda: None)   # noqa: E731
+        patches = [(target.checkpointing, "arm", lambda model, holder: None)]
+        if name != "unreplayed_carrier":
+            patches.append((StepCarrier, "clear", lambda self, previous=None: None))
+        stocks = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, mutant in patches:
+            setattr(obj, attr, mutant)
+        try:
+            yield
+        finally:
+            for obj, attr, stock in stocks:
+                setattr(obj, attr, stock)
+        return
     elif name == "grad_path":
         from ringmaster.attention import ulysses as target
 
@@ -264,3 +278,12 @@ def matrix(ctx, cells, mutation: str | None = None) -> dict:
             out[f"{backend}/{mode}"]["cpu_s"] = time.process_time() - start
     return out
 
+
+
+def raised(ctx, cells, mutation: str | None = None):
+    """:func:`matrix`, returning ``(exception type, message)`` if it raised on this rank, else None."""
+    try:
+        matrix(ctx, cells, mutation)
+    except Exception as exc:  # the test asserts on the type and message
+        return type(exc).__name__, str(exc)
+    return None

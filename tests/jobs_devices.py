@@ -118,7 +118,7 @@ class DecaySegment:
 
 
 def _tiny_llama():
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     return tiny_model("llama")
 
@@ -126,7 +126,7 @@ def _tiny_llama():
 def _collator_cut(model, S: int, rank: int, size: int) -> dict:
     """A batch the collator already cut (``_cp_shard``), built for real on CPU: its shapes and metadata."""
     from ringmaster.sharding.batch import shard_collated_batch
-    from ringmaster.testing.parity import tiny_batch
+    from ringmaster_tools.parity import tiny_batch
 
     return shard_collated_batch(tiny_batch(model.config.vocab_size, S), rank, size)
 

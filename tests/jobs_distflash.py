@@ -18,7 +18,7 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="aten", B=2, S=48,
     from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.config import RingImpl
     from ringmaster.sharding.documents import doc_ids_from_cu_seqlens
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
 
     group = ctx.mesh(P)["cp"].get_group()
     r = dist.get_rank(group)
@@ -146,7 +146,7 @@ def llama_padded(ctx, P):
 
 def hybrid(ctx, model_type, P, strategy="scan", fp64=False, seq_len=96):
     from jobs_recurrent import slow_decay
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend="ring", recurrent=strategy, **cfg_kwargs())
     return _with_tags(lambda: compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay,
@@ -220,7 +220,7 @@ def mutated(ctx, mutation, P):
 def refusals(ctx):
     """Every distflash combination ringmaster cannot run exactly: (type, message) per case."""
     from jobs import error_of
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     cases = {
         "ulysses": lambda: rm.setup(rm.RingmasterConfig(size=2, backend="ulysses", load_balance="distflash"),

@@ -29,7 +29,7 @@ _KEYS = ("backend", "layout", "loss_err", "logits_err", "grad_err", "worst_param
 
 
 def _padded(vocab: int, S: int):
-    from ringmaster.testing.parity import padded_rows
+    from ringmaster_tools.parity import padded_rows
 
     return padded_rows(vocab, S)
 
@@ -39,7 +39,7 @@ def parity(ctx, model_type, P, backend, seq_len=48, cfg_kwargs=None, attn_implem
     """``compare`` for a family of FAMILIES; ``packed``: document lengths of one packed row (position_ids
     restart per document), the reference being HF's own forward of that row: its chunked mask counts
     chunks from each document's start, its temperature from the row index."""
-    from ringmaster.testing.parity import compare, packed_batch
+    from ringmaster_tools.parity import compare, packed_batch
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     extra = {}
@@ -100,7 +100,7 @@ def mutated_parity(ctx, mutation, model_type, P, backend, **kwargs):
 def refusal(ctx, model_type, P, backend, seq_len=48, overrides=None, call_kwargs=None, cfg_kwargs=None):
     """Run one CP forward expected to raise; ``(type name, message)`` of what it raised, or None."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type, **{**FAMILIES[model_type], **(overrides or {})})
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
@@ -124,7 +124,7 @@ def flash_parity(ctx, model_type, P, backend, seq_len=48, ring_impl="auto", flas
     flash when the sequence is longer than a chunk)."""
     from jobs_ring import _sdpa_reference, as_flash_model
 
-    from ringmaster.testing.parity import _plain_forward, compare
+    from ringmaster_tools.parity import _plain_forward, compare
 
     extra = {"ring_impl": ring_impl} if backend == "ring" else {}
     cfg = rm.RingmasterConfig(size=P, backend=backend, **extra)

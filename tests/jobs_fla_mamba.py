@@ -1,7 +1,7 @@
 """Jobs for tests/test_fla_mamba.py: axolotl 0.21's ``mamba_backend: fla`` mixers under CP, on CPU.
 
 These run in a pool of their own (``fla_pool`` in test_fla_mamba.py): each worker has the stand-in
-``fla`` package (ringmaster/testing/fla_mamba_standin/root) first on ``sys.path`` (``LocalPool(sys_path=)``),
+``fla`` package (tests/standins/fla_mamba/root) first on ``sys.path`` (``LocalPool(sys_path=)``),
 maps the hub kernel repos kernels-community/mamba-ssm and causal-conv1d to their stand-ins
 (LOCAL_KERNELS), and registers axolotl's
 own class patch mapping (``axolotl.model_support.mamba._patch_mappings``: transformers builds axolotl's
@@ -25,7 +25,7 @@ def _setup() -> None:
         return
     import os
 
-    from ringmaster.testing import fla_mamba_standin
+    from standins import fla_mamba as fla_mamba_standin
 
     if fla_mamba_standin.root() not in sys.path:   # the pool's sys_path put it first already
         sys.path.insert(0, fla_mamba_standin.root())
@@ -50,7 +50,7 @@ def build(bind: bool = True):
     (transformers' patch-mapping pass costs ~0.5 s a build; axolotl's views survive deepcopy)."""
     import copy
 
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     def make(model_type, attn_implementation="eager", seed=0, dtype=torch.float32, **overrides):
         _setup()
@@ -92,7 +92,7 @@ def fla_parity(ctx, model_type, P=2, packed=False, peft=(), bind=True, seq_len=2
     reference is axolotl's own packed path: position_ids -> its per-document split). ``mutate``: a
     ringmaster mechanism broken for this run (:data:`MUTATIONS`)."""
     import ringmaster as rm
-    from ringmaster.testing.parity import compare, packed_batch
+    from ringmaster_tools.parity import compare, packed_batch
 
     _setup()
     mesh = ctx.mesh(P)
@@ -175,7 +175,7 @@ def plugin_step(ctx, P, model_type, peft=False):
 
     import ringmaster as rm
     from ringmaster.fla_mamba import fla_mamba_mixers
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     _setup()
     pc, mesh = ja.accelerate_mesh(ctx, P)
@@ -236,7 +236,7 @@ def mixers_and_refusals(ctx):
     import ringmaster as rm
     from ringmaster.errors import UnsupportedLayerError
     from ringmaster.fla_mamba import fla_mamba_mixers
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     _setup()
     small = {"num_hidden_layers": 1, "dtype": torch.float64}      # the parity cases' builds, reused
@@ -254,7 +254,7 @@ def mixers_and_refusals(ctx):
             unfused = view.cuda_kernels_forward(x, None, True)[0]
         out["standin_err"][model_type] = max((fused - torch_path).abs().max().item(),
                                              (unfused - torch_path).abs().max().item())
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
     out["found"]["plain_mamba"] = len(fla_mamba_mixers(tiny_model("mamba", "eager", num_hidden_layers=1)))
     # a hybrid asking for FLA: axolotl backs only mamba / mamba2 models' mixers with FLA, so nothing is found
     # (and axolotl's plugin refuses the run: "found no supported mixers")
@@ -307,7 +307,7 @@ def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.fl
     (``_native_forward``: the transformers mixer forward behind a ``segments`` kwarg)."""
     import copy
 
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     _setup()
     from axolotl.monkeypatch.models.mamba import modeling as packing
@@ -324,9 +324,9 @@ def native_build(model_type, attn_implementation="eager", seed=0, dtype=torch.fl
 
 
 def skip_composed_rebind():
-    """``ringmaster.recurrent.intercept.composed_forward`` as if axolotl's instance forward were not
+    """``ringmaster.intercept.composed_forward`` as if axolotl's instance forward were not
     recognised: wire must then refuse the layer (the instance forward would bypass the state passing)."""
-    from ringmaster.recurrent import intercept
+    from ringmaster import intercept
 
     return _patch(intercept, "composed_forward", lambda module: None)
 
@@ -355,7 +355,7 @@ def native_parity(ctx, model_type, P=2, packed=False, mutate=None, seq_len=24, s
     runs each document alone (axolotl's default mapping has no CPU packed path for the native mixers). Also
     reports that axolotl's instance forward is what the wired layer composes with and what the undo puts back."""
     import ringmaster as rm
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     _setup()
     mixer_cls = {"mamba": "MambaMixer", "mamba2": "Mamba2Mixer"}.get(model_type)

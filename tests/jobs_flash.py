@@ -14,7 +14,7 @@ import ringmaster as rm
 def _reference(attn, base=None):
     """The reference runs the model's own non-flash kernel: the flash name set for CP would make
     transformers look for a library it cannot load here."""
-    from ringmaster.testing.parity import _plain_forward
+    from ringmaster_tools.parity import _plain_forward
 
     def forward(model, batch):
         model.config._attn_implementation = attn
@@ -24,7 +24,7 @@ def _reference(attn, base=None):
 
 
 def _batch(kind, vocab=128, seq_len=64):
-    from ringmaster.testing.parity import packed_batch, padded_rows, per_document_forward, per_row_forward, tiny_batch
+    from ringmaster_tools.parity import packed_batch, padded_rows, per_document_forward, per_row_forward, tiny_batch
 
     if kind == "plain":
         return tiny_batch(vocab, seq_len), None
@@ -38,7 +38,7 @@ def _batch(kind, vocab=128, seq_len=64):
 def flash_parity(ctx, P, inner, model_type="llama", overrides=None, kind="plain", reference_attn="sdpa",
                  mutation=None):
     """Ulysses with ``inner`` (a flash name) at CP size P vs ``reference_attn`` without CP."""
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     batch, base = _batch(kind)
 
@@ -61,7 +61,7 @@ def flash_padded_logits_ok(ctx, P, inner):
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import group_mean_grad_errors, padded_rows, per_row_forward, rel_err, tiny_model
+    from ringmaster_tools.parity import group_mean_grad_errors, padded_rows, per_row_forward, rel_err, tiny_model
 
     model = tiny_model("llama", "sdpa", num_attention_heads=8, num_key_value_heads=2)
     reference = copy.deepcopy(model)
@@ -89,7 +89,7 @@ def flash_padded_logits_ok(ctx, P, inner):
 def flash_refusal(ctx, P, inner, model_type, overrides=None):
     """Wire and run one forward; return (exception type, message, collectives issued before it)."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type, "eager", **(overrides or {}))
     model.config._attn_implementation = inner

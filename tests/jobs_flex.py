@@ -11,7 +11,7 @@ import ringmaster as rm
 
 
 def _padded_rows(vocab: int, S: int) -> dict[str, torch.Tensor]:
-    from ringmaster.testing.parity import padded_rows
+    from ringmaster_tools.parity import padded_rows
 
     return padded_rows(vocab, S)
 
@@ -23,7 +23,7 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
     import torch.distributed as dist
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import (_plain_forward, packed_batch, per_document_forward, per_row_forward,
+    from ringmaster_tools.parity import (_plain_forward, packed_batch, per_document_forward, per_row_forward,
                                            rel_err, tiny_batch, tiny_model)
 
     model = tiny_model(model_type, "flex_attention", **(overrides or {})).eval()
@@ -71,7 +71,7 @@ def flex_forward_parity(ctx, P, model_type="llama", overrides=None, kind="plain"
 def flex_causality(ctx, P=1, model_type="llama", overrides=None, seq_len=64):
     """Wired flex model: changing the last token must leave every earlier position's logits unchanged."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type, "flex_attention", **(overrides or {})).eval()
     vocab = model.config.vocab_size

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import ringmaster as rm
-from ringmaster.testing.parity import compare, tiny_batch, tiny_model
+from ringmaster_tools.parity import compare, tiny_batch, tiny_model
 
 # per-family tiny overrides on top of testing.parity.COMMON (heads that split over 2 ranks, short windows)
 GENERIC_TINY = {

@@ -13,7 +13,7 @@ from ringmaster.sharding.documents import BATCH_KWARG
 
 def parity(ctx, P, backend, load_balance="auto", packed=False, model_type="inkling2_text", seq_len=32):
     """fp64 parity of the zoo's tiny model (packed rows against every document run alone)."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
     import ringmaster as rm
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance=load_balance)

@@ -1,5 +1,5 @@
 """Jobs for tests/test_kernel_standins.py. They run only in the stand-in pool: a separate LocalPool whose
-workers put ``ringmaster.testing.kernel_standin.SITE`` first on ``sys.path`` before anything imports
+workers put ``standins.kernels.SITE`` first on ``sys.path`` before anything imports
 transformers, so its ``use_kernel_func_from_hub_with_fallback`` resolves ``mamba_ssm``, ``causal_conv1d``
 and ``fla`` to the CPU stand-ins, exactly as it resolves the real packages on a GPU machine."""
 
@@ -37,7 +37,7 @@ def implementation(wrapped: Callable):
 def resolution(ctx) -> dict:
     """For every kernel name of :data:`RESOLVED`: the module of the function transformers resolved, whether
     it is a stand-in, and whether it is the very object the stand-in package exports."""
-    from ringmaster.testing.kernel_standin import is_standin
+    from standins.kernels import is_standin
 
     out = {}
     for model_type, (module_name, names) in RESOLVED.items():
@@ -58,7 +58,7 @@ def resolution(ctx) -> dict:
 def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
     """fp64 parity of ``model_type`` at P=2 with the stand-in kernels (dense, or a packed row vs every
     document alone); ``mutation``: one of :data:`MUTATIONS` applied for the run (undone after)."""
-    from ringmaster.testing.kernel_standin import is_standin
+    from standins.kernels import is_standin
 
     module_name, names = RESOLVED[model_type]
     module = importlib.import_module(module_name)
@@ -82,7 +82,7 @@ def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
 def fla_cp_refused_for(ctx, model_type) -> str:
     """``wire`` with ``recurrent="fla_cp"`` on a model whose recurrent kind does not offer it: the error."""
     import ringmaster as rm
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model(model_type)
     try:
@@ -102,7 +102,7 @@ def standin_ignores_initial_state() -> Callable[[], None]:
     """The FLA stand-in's delta rule drops ``initial_state`` (as a kernel that ignored it would): both of
     ringmaster's strategies hand the incoming state to the kernel through it, so ``wire``'s probe (a
     random incoming state must change the output) refuses the layer before any CP step."""
-    from ringmaster.testing.kernel_standin import reference
+    from standins.kernels import reference
 
     rule = reference.delta_rule
 

@@ -27,7 +27,7 @@ ATTN = {"rwkv": "eager"}   # attention-free: transformers refuses sdpa for it
 
 
 def parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None):
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), fp64=fp64,
@@ -37,7 +37,7 @@ def parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, fp64=Fal
 def packed_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14),
                   fp64=False):
     """A packed row under CP vs every document run alone (token-weighted losses)."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), fp64=fp64, prepare=PREPARE.get(model_type),

@@ -18,7 +18,7 @@ BACKENDS = {"ulysses": dict(backend="ulysses"), "ring": dict(backend="ring", loa
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
 
     return float("inf") if tuple(a.shape) != tuple(b.shape) else rel_err(a, b)
 
@@ -62,7 +62,7 @@ def logprob_parity(ctx, P, cases, seq_len=32, chunk_size=7, temperature=0.7, mut
     (random fixed weights, computed identically on every rank from the gathered values) backpropagated,
     every parameter's CP-group-mean gradient against its own reference norm."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import group_mean_grad_errors, keep_fp64, tiny_batch, tiny_model
+    from ringmaster_tools.parity import group_mean_grad_errors, keep_fp64, tiny_batch, tiny_model
 
     out = {}
     undo = _mutate(mutation)
@@ -164,7 +164,7 @@ def grpo_loss_parity(ctx, P, cases):
 
     from jobs_adapters import tiny_tokenizer
     from ringmaster.adapters.grpo import CPGRPOTrainer
-    from ringmaster.testing.parity import group_mean_grad_errors, keep_fp64, rel_err, tiny_model
+    from ringmaster_tools.parity import group_mean_grad_errors, keep_fp64, rel_err, tiny_model
 
     tok = tiny_tokenizer()
     data = Dataset.from_list([{"prompt": "t5 t6 t7"}] * 4)

@@ -41,7 +41,7 @@ def mamba1_inputs(b=2, d=6, l=24, n=4, dtype=F64, seed=0, gate=True):
 def kernel(name: str) -> Callable:
     """``ref``: the float64 token-by-token reference; ``hf``: transformers' Mamba torch fallback (fp32 inside)."""
     if name == "ref":
-        from ringmaster.recurrent import naive
+        from standins import naive
 
         return naive.mamba1_selective_scan_ref
     from transformers.models.mamba import modeling_mamba
@@ -150,7 +150,7 @@ def family_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, f
                   checkpointing=False):
     """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``.
     ``checkpointing``: gradient checkpointing on (blocks replayed in backward without the batch kwarg)."""
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     def prepare(model):
         slow_decay(model)
@@ -164,7 +164,7 @@ def family_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=64, f
 def packed_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14),
                   fp64=False):
     """A packed row through the model under CP vs every document run alone (token-weighted)."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=slow_decay, fp64=fp64,
@@ -181,7 +181,7 @@ def padded_parity(ctx, model_type, P, strategy, backend="ulysses"):
 
 def wire_report(ctx, model_type):
     """What ``wire`` did to the tiny model: the recurrent layers and their kinds, the attention layers."""
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model(model_type)
     runtime = rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))

@@ -23,7 +23,7 @@ MODELS = {
 
 def batch_of(kind: str, vocab: int, S: int) -> dict[str, torch.Tensor]:
     """A batch whose structure scales with S (documents and padding as fractions of S)."""
-    from ringmaster.testing.parity import packed_batch, tiny_batch
+    from ringmaster_tools.parity import packed_batch, tiny_batch
 
     if kind == "packed":  # one long document, mid-size ones, a run of short ones
         lens = [S // 2, S // 4, S // 8] + [S // 64] * 6
@@ -81,8 +81,8 @@ def peak_growth(ctx, P: int, backend: str, kind: str, sizes, attn: str = "sdpa",
     unmeasured first (lazy caches, allocator warm-up outside the count). ``backward=False``: forward
     only, under no_grad (flex_attention has no CPU backward in torch 2.13).
     """
-    from ringmaster.profiling import track_tensor_memory
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.profiling import track_tensor_memory
+    from ringmaster_tools.parity import tiny_model
 
     model_type, overrides = MODELS[kind]
     flash = "/" in attn  # a hub flash kernel (the CPU stand-in): built with sdpa, then named as from_pretrained does

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import ringmaster as rm
-from ringmaster.testing import zoo
+from ringmaster_tools import zoo
 
 # tiny configs on top of the zoo's shrink (zoo.tiny_config): fewer layers where the default is slow
 OVERRIDES = {
@@ -30,7 +30,7 @@ def parity(ctx, family: str, cases, extra=None):
 def _forward(ctx, model, P, backend="ulysses"):
     """One CP forward of a wired model: (error type, message, loss or None)."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     batch = zoo.zoo_batch(model.config.get_text_config().vocab_size, 32)
     try:

@@ -111,7 +111,7 @@ def structural_zero_metric(ctx, P: int = 2) -> dict:
 
     import torch
 
-    from ringmaster.testing.parity import group_mean_grad_errors
+    from ringmaster_tools.parity import group_mean_grad_errors
 
     class Toy(torch.nn.Module):
         def __init__(self):

@@ -2,7 +2,7 @@
 
 Each mutation is a small function returning the patches it makes, as
 ``[(module path, attribute, replacement)]``. ``mutated_parity`` runs the model-level parity
-check (``ringmaster.testing.parity.compare``) once unmutated and once with the patches applied inside
+check (``ringmaster_tools.parity.compare``) once unmutated and once with the patches applied inside
 the worker, restoring every patched attribute afterwards, so the test can show that the check
 tells the two apart. Patch targets name the module whose *global* the code reads at call time
 (a name bound by ``from x import y`` must be patched where it is used, not where it is defined).
@@ -147,7 +147,7 @@ _KEYS = ("backend", "layout", "loss_err", "logits_err", "grad_err", "worst_param
 
 
 def _run(ctx, model_type, P, overrides, backend, cfg_kwargs, seq_len):
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, **(cfg_kwargs or {}))
     r = compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), **(overrides or {}))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ringmaster.attention.ring import loop
 from ringmaster.attention.ring.kernels import get_kernel
 from ringmaster.config import RingImpl
-from ringmaster.testing.latency import inject_latency
+from ringmaster_tools.latency import inject_latency
 
 
 class TimedKernel:

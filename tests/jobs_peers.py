@@ -13,7 +13,7 @@ F32 = 4
 def c10d_count_job(ctx, P: int):
     """Known collectives issued four ways (a name imported at module load, a process-group call,
     a functional collective, a batched p2p): the bytes count_collectives sees, per kind and phase."""
-    from ringmaster.profiling import count_collectives
+    from ringmaster_tools.profiling import count_collectives
 
     group = ctx.mesh(P)["cp"].get_group()
     me, n = dist.get_rank(group), 6
@@ -41,7 +41,7 @@ def peers_tiny_job(ctx, P: int, systems):
 
     from torch.distributed.tensor import DTensor
 
-    from ringmaster.bench import peers_job
+    from ringmaster_tools.bench import peers_job
 
     out = peers_job(ctx, P, 64, 4, 2, 8, 1, systems)
     if out is not None:

@@ -50,9 +50,9 @@ def measure_step(model_type: str, overrides: dict, seqs, P: int = 1, backend: st
     """Per S: bytes alive before the step (parameters + AdamW state, after one warm-up step) and the
     peak of tensor bytes created and alive at once during forward + backward + optimizer step
     (``track_tensor_memory``), with grads set to None before, as a training loop leaves them."""
-    from ringmaster.profiling import track_tensor_memory
+    from ringmaster_tools.profiling import track_tensor_memory
     from ringmaster.sharding.loss import chunked_nll
-    from ringmaster.testing.parity import tiny_batch
+    from ringmaster_tools.parity import tiny_batch
 
     model = build(model_type, overrides).to(dtype)   # bf16: parameters and AdamW state in bf16 too
     if checkpointing == "full":

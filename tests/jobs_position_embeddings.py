@@ -22,7 +22,7 @@ S = 64
 
 
 def build(family: str):
-    from ringmaster.testing.zoo import build_tiny
+    from ringmaster_tools.zoo import build_tiny
 
     return build_tiny(family)   # the zoo's tiny config (BERT-likes as decoders), float64
 
@@ -32,7 +32,7 @@ def make_batch(model, kind: str) -> dict[str, torch.Tensor]:
     ``padded``: B=2, row 1 with pad tokens (attention_mask 0, labels -100) on both sides;
     ``packed``: one row of three documents with restarting position_ids (given by the batch);
     ``embeds``: the padded batch as ``inputs_embeds``."""
-    from ringmaster.testing.parity import packed_batch, padded_rows, tiny_batch
+    from ringmaster_tools.parity import packed_batch, padded_rows, tiny_batch
 
     cfg = model.config.get_text_config()
     vocab, pad = cfg.vocab_size, cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -50,7 +50,7 @@ def make_batch(model, kind: str) -> dict[str, torch.Tensor]:
 
 
 def _rel(a, b) -> float:
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
 
     return rel_err(a, b)
 
@@ -58,7 +58,7 @@ def _rel(a, b) -> float:
 def parity(ctx, family: str, kind: str, cases, mutation: str | None = None) -> list[dict]:
     """One result per ``(backend, P, load_balance, via)`` case: loss, real-token logits, every
     parameter's gradient (each against its own norm) vs the single-device run."""
-    from ringmaster.testing.parity import group_mean_grad_errors, keep_fp64
+    from ringmaster_tools.parity import group_mean_grad_errors, keep_fp64
 
     base = build(family)
     out = []
@@ -75,7 +75,7 @@ def _case(ctx, base, kind, backend, P, lb, via, group_mean_grad_errors) -> dict:
     reference = copy.deepcopy(base)
     batch = make_batch(model, kind)
     if kind == "packed":   # documents never see each other: each runs alone, numbered from 0 like its given ids
-        from ringmaster.testing.parity import per_document_forward
+        from ringmaster_tools.parity import per_document_forward
 
         ref = per_document_forward(reference, batch)
     else:

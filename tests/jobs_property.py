@@ -22,7 +22,7 @@ def attention_case(ctx, case: dict) -> dict:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ringmaster.sharding.documents import BATCH_KWARG, CPBatch
-    from ringmaster.testing.parity import rel_err
+    from ringmaster_tools.parity import rel_err
     from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.shard import shard_tensor
 

@@ -61,7 +61,7 @@ def kernels(name: str):
     """``(mamba2_chunk_scan, chunk_gated_delta_rule, causal_conv1d_fn)``: ``ref`` = the float64
     naive recurrences, ``hf`` = transformers' pure-torch fallbacks (fp32 inside)."""
     if name == "ref":
-        from ringmaster.recurrent import naive
+        from standins import naive
 
         return naive.mamba2_chunk_scan_ref, naive.chunk_gated_delta_rule_ref, naive.causal_conv1d_ref
     from transformers.models.nemotron_h import modeling_nemotron_h as nh
@@ -196,7 +196,7 @@ def slow_decay(model) -> None:
 
 def hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", seq_len=96, fp64=False):
     """``compare`` with slow decays; ``fp64``: model in float64, reference and CP under ``keep_fp64``."""
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy)
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=slow_decay, fp64=fp64)
@@ -208,7 +208,7 @@ def jamba_raises(ctx):
     from dataclasses import replace
 
     from ringmaster.architectures.mamba import JAMBA
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model("jamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_offset=1,
                        attn_layer_period=2)
@@ -228,7 +228,7 @@ def without_state_passing(ctx, model_type, P):
     import copy
 
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+    from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
     model = tiny_model(model_type)
     slow_decay(model)
@@ -250,7 +250,7 @@ def without_state_passing(ctx, model_type, P):
 def wire_unwire_roundtrip(ctx, model_type):
     """wire() swaps the recurrent layers' forward per instance; unwire() puts the class forward back
     and the model computes exactly what it did before."""
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model(model_type)
     batch = tiny_batch(model.config.vocab_size, 32)
@@ -308,7 +308,7 @@ def _packed_function_level(ctx, P, layout, strategy, rows, l=24, chunk_size=5):
 
     from ringmaster.sharding import balancers
     from ringmaster.sharding.documents import CPBatch
-    from ringmaster.recurrent import naive
+    from standins import naive
     from ringmaster.recurrent.conv import cp_causal_conv1d
     from ringmaster.recurrent.documents import local_documents, with_documents
     from ringmaster.recurrent.scan import chunk_ids, pass_state
@@ -372,7 +372,7 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
     mixer drops it), as a decoder layer that does not forward its kwargs would; the document ids must
     then come from the pre-hook ringmaster puts on the enclosing decoder layer."""
     from ringmaster.sharding.documents import BATCH_KWARG
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
 

@@ -15,7 +15,7 @@ import ringmaster as rm
 def parity(ctx, model_type, P, strategy="scan", backend="ulysses", seq_len=64, fp64=True, load_balance="auto",
            **overrides):
     """Dense rows: ``compare`` with slow decays (where the layer has A_log)."""
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, load_balance=load_balance)
     return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=jr.slow_decay, fp64=fp64,
@@ -25,7 +25,7 @@ def parity(ctx, model_type, P, strategy="scan", backend="ulysses", seq_len=64, f
 def packed_parity(ctx, model_type, P, strategy="scan", backend="ulysses", doc_lens=(5, 27, 2, 30), fp64=True,
                   load_balance="auto", **overrides):
     """One packed row (documents start mid-shard and on shard edges) against every document run alone."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, load_balance=load_balance)
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=jr.slow_decay, fp64=fp64,
@@ -38,7 +38,7 @@ def padded_parity(ctx, model_type, P, strategy="scan", backend="ulysses", S=64, 
     or state reaches the first real token)."""
     from jobs import padded_parity as run
 
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     with keep_fp64():
         return run(ctx, P, backend, {"recurrent": strategy}, model_type=model_type, prepare=jr.slow_decay, S=S,
@@ -106,7 +106,7 @@ def mutated(ctx, mutation, job, *args, **kwargs):
 
 def wired_kinds(ctx, model_type, P=2):
     """``[(path, kind)]`` of the recurrent layers ``wire`` routed (the runtime's report)."""
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     model = tiny_model(model_type)
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
@@ -134,8 +134,8 @@ def short_conv_layers(ctx, model_type, P, layout="contiguous", doc_lens=None, S=
     from ringmaster.recurrent.wiring import probe_layer
     from ringmaster.sharding import balancers
     from ringmaster.sharding.documents import CPBatch
-    from ringmaster.testing.parity import keep_fp64
-    from ringmaster.testing.zoo import build_tiny
+    from ringmaster_tools.parity import keep_fp64
+    from ringmaster_tools.zoo import build_tiny
 
     group = ctx.mesh(P)["cp"].get_group()
     rank = dist.get_rank(group)
@@ -167,7 +167,7 @@ def short_conv_layers(ctx, model_type, P, layout="contiguous", doc_lens=None, S=
             undo = wire_short_conv_layer(cp, lctx)
             try:
                 probe_layer(cp, lctx, KERNELS, C)
-                lctx.batch = CPBatch(rank, P, layout, S, docs)
+                lctx.carrier.set(CPBatch(rank, P, layout, S, docs))   # what the shard step does
                 xl = x[:, pos].clone().requires_grad_()
                 y = cp(xl)
                 (y * W[:, pos]).sum().backward()

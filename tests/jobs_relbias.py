@@ -16,7 +16,7 @@ OVERRIDES = dict(log_scaling_n_floor=4)
 
 def build(model_type, attn_implementation="sdpa", seed=0, dtype=torch.float32, **overrides):
     """The zoo's tiny Inkling (``parity.tiny_model``'s generic shrink leaves its MoE at 300M parameters)."""
-    from ringmaster.testing.zoo import build_tiny, tiny_config
+    from ringmaster_tools.zoo import build_tiny, tiny_config
 
     return build_tiny(model_type, tiny_config(model_type, **overrides), seed, dtype)
 
@@ -30,7 +30,7 @@ def parity(ctx, P, backend, load_balance="auto", packed=False, model_type="inkli
     """fp64 parity. Packed rows are compared with every document run alone, without the log scaling: the model
     scales by the *row* index (``torch.arange``), not the position in the document, so on a packed row it
     does not compute what each document alone computes, with or without CP."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance=load_balance)
     extra = {}

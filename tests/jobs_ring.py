@@ -39,7 +39,7 @@ def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attent
 
     ``kernel="aten"``: an sdpa model with ``ring_impl='aten'``; ``kernel="hf_kernels"``: a model whose
     attention is ``flash_name`` under ``ring_impl='auto'`` (which must pick the hub kernels)."""
-    from ringmaster.testing.parity import _plain_forward, compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import _plain_forward, compare, packed_batch, per_document_forward
 
     model_type, overrides = CASES[case]
     cfg = rm.RingmasterConfig(size=P, backend=backend, rotate_method=rotate, load_balance=layout,

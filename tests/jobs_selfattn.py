@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
-from ringmaster.testing.parity import (compare, group_mean_grad_errors, keep_fp64, padded_rows, per_row_forward,
+from ringmaster_tools.parity import (compare, group_mean_grad_errors, keep_fp64, padded_rows, per_row_forward,
                                        rel_err, tiny_model)
 
 # tiny configs: 4 heads, 2 layers, no dropout; gpt_neo's second layer is "local" with a window that cuts

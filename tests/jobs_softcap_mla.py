@@ -9,7 +9,7 @@ def hub_parity(ctx, P, model_type, overrides, ref_attn, flash_name="flash_attent
     the same model running ``ref_attn`` without CP."""
     from jobs_ring import _sdpa_reference, as_flash_model
 
-    from ringmaster.testing.parity import _plain_forward, compare
+    from ringmaster_tools.parity import _plain_forward, compare
 
     cfg = rm.RingmasterConfig(size=P, backend="ring", rotate_method=rotate, load_balance=layout, ring_impl="auto")
     return compare(model_type, cfg, device_mesh=ctx.mesh(P), attn_implementation=ref_attn,
@@ -58,7 +58,7 @@ def packed_parity(ctx, P, model_type, overrides, attn, impl, backend="ring", **s
     ``impl='hf_kernels'`` the model is named a flash model (document blocks go through the varlen calls)."""
     from jobs_ring import DOC_LENS, _sdpa_reference, as_flash_model
 
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, ring_impl="auto" if impl == "hf_kernels" else impl, **split)
     kwargs = dict(device_mesh=ctx.mesh(P), attn_implementation=attn, batch=packed_batch(128, DOC_LENS),

@@ -31,7 +31,7 @@ def random_gates(model) -> None:
 def parity(ctx, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwargs=None, overrides=None):
     """``overrides``: config keys over :data:`parity.TINY` (``mode="train"``: the reference runs the chunkwise
     kernel alone, CP the backend's inference path per chunk)."""
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(MODEL, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), fp64=fp64, prepare=random_gates,
@@ -40,7 +40,7 @@ def parity(ctx, P, strategy, backend="ulysses", seq_len=64, fp64=False, cfg_kwar
 
 def packed_parity(ctx, P, strategy, backend="ulysses", cfg_kwargs=None, doc_lens=(5, 67, 10, 14), fp64=True):
     """A packed row under CP vs every document run alone (token-weighted losses)."""
-    from ringmaster.testing.parity import compare, packed_batch, per_document_forward
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **(cfg_kwargs or {}))
     return compare(MODEL, cfg, device_mesh=ctx.mesh(P), fp64=fp64, prepare=random_gates,

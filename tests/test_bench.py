@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 
-import ringmaster.bench as bench_module
+import ringmaster_tools.bench as bench_module
 from ringmaster.cli import main
 
 

@@ -1,8 +1,9 @@
 """The checkpointing x backend matrix: every CP backend exact with activation checkpointing on.
 
 Backends: Ulysses, Ring p2p and allgather, USP (P=4, 2 x 2), gated-DeltaNet state passing by scan and
-sequential (qwen3_5_text), pure Mamba2 (its mixers read the batch from a slot) and falcon (a
-self-attention site, the same). Modes: HF
+sequential (qwen3_5_text), pure Mamba2 (its mixers read the batch from the model's step carrier), jamba
+(a hybrid whose Mamba decoder layers drop ``**kwargs``: the same) and falcon (a self-attention site: the
+same). Modes: HF
 ``gradient_checkpointing_enable`` reentrant and non-reentrant, ``offload=True``, torch's non-reentrant
 ``checkpoint_wrapper`` around the decoder layers, and FSDP2 (``fully_shard``) with HF checkpointing.
 Each cell runs two micro-batches (different packed documents) forward, then one backward, against the
@@ -14,8 +15,8 @@ in one pool job (the pool's timeout turns a hang into a failure). See tests/jobs
 import jobs_checkpointing as jobs
 import pytest
 
-BACKENDS = ("ulysses", "ring_p2p", "ring_allgather", "usp", "scan", "sequential", "mamba2", "falcon")
-# Mamba2 and falcon (the slot paths: mixers / self-attention sites) under the modes whose checkpoint
+BACKENDS = ("ulysses", "ring_p2p", "ring_allgather", "usp", "scan", "sequential", "mamba2", "falcon", "jamba")
+# Mamba2 and falcon (the step carrier's paths: mixers / self-attention sites) under the modes whose checkpoint
 # function differs: HF's (reentrant or not) and torch's checkpoint_wrapper; offload and FSDP2 go through
 # HF's non-reentrant one
 SKIP = {(b, m) for b in ("mamba2", "falcon") for m in ("hf_offload", "fsdp2")}
@@ -70,8 +71,8 @@ def test_transformers_offload_kwarg_is_an_argument():
 
 
 def test_mutation_stale_slot_is_caught(pool):
-    """Without the slot replay (ringmaster/checkpointing.py), Mamba2's recomputation of the first
-    micro-batch reads the second's documents: under reentrant checkpointing the gradients are silently
+    """Without the step carrier's replay (ringmaster/checkpointing.py; the carrier left holding the last
+    forward's batch), Mamba2's recomputation of the first micro-batch reads the second's documents: under reentrant checkpointing the gradients are silently
     wrong (measured 0.87 relative), and the matrix's gradient check fails."""
     r = pool.run(jobs.matrix, [("mamba2", "hf_reentrant")], mutation="stale_slot")[0]["mamba2/hf_reentrant"]
     assert r["grad_err"] > 1e-3, r
@@ -92,3 +93,22 @@ def test_mutation_other_collective_path_in_recompute_is_caught(pool):
     assert r["grad_err"] <= jobs.TOL and not r["recompute_matches"], r
     with pytest.raises(AssertionError, match="recomputation issued"):
         check({"ulysses/hf_reentrant": r})
+
+
+def test_mutation_carrier_not_replayed_is_caught(pool):
+    """The one step carrier (ringmaster/sharding/carrier.py) neither replayed by the checkpoint functions nor
+    cleared after the step: the checkpointed hybrid's Mamba mixers (jamba: its Mamba decoder layers drop
+    ``**kwargs``, so the mixers read the carrier) recompute the first micro-batch with the second's documents.
+    Under reentrant checkpointing that is silent (measured 1.25 relative) and the parity check fails;
+    non-reentrant checkpointing notices the shapes differ (``CheckpointError``) on some ranks only."""
+    r = pool.run(jobs.matrix, [("jamba", "hf_reentrant")], mutation="stale_carrier")[0]["jamba/hf_reentrant"]
+    assert r["grad_err"] > 1e-3, r
+    with pytest.raises(AssertionError, match="grad"):
+        check({"jamba/hf_reentrant": r})
+
+
+def test_unreplayed_carrier_fails_closed(pool):
+    """Not replayed, but cleared when the step ends (as the shard step does): the recomputation in backward
+    finds no step context and raises naming it, instead of reading another forward's."""
+    for r in pool.run(jobs.raised, [("jamba", "hf_reentrant")], mutation="unreplayed_carrier"):
+        assert r is not None and r[0] == "RuntimeError" and "ringmaster_batch" in r[1], r

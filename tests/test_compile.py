@@ -11,7 +11,7 @@ collectives where ringmaster pins them), minus inductor's CPU code generation, t
 import jobs_compile
 import pytest
 
-from ringmaster.testing.pool import RankError
+from ringmaster_tools.pool import RankError
 
 TOL = 1e-5
 GDN_GRAD_TOL = 5e-3   # fp32 cancellation in gated DeltaNet's A_log / dt_bias gradients, as in eager (fp64 elsewhere)

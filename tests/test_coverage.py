@@ -1,11 +1,11 @@
-"""docs/models.md's recurrent-family coverage table is the one ringmaster.testing.coverage derives from the
+"""docs/models.md's recurrent-family coverage table is the one ringmaster_tools.coverage derives from the
 registries, every recurrent family is in it, and every mutation test it names exists (cheap: no model runs)."""
 
 import os
 import re
 
 from ringmaster.architectures import spec
-from ringmaster.testing import coverage
+from ringmaster_tools import coverage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the recurrent families issue 16 lists, each of which must be a row (by model type)
@@ -18,7 +18,7 @@ LISTED = ("mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "zamba2", "nemotr
 def test_docs_table_is_generated():
     text = open(os.path.join(ROOT, "docs", "models.md")).read()
     start, end = text.index(coverage.BEGIN), text.index(coverage.END) + len(coverage.END)
-    assert text[start:end] == coverage.markdown(), "run `python -m ringmaster.testing.coverage` and paste the table"
+    assert text[start:end] == coverage.markdown(), "run `python -m ringmaster_tools.coverage` and paste the table"
 
 
 def test_every_recurrent_family_is_a_row():

@@ -23,7 +23,7 @@ ACTIVATION_SITES = ("recurrent_scan", "recurrent_sequential", "attention_activat
 
 @pytest.fixture(scope="module")
 def cuda_pool():
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     pool = LocalPool(2, timeout=90, grace=10, backend="cuda:gloo")
     yield pool

@@ -3,7 +3,7 @@
 The model is built by transformers with axolotl's own class patch mapping (its MambaMixer /
 Mamba2Mixer holding a view of flash-linear-attention's layer); flash-linear-attention and the hub
 kernels (kernels-community/mamba-ssm, causal-conv1d) are GPU-only, so a stand-in ``fla`` package and
-hub-shaped stand-in repos (ringmaster/testing/fla_mamba_standin) are what that path loads here, and
+hub-shaped stand-in repos (tests/standins/fla_mamba) are what that path loads here, and
 axolotl's ``_bind_kernels`` (what it runs at construction on a CUDA machine) binds them through
 ``kernels.get_kernel``. The non-CP reference is axolotl's own CPU path (FLA's ``slow_forward`` /
 ``torch_forward``; for packed rows, axolotl's per-document split). Stand-in verified on CPU; not yet run
@@ -38,8 +38,8 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 @pytest.fixture(scope="module")
 def fla_pool():
-    from ringmaster.testing import fla_mamba_standin
-    from ringmaster.testing.pool import LocalPool
+    from standins import fla_mamba as fla_mamba_standin
+    from ringmaster_tools.pool import LocalPool
 
     pool = LocalPool(2, timeout=240, grace=15, sys_path=(fla_mamba_standin.root(),))
     yield pool
@@ -115,7 +115,7 @@ def test_axolotl_plugin_accepts_fla_backend(fla_pool):
 
 
 # axolotl's default ``mamba_backend: transformers``: its mixers carry an instance-level forward
-# (``_native_forward``) that ringmaster re-binds through (recurrent/intercept.COMPOSABLE_FORWARDS)
+# (``_native_forward``) that ringmaster re-binds through (intercept.COMPOSABLE_FORWARDS)
 @pytest.mark.parametrize("model_type,packed,strategy", [("mamba", False, "auto"), ("mamba", True, "scan"),
                                                         ("mamba2", False, "scan"), ("mamba2", True, "auto"),
                                                         ("falcon_mamba", True, "auto")],

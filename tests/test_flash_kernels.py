@@ -135,7 +135,7 @@ def test_installed_package_wins_over_the_hub(monkeypatch):
     imports), not the hub kernel."""
     import sys
 
-    from ringmaster.testing.flash_standin import fa2
+    from ringmaster_tools.flash_standin import fa2
 
     monkeypatch.setattr(flash_kernels, "_LOADED", {})
     monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))

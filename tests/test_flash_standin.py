@@ -10,8 +10,8 @@ import torch
 
 kernels = pytest.importorskip("kernels")
 
-from ringmaster.testing import flash_standin  # noqa: E402
-from ringmaster.testing.flash_standin import core  # noqa: E402
+from standins import flash_repos as flash_standin  # noqa: E402
+from ringmaster_tools.flash_standin import core  # noqa: E402
 
 
 def hub(name):

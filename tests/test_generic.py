@@ -2,7 +2,7 @@
 naming the layer; the first-forward accounting catches what wiring cannot see (mutations).
 
 Every parity case compares loss, gathered logits and every parameter's gradient (each against its
-own norm) with the same model without CP (ringmaster.testing.parity.compare) at P=2.
+own norm) with the same model without CP (ringmaster_tools.parity.compare) at P=2.
 """
 
 import jobs_generic
@@ -25,7 +25,7 @@ def check(results):
 def test_generic_families_are_unregistered():
     import ringmaster as rm
     from ringmaster.architectures import registered_architecture
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     for mt in GENERIC:
         model = tiny_model(mt, **jobs_generic.overrides_for(mt))

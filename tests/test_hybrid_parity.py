@@ -3,7 +3,7 @@ and every gradient, A_log / dt_bias / conv weights included, each against its ow
 
 fp32 runs check the loss, the logits, the whole gradient and every parameter at a bound measured
 for fp32 rounding; fp64 runs (the model in float64, reference and CP under
-``ringmaster.testing.parity.keep_fp64`` so transformers' recurrent kernels do not drop to float32 inside)
+``ringmaster_tools.parity.keep_fp64`` so transformers' recurrent kernels do not drop to float32 inside)
 check every parameter at 1e-5, where a wrong small gradient (A_log, dt_bias) cannot hide in
 rounding: tests/test_mutations_recurrent.py shows these checks catch real state-passing bugs.
 

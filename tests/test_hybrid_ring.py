@@ -34,7 +34,7 @@ def test_hybrid_under_usp(pool, model_type):
 def _usp_job(ctx, model_type):
     import ringmaster as rm
     from jobs_recurrent import slow_decay
-    from ringmaster.testing.parity import compare
+    from ringmaster_tools.parity import compare
 
     cfg = rm.RingmasterConfig(size=4, backend="usp", ulysses_size=2, ring_size=2, recurrent="scan")
     return compare(model_type, cfg, seq_len=96, device_mesh=ctx.mesh(4), prepare=slow_decay)

@@ -2,7 +2,7 @@
 
 transformers resolves ``mamba_ssm`` / ``causal_conv1d`` / ``fla`` once, when a modeling module is imported
 (``use_kernel_func_from_hub_with_fallback``). A separate 2-rank pool puts the CPU stand-ins of those
-packages (``ringmaster.testing.kernel_standin``: the real signatures, return conventions and quirks, pure
+packages (``standins.kernels``: the real signatures, return conventions and quirks, pure
 torch, fp64) first on its workers' ``sys.path`` before transformers runs, so the very same loading path a
 GPU machine takes picks them up; the session's default pool and this process never see them.
 
@@ -18,7 +18,7 @@ import sys
 import jobs_kernel_standins as jk
 import pytest
 
-from ringmaster.testing.kernel_standin import SITE
+from standins.kernels import SITE
 
 P = 2
 FP64_PARAM_TOL = 1e-5
@@ -33,7 +33,7 @@ FAMILIES = {   # model_type -> gradients that must be among the checked ones
 
 @pytest.fixture(scope="module")
 def standin_pool():
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     pool = LocalPool(P, timeout=240, grace=15, sys_path=(SITE,))
     yield pool
@@ -63,7 +63,8 @@ def test_kernels_resolve_to_the_standins(standin_pool):
         assert set(rank_result) == {f"{m}.{n}" for m, (_, names) in jk.RESOLVED.items() for n in names}
         for name, r in rank_result.items():
             assert r["standin"] and r["exported"], (name, r)
-            assert r["module"] == "ringmaster.testing.kernel_standin.reference", (name, r)
+            # the package's own module, as the real kernel's: ringmaster cannot tell it from the real one
+            assert r["module"].split(".")[0] in ("mamba_ssm", "causal_conv1d", "fla"), (name, r)
             assert r["package_file"].startswith(SITE), (name, r)
 
 

@@ -14,7 +14,7 @@ import jobs_linear_recurrent as jl
 import pytest
 import torch
 
-from ringmaster.recurrent import naive
+from standins import naive
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
 
@@ -235,7 +235,7 @@ def test_rglru_state_passing_exact_float64(split, strategy):
     from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
 
     from ringmaster.recurrent.rglru import RglruSegment
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 24, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -263,7 +263,7 @@ def test_wkv_state_passing_exact_float64(keys, split, strategy):
     from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
     from ringmaster.recurrent.rwkv import WkvSegment
-    from ringmaster.testing.parity import keep_fp64
+    from ringmaster_tools.parity import keep_fp64
 
     g = torch.Generator().manual_seed(0)
     k = (keys * torch.randn(2, 24, 5, generator=g, dtype=torch.float64)).requires_grad_(True)

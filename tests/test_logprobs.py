@@ -75,7 +75,7 @@ def test_token_logprobs_reads_the_models_head_transform():
 
     from ringmaster.sharding.batch import shift_labels
     from ringmaster.sharding.logprobs import head_transform
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model("gemma2", dtype=torch.float64, final_logit_softcapping=2.0, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16).eval()
@@ -95,7 +95,7 @@ def test_token_logprobs_memory_grows_with_the_chunk_not_s_times_vocab():
     """vocab 32k: the peak of tensor bytes the path creates (forward + backward, track_tensor_memory) is the
     same at S=32 and S=128 for one chunk size, grows with the chunk size, and stays far under the
     S x vocab fp32 logits the plain path builds."""
-    from ringmaster.profiling import track_tensor_memory
+    from ringmaster_tools.profiling import track_tensor_memory
 
     V, H = 32768, 16
     g = torch.Generator().manual_seed(0)

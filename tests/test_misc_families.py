@@ -10,7 +10,7 @@
   gemma3 (SigLIP), moss_transcribe_diarize (audio encoder);
 - doge refused (its dynamic mask is built from the shard's own states).
 
-Parity is the zoo's (ringmaster.testing.zoo): loss, gathered logits and every parameter gradient
+Parity is the zoo's (ringmaster_tools.zoo): loss, gathered logits and every parameter gradient
 against the same model without CP, float64, tolerance 1e-6. P=2 runs on a (2, 2) mesh, P=4 on (1, 4).
 """
 
@@ -41,7 +41,7 @@ def test_family_exact_p2_p4(pool, family):
 # ---- the head split of each layer
 def test_head_split_read_from_each_layer():
     from ringmaster.architectures.heads import head_splits
-    from ringmaster.testing import zoo
+    from ringmaster_tools import zoo
 
     expect = {"gpt_bigcode": {(4, 1)}, "jetmoe": {(4, 4)}, "laguna": {(48, 2)}, "mimo_v2_flash": {(4, 2), (4, 4)},
               "deepseek_v4": {(4, 1)}}
@@ -104,7 +104,7 @@ def test_bridge_under_gradient_checkpointing(pool):
 # ---- towers
 def test_tower_spec_derived():
     import ringmaster as rm
-    from ringmaster.testing import zoo
+    from ringmaster_tools import zoo
 
     for family, towers in [("gemma3", ("model.vision_tower", "model.multi_modal_projector")),
                            ("moss_transcribe_diarize", ("model.audio_tower", "model.multi_modal_projector"))]:

@@ -5,14 +5,14 @@ import jobs
 import pytest
 from test_ulysses_parity import TOL
 
-from ringmaster.testing.parity import IMAGE_TOKEN
+from ringmaster_tools.parity import IMAGE_TOKEN
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_5"]  # qwen3_5: a hybrid VLM (gated DeltaNet layers)
 BACKENDS = [("ulysses", {}), ("ring", dict(load_balance="head_tail"))]
 
 
 def test_image_straddles_every_shard_edge_used():
-    from ringmaster.testing.parity import tiny_vlm, vlm_batch
+    from ringmaster_tools.parity import tiny_vlm, vlm_batch
 
     for model_type in FAMILIES:
         ids = vlm_batch(tiny_vlm(model_type), 64, 28)["input_ids"][0]

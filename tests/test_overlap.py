@@ -1,5 +1,5 @@
 """Communication hidden behind compute: the p2p ring under injected link latency
-(``ringmaster.testing.latency``), and the step-time model behind ``ringmaster plan`` / ``auto_select``.
+(``ringmaster_tools.latency``), and the step-time model behind ``ringmaster plan`` / ``auto_select``.
 
 The overlap assertions read the order of events (each hop issued, a block computed, the hop waited
 for), which a loaded machine cannot disturb; one wall-time check uses a kernel that sleeps in place
@@ -10,7 +10,7 @@ import pytest
 
 import ringmaster as rm
 from ringmaster.config import auto_select
-from ringmaster.step_model import Hardware, Link, Shape, auto_select_modelled, predict, step_cost
+from ringmaster_tools.step_model import Hardware, Link, Shape, auto_select_modelled, predict, step_cost
 
 
 def test_latency_is_hidden_and_results_unchanged(pool):

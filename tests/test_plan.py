@@ -4,7 +4,7 @@ import jobs
 import pytest
 
 from ringmaster.cli import main
-from ringmaster.planning import alternative
+from ringmaster_tools.planning import alternative
 
 HEADS, KV, HIDDEN, SEQ, LAYERS = 8, 2, 64, 64, 2
 OVERRIDES = dict(num_attention_heads=HEADS, num_key_value_heads=KV, hidden_size=HIDDEN, num_hidden_layers=LAYERS)
@@ -43,10 +43,10 @@ def test_plan_marks_invalid_splits():
     assert not alt.valid and "6 KV heads cannot split over 4" in alt.why
 
 
-# --- the memory planner (ringmaster/memory_plan.py) -------------------------------------------
+# --- the memory planner (ringmaster_tools/memory_plan.py) -------------------------------------------
 
 def _shape(**kw):
-    from ringmaster.memory_plan import ModelShape
+    from ringmaster_tools.memory_plan import ModelShape
 
     base = dict(model_type="llama", hidden=64, intermediate=128, vocab=1024, heads=8, kv_heads=2, head_dim=8,
                 layer_kinds=["attention"] * 2, n_params=100_000, largest_param=65_536, embed_params=131_072)
@@ -54,7 +54,7 @@ def _shape(**kw):
 
 
 def test_memory_plan_formulas():
-    from ringmaster.memory_plan import PlanOptions, attention_layer_bytes, loss_bytes, mlp_bytes, norm_bytes, plan
+    from ringmaster_tools.memory_plan import PlanOptions, attention_layer_bytes, loss_bytes, mlp_bytes, norm_bytes, plan
 
     s = _shape()
     # fp32 llama layer, bytes per token: norm (x, rsqrt, x*rsqrt) + its output; q, k, v; output + lse
@@ -83,7 +83,7 @@ def test_memory_plan_formulas():
 def test_memory_plan_max_seq_is_the_boundary():
     from dataclasses import replace
 
-    from ringmaster.memory_plan import PlanOptions, max_seq, plan
+    from ringmaster_tools.memory_plan import PlanOptions, max_seq, plan
 
     s = _shape()
     opts = PlanOptions(seq=16, gpus=2, gpu_mem=256 * 2**20, dtype="fp32")
@@ -96,7 +96,7 @@ def test_memory_plan_matches_measured_peak_tiny():
     """Predicted peak of one fp32 AdamW step (static + largest moment) within 15% of the measured one."""
     import jobs_plan
 
-    from ringmaster.memory_plan import ModelShape, PlanOptions, plan
+    from ringmaster_tools.memory_plan import ModelShape, PlanOptions, plan
 
     overrides = dict(jobs_plan.MODELS["tiny"], vocab_size=128)   # layers dominate, not the logits
     rows = jobs_plan.measure_step("llama", overrides, [256])

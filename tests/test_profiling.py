@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from ringmaster import profiling
-from ringmaster.profiling import CommProfile, CommRecord, count_collectives, layer_kind, profile_memory
+from ringmaster_tools import profiling
+from ringmaster_tools.profiling import CommProfile, CommRecord, count_collectives, layer_kind, profile_memory
 
 F32 = 4
 
@@ -24,7 +24,7 @@ def attention_bytes_job(ctx, P, S, H, Hkv, D):
     import torch.distributed as dist
 
     import ringmaster as rm
-    from ringmaster.bench import attention_system
+    from ringmaster_tools.bench import attention_system
 
     group = ctx.mesh(P)["cp"].get_group()
     r = dist.get_rank(group)
@@ -54,7 +54,7 @@ def hybrid_profile_job(ctx, P, seq):
 
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.testing.parity import tiny_batch, tiny_model
+    from ringmaster_tools.parity import tiny_batch, tiny_model
 
     model = tiny_model("qwen3_5_text")
     batch = tiny_batch(model.config.vocab_size, seq)

@@ -15,7 +15,7 @@ import jobs_recurrent as jr
 import pytest
 import torch
 
-from ringmaster.recurrent import naive
+from standins import naive
 from ringmaster.recurrent.conv import conv_with_documents, halos_from_tails
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential

@@ -11,7 +11,7 @@ import jobs_recurrent as jr
 import pytest
 import torch
 
-from ringmaster.recurrent import naive
+from standins import naive
 from ringmaster.recurrent.conv import conv_with_halo, halos_from_tails
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
 

@@ -179,7 +179,7 @@ def test_short_conv_guard_and_probe_width():
     from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
     from ringmaster.recurrent.short_conv import _call_guard, probe_width
-    from ringmaster.testing.parity import tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     ctx = SimpleNamespace(size=2, path="layer")
     lfm, ink = _call_guard(ctx, Lfm2ShortConv.forward), _call_guard(ctx, Inkling2ShortConvolution.forward)

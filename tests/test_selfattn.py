@@ -9,7 +9,7 @@ import torch
 
 import ringmaster as rm
 from ringmaster.errors import UnsupportedLayerError
-from ringmaster.testing.parity import tiny_model
+from ringmaster_tools.parity import tiny_model
 
 TOL = 1e-6
 DETECT = 1e-3

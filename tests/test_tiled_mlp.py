@@ -14,7 +14,7 @@ import torch
 
 import ringmaster as rm
 from ringmaster import tiling as tm
-from ringmaster.testing.parity import rel_err, tiny_batch, tiny_model
+from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 

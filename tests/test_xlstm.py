@@ -13,10 +13,10 @@ import jobs_xlstm as jx
 import pytest
 import torch
 
-from ringmaster.recurrent import naive
+from standins import naive
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
-from ringmaster.testing.parity import keep_fp64
+from ringmaster_tools.parity import keep_fp64
 
 FP64_PARAM_TOL = 1e-5   # every parameter, fp64
 FP64_TOL = 1e-10        # fp64 loss and gathered logits

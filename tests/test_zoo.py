@@ -1,7 +1,7 @@
 """The transformers model zoo: every causal-LM family of the installed transformers, shrunk to a
 tiny random config, is exact under CP or refused with a reason; never wrong, never a hang.
 
-One sweep (ringmaster/testing/zoo.py) in the session pool, shared by the tests of this module;
+One sweep (ringmaster_tools/zoo.py) in the session pool, shared by the tests of this module;
 the committed coverage table in docs/models.md (tools/zoo_table.py) is the expected result, so a
 family that the table says is exact and is not any more fails here, and so does a new family or
 a changed verdict (regenerate the table and review the diff).
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ringmaster.testing import zoo
+from ringmaster_tools import zoo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 def main() -> None:
     import bad_inputs
 
-    from ringmaster.testing.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool
 
     rows = []
     with LocalPool(4, timeout=120) as pool:

@@ -4,7 +4,7 @@
     python tools/zoo_table.py --print    # run and print, write nothing
 
 Every causal-LM family of the installed transformers is shrunk to a tiny random config and run
-through CP parity (float64) under Ulysses and Ring at P=2 and P=4 (ringmaster/testing/zoo.py).
+through CP parity (float64) under Ulysses and Ring at P=2 and P=4 (ringmaster_tools/zoo.py).
 tests/test_zoo.py runs the same sweep and fails if its classification differs from the table.
 """
 
@@ -20,7 +20,7 @@ BEGIN, END = "<!-- zoo-table:begin -->", "<!-- zoo-table:end -->"
 
 
 def render(rows: dict, seconds: float | None = None) -> str:
-    from ringmaster.testing.zoo import CASES, summary
+    from ringmaster_tools.zoo import CASES, summary
 
     import transformers
 
@@ -55,7 +55,7 @@ def render(rows: dict, seconds: float | None = None) -> str:
 
 def parse(text: str) -> dict[str, dict[str, str]]:
     """The committed table's verdicts: ``{family: {case: verdict}}`` (scored) or ``{"excluded": "x"}``."""
-    from ringmaster.testing.zoo import CASES
+    from ringmaster_tools.zoo import CASES
 
     keys = [f"{b}{P}" for b, P in CASES]
     body = text[text.index(BEGIN):text.index(END)]
@@ -74,7 +74,7 @@ def parse(text: str) -> dict[str, dict[str, str]]:
 
 
 def verdicts(rows: dict) -> dict[str, dict[str, str]]:
-    from ringmaster.testing.zoo import CASES
+    from ringmaster_tools.zoo import CASES
 
     keys = [f"{b}{P}" for b, P in CASES]
     return {f: ({k: r.get(k, {}).get("verdict", "-") for k in keys} if r["status"] == "scored"
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--print", action="store_true", help="print the table, do not write docs/models.md")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from ringmaster.testing.flash_standin import local_kernels
-    from ringmaster.testing.zoo import RestartingPool, sweep
+    from standins.flash_repos import local_kernels
+    from ringmaster_tools.zoo import RestartingPool, sweep
 
     os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
     with RestartingPool(4) as pool:

@@ -165,7 +165,7 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
     you shard yourself (``context_parallel_region``). ``runtime.adapter`` is an
     :class:`AccelerateWiring`; :func:`teardown` (or ``runtime.adapter.restore()``) undoes everything.
     """
-    import ringmaster as rm
+    from ..wiring import unwire, wire
 
     from ..sharding.batch import ContextParallelContextManager
 
@@ -185,7 +185,7 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
         raise ValueError(f"accelerate's device mesh has no 'cp' dim (dims: {names}); is cp_size > 1?")
 
     inner = _unwrap(model, accelerator)
-    runtime = rm.wire(inner, cfg, device_mesh=mesh, cp_dim="cp")
+    runtime = wire(inner, cfg, device_mesh=mesh, cp_dim="cp")
     context_manager = None
     restores: list[Callable[[], Any]] = []
     try:
@@ -201,14 +201,14 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
     except Exception:
         for r in reversed(restores):
             r()
-        rm.unwire(inner)
+        unwire(inner)
         raise
 
     def restore():
         for r in reversed(restores):
             r()
         restores.clear()
-        rm.unwire(inner)
+        unwire(inner)
 
     runtime.adapter = AccelerateWiring(restore=restore, context_manager=context_manager, device_mesh=mesh)
     return runtime
@@ -216,9 +216,9 @@ def setup_from_parallelism_config(accelerator_or_pc, model, cfg: RingmasterConfi
 
 def teardown(runtime) -> None:
     """Undo :func:`setup_from_parallelism_config` (hooks, accelerate overrides, wiring) and drop the runtime."""
-    import ringmaster as rm
+    from .. import runtime as _runtime
 
     wiring, runtime.adapter = runtime.adapter, None
     if isinstance(wiring, AccelerateWiring):
         wiring.restore()
-    rm.teardown()
+    _runtime.teardown()

@@ -99,11 +99,11 @@ def settings_of(cfg) -> Optional[Any]:
 
 def ringmaster_config(settings) -> RingmasterConfig:
     """A RingmasterConfig from the validated ``ringmaster:`` block."""
-    import ringmaster as rm
+    from ..config import AUTO
 
     return RingmasterConfig(
         size=settings.size, backend=settings.backend,
-        ulysses_size=settings.ulysses_size or rm.AUTO, ring_size=settings.ring_size or rm.AUTO,
+        ulysses_size=settings.ulysses_size or AUTO, ring_size=settings.ring_size or AUTO,
         rotate_method=settings.rotate_method, load_balance=settings.load_balance, ring_impl=settings.ring_impl,
         recurrent=settings.recurrent,
     )
@@ -147,7 +147,7 @@ class RingmasterPlugin(_Base):
     def _configure(self, cfg, trainer):
         from types import MethodType
 
-        import ringmaster as rm
+        from ..wiring import unwire, wire
 
         from ..sharding.batch import ContextParallelContextManager
         from .accelerate import _restore, _set_instance, cp_num_items_in_batch, disable_torch_cp
@@ -163,8 +163,8 @@ class RingmasterPlugin(_Base):
             if not settings.gather_outputs:
                 raise ValueError("ringmaster computes the causal-LM loss per shard: a custom compute_loss_func or "
                                  "label smoothing needs `ringmaster.gather_outputs: true`")
-        self.runtime = runtime = rm.wire(model, rm_cfg, device_mesh=mesh)
-        self._restores.append(lambda: rm.unwire(model))
+        self.runtime = runtime = wire(model, rm_cfg, device_mesh=mesh)
+        self._restores.append(lambda: unwire(model))
         self._restores.append(disable_torch_cp(accelerator, trainer))
 
         originals: list = []
@@ -181,8 +181,8 @@ class RingmasterPlugin(_Base):
         if ref_model is not None:  # sharded like the policy, so its attention must be CP attention too
             ref = accelerator.unwrap_model(ref_model) if hasattr(accelerator, "unwrap_model") else ref_model
             if ref is not model and getattr(ref, "_ringmaster_runtime", None) is None:
-                rm.wire(ref, ringmaster_config(settings), device_mesh=mesh)
-                self._restores.append(lambda: rm.unwire(ref))
+                wire(ref, ringmaster_config(settings), device_mesh=mesh)
+                self._restores.append(lambda: unwire(ref))
             models.append(ref_model)
         manager = ContextParallelContextManager(
             models, runtime.cp_group, gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps") or 1)
@@ -199,12 +199,12 @@ class RingmasterPlugin(_Base):
             pass
 
     def post_train_unload(self, cfg):
-        import ringmaster as rm
+        from ..runtime import teardown
 
         while self._restores:
             self._restores.pop()()
         if self.runtime is not None:
-            rm.teardown()
+            teardown()
             self.runtime = None
 
 

@@ -101,7 +101,8 @@ class CPGRPOTrainer(GRPOTrainer):
             raise
 
     def _rm_setup(self, cfg, device_mesh) -> None:
-        import ringmaster as rm
+        from ..config import RingmasterConfig
+        from ..wiring import wire
 
         from .accelerate import disable_torch_cp
 
@@ -111,8 +112,8 @@ class CPGRPOTrainer(GRPOTrainer):
         for model in models:
             runtime = getattr(model, "_ringmaster_runtime", None)
             if runtime is None:
-                config = cfg if cfg is not None else rm.RingmasterConfig(size=torch.distributed.get_world_size())
-                runtime = rm.wire(model, config, device_mesh=device_mesh)
+                config = cfg if cfg is not None else RingmasterConfig(size=torch.distributed.get_world_size())
+                runtime = wire(model, config, device_mesh=device_mesh)
                 self._rm_wired.append(model)
             self._rm_restores.append(install_logprob_forward(model, self.temperature, self.logprob_chunk_size))
             manager = ContextParallelContextManager([model], runtime.cp_group, load_balance=runtime.shard_load_balance)
@@ -123,15 +124,16 @@ class CPGRPOTrainer(GRPOTrainer):
 
     def remove_context_parallel(self) -> None:
         """Undo the hooks and per-instance forwards, and unwire the models this trainer wired."""
-        import ringmaster as rm
+        from ..runtime import teardown
+        from ..wiring import unwire
 
         while self._rm_restores:
             self._rm_restores.pop()()
         wired = bool(self._rm_wired)
         while self._rm_wired:
-            rm.unwire(self._rm_wired.pop())
+            unwire(self._rm_wired.pop())
         if wired:   # a runtime the caller set up (a model wired before) stays
-            rm.teardown()
+            teardown()
 
     def _generate_single_turn(self, *args, **kwargs):
         if not self.use_vllm and getattr(self, "rollout_func", None) is None:

@@ -10,6 +10,7 @@ import torch
 from ..runtime import active, runtime_of
 from ..sharding.batch import (CP_SHARD_KEY, apply_positions, batch_kwarg, check_shard_target, global_num_items,
                               shard_collated_batch)
+from ..sharding.carrier import carrier_of, holding
 from ..sharding.documents import BATCH_KWARG
 from ..validation import validate_batch
 
@@ -24,7 +25,9 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
     document, or ``cu_seq_lens``) or padded (``attention_mask`` zeros, labels -100 there):
     documents never see each other and padding is never attended. The shard carries the batch's
     global document structure and layout as the ``ringmaster_batch`` kwarg, which the CP layers
-    read (and check against what they were bound to).
+    read (and check against what they were bound to); inside the block the same step context is
+    held by the step carrier of ``model`` (else of every model wired against the runtime) for the
+    layers transformers calls without kwargs, and cleared on exit (:mod:`ringmaster.sharding.carrier`).
 
     ``model(**shard).loss`` then follows the convention: the mean over the CP group of each
     rank's loss and gradients equals the single-device loss and gradients. Pass
@@ -45,4 +48,10 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
         count = torch.as_tensor(count, dtype=torch.float32)
         shard["num_items_in_batch"] = count / rt.cp_size
     shard["use_cache"] = False
-    yield shard
+    if model is not None:
+        found = carrier_of(model)
+        carriers = [found] if found is not None else []
+    else:
+        carriers = rt.carriers
+    with holding(carriers, shard[BATCH_KWARG]):
+        yield shard

@@ -114,7 +114,8 @@ class CPSFTTrainer(SFTTrainer):
             self._rm_packing_restore.append(_PackingCheckView.hide(pc))
 
     def _rm_setup(self, cfg, device_mesh) -> None:
-        import ringmaster as rm
+        from ..config import RingmasterConfig
+        from ..wiring import unwire, wire
 
         from ..sharding.batch import ContextParallelContextManager
         from .accelerate import disable_torch_cp
@@ -127,9 +128,9 @@ class CPSFTTrainer(SFTTrainer):
         if runtime is None:
             if cfg is None:
                 size = pc.cp_size if pc is not None and pc.cp_enabled else dist.get_world_size()
-                cfg = rm.RingmasterConfig(size=size)
-            runtime = rm.wire(model, cfg, device_mesh=device_mesh)
-            self._rm_restores.append(lambda: rm.unwire(model))
+                cfg = RingmasterConfig(size=size)
+            runtime = wire(model, cfg, device_mesh=device_mesh)
+            self._rm_restores.append(lambda: unwire(model))
             self._rm_wired = True
         if pc is not None and pc.cp_enabled and pc.cp_size != runtime.cp_size:
             raise ValueError(f"accelerate cp_size={pc.cp_size} but ringmaster's CP group has {runtime.cp_size} ranks")
@@ -150,9 +151,9 @@ class CPSFTTrainer(SFTTrainer):
         while self._rm_restores:
             self._rm_restores.pop()()
         if wired:
-            import ringmaster as rm
+            from ..runtime import teardown
 
-            rm.teardown()
+            teardown()
             self._rm_wired = False
 
     # --- loss ----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class SelfAttentionSite:
       ``[B, H, S, D]`` as ``returns`` says (``"pair"``: ``(out, None)``; ``"list"``: ``[out]``).
     * ``"sdpa"``: the forward calls ``torch.nn.functional.scaled_dot_product_attention`` by the
       module-global name ``torch`` (or ``F``); this instance's forward is re-bound
-      (:mod:`ringmaster.recurrent.intercept`) so that name reaches the CP attention.
+      (:mod:`ringmaster.intercept`) so that name reaches the CP attention.
     * ``"fused_qkv"``: the forward computes scores inline (no call holds q, k and v), from one fused
       projection: this instance's forward is replaced by the generic one the data describes, ``out(
       CP(split(qkv(x))))``: ``qkv`` / ``out`` (child Linear names), ``qkv_layout`` (``"per_head"``:

@@ -16,7 +16,7 @@ runtime, and calls the kernel directly:
 Hub kernels load through the ``kernels`` package directly (never transformers' hub-kernel gate,
 which wants ``kernels>=0.18.2``), so ``LOCAL_KERNELS="org/repo=/path"`` maps a repo id to a local
 repository: that is how CI runs these paths with ringmaster's CPU stand-in
-(``ringmaster.testing.flash_standin``). The real kernels run on CUDA only; this module has run
+(``standins.flash_repos``). The real kernels run on CUDA only; this module has run
 on CPU with the stand-in, **not yet on a GPU**.
 
 What each kernel supports is read from its varlen function's signature (``window_size``,

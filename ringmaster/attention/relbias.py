@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from ..errors import UnsupportedLayerError
-from ..recurrent import intercept
+from .. import intercept
 from ..sharding import balancers
 
 _TAG = "_ringmaster_relative_bias"   # instance attribute: the RelativeBiasSite this module was wired with

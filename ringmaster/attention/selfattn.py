@@ -6,7 +6,7 @@ so switching ``attn_implementation`` cannot reach them. Their spec names, per at
 :class:`~ringmaster.architectures.spec.SelfAttentionSite` (data): the point where the module holds
 q, k, v ``[B, H, S/P, D]`` and what its attention computes (scale, window). ``rm.wire`` gives each
 such *instance* a replacement at that point (an instance attribute for a method; a re-bound copy
-of its forward for the ``torch`` / ``F`` names, :mod:`ringmaster.recurrent.intercept`), which
+of its forward for the ``torch`` / ``F`` names, :mod:`ringmaster.intercept`), which
 calls the runtime's CP attention function, the same one the interface families call: Ulysses,
 Ring and USP, ``require_batch``, the per-layer rules and the first-forward accounting all apply
 unchanged. Nothing shared (the class, the transformers module, ``torch``) is patched.
@@ -21,12 +21,12 @@ shard: right padding only), a ``position_table`` gets the shard's global positio
 ``cross_modules`` (idle cross-attention instances) refuse any call.
 
 These modules are called with a fixed argument list by their decoder layers, so the
-``ringmaster_batch`` kwarg never reaches them: a forward pre-hook on the wired model keeps the
-current forward's batch in a :class:`BatchSlot` bound to that model (not a process global), read
-by its sites. The slot keeps the batch until the next forward; a gradient-checkpointing replay in
-backward gets the batch of its own forward put back by its checkpoint function
-(:mod:`ringmaster.checkpointing`), also when another forward ran in between; a forward without
-one leaves it empty and the CP attention raises.
+``ringmaster_batch`` kwarg never reaches them: their sites read the model's step carrier
+(:mod:`ringmaster.sharding.carrier`), bound to them when wired, which the shard step sets for its
+forward and clears after it, and a checkpoint's recomputation in backward replays with its own
+forward's batch (:mod:`ringmaster.checkpointing`), also when another forward ran in between; a
+forward outside a step finds it empty and the CP attention raises. A family's ``batch_rule`` runs in a
+pre-hook on the model, which sees the call's kwargs (xlm's ``lengths``).
 """
 
 from __future__ import annotations
@@ -38,28 +38,16 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..checkpointing import replay_slots
 from ..comm import all_reduce_sum
 from ..errors import UnsupportedLayerError
-from ..recurrent import intercept
+from .. import intercept
 from ..sharding import balancers
+from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
 from .binding import AttentionBinding
 from .register import cp_attention
 
 _TAG = "_ringmaster_selfattn"
-
-
-class BatchSlot:
-    """The ``ringmaster_batch`` of one wired model's current forward (written by its pre-hook)."""
-
-    def __init__(self):
-        self.batch = None
-        self.kwargs: dict = {}
-
-    def capture(self, module, args, kwargs):
-        self.batch = kwargs.get(BATCH_KWARG)
-        self.kwargs = kwargs   # what a site's batch_rule reads (xlm's `lengths`)
 
 
 class _Namespace:
@@ -145,11 +133,11 @@ def site_causal(site, module, config=None) -> bool:
     return bool(getattr(module, site.causal_attr, True)) if site.causal_attr else True
 
 
-def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None,
+def _call(fn, module, site, carrier: StepCarrier, path: str, q, k, v, dropout: float = 0.0, scale=None, alibi=None,
           causal=None):
     """CP attention of this rank's q ``[B, H, S/P, D]`` (k/v ``[B, Hkv, S/P, D]``) -> ``[B, H, S/P, D]``."""
     causal = site_causal(site, module) if causal is None else causal
-    kwargs = {BATCH_KWARG: slot.batch, "is_causal": causal, "dropout": dropout,
+    kwargs = {BATCH_KWARG: carrier.current, "is_causal": causal, "dropout": dropout,
               "scaling": site_scale(site, module, q.shape[-1]) if scale is None else float(scale)}
     if alibi is not None:
         kwargs["alibi_slopes"] = alibi
@@ -160,7 +148,7 @@ def _call(fn, module, site, slot: BatchSlot, path: str, q, k, v, dropout: float 
     return out.transpose(1, 2)
 
 
-def _method(fn, module, site, slot, path) -> Callable:
+def _method(fn, module, site, carrier, path) -> Callable:
     names = site.args
 
     def attention(*args, **kwargs):
@@ -169,17 +157,17 @@ def _method(fn, module, site, slot, path) -> Callable:
         q, k, v = (bound[n] for n in names[:3])
         if site.key_layout == "bhds":
             k = k.transpose(-1, -2)
-        out = _call(fn, module, site, slot, path, q, k, v)
+        out = _call(fn, module, site, carrier, path, q, k, v)
         return [out] if site.returns == "list" else (out, None)
 
     return attention
 
 
-def _global_rotary(site, module, table, slot, path, q, k, v):
+def _global_rotary(site, module, table, carrier, path, q, k, v):
     """q, k (and v) rotated at the shard's *global* positions: the model looked its rotary table up for
     positions 0..S/P-1 of the local input; look it up at this shard's positions and apply it with the
     module's own function."""
-    cpb = slot.batch
+    cpb = carrier.current
     if cpb is None:
         raise RuntimeError(f"{_where(path, module)}: no `ringmaster_batch` in this forward, so the shard's global "
                            "positions are unknown; shard the batch with context_parallel_region")
@@ -194,16 +182,16 @@ def _global_rotary(site, module, table, slot, path, q, k, v):
     return (*apply(table_rows, q, k), v)
 
 
-def _check_batch(site, module, slot, path, config) -> None:
-    """The family's ``batch_rule`` on this forward's batch (once per batch; every rank holds the same
-    full rows, so every rank raises alike, before the CP attention's first collective)."""
-    cpb = slot.batch
+def _check_batch(site, module, cpb, kwargs, path, config) -> None:
+    """The family's ``batch_rule`` on this forward's batch and the model call's ``kwargs`` (once per batch;
+    every rank holds the same full rows, so every rank raises alike, before the CP attention's first
+    collective)."""
     if site.batch_rule is None or cpb is None:
         return
     key = ("batch_rule", id(site))
     if key not in cpb._cache:
         try:
-            site.batch_rule(cpb, slot.kwargs, config)
+            site.batch_rule(cpb, kwargs, config)
         except (NotImplementedError, ValueError) as exc:
             raise type(exc)(f"{_where(path, module)}: {exc}") from None
         cpb._cache[key] = True
@@ -221,7 +209,7 @@ def _empty_cache(site, module, path, bound) -> None:
             "without a filled cache")
 
 
-def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callable:
+def _fused_qkv(fn, module, site, carrier, path, table=None, config=None) -> Callable:
     """The forward of a ``fused_qkv`` site: ``out(CP(split(qkv(x))))`` (+ ``residual_arg``)."""
     names = site.args
     causal = site_causal(site, module, config) if site.causal_config else None   # else per call, from the module
@@ -230,7 +218,6 @@ def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callabl
         bound = dict(zip(names, args))
         bound.update(kwargs)
         _empty_cache(site, module, path, bound)
-        _check_batch(site, module, slot, path, config)
         for name in site.refuse_kwargs:
             if bound.get(name) is not None and bound.get(name) is not False:
                 raise NotImplementedError(
@@ -256,9 +243,9 @@ def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callabl
                 parts = (t.reshape(B, S, H, -1) for t in qkv.chunk(3, dim=2))
         q, k, v = (t.transpose(1, 2) for t in parts)
         if site.rotary_arg and bound.get(site.rotary_arg) is not None:  # its local lookup is not used
-            q, k, v = _global_rotary(site, module, table, slot, path, q, k, v)
+            q, k, v = _global_rotary(site, module, table, carrier, path, q, k, v)
         slopes = site.alibi_slopes(module).to(q.device) if site.alibi_slopes is not None else None
-        out = _call(fn, module, site, slot, path, q, k, v, alibi=slopes, causal=causal)
+        out = _call(fn, module, site, carrier, path, q, k, v, alibi=slopes, causal=causal)
         out = out.transpose(1, 2).reshape(B, S, -1)
         if site.out:
             out = getattr(module, site.out)(out)
@@ -269,11 +256,11 @@ def _fused_qkv(fn, module, site, slot, path, table=None, config=None) -> Callabl
     return forward
 
 
-def _sdpa_names(fn, module, site, slot, path) -> dict:
+def _sdpa_names(fn, module, site, carrier, path) -> dict:
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
         # attn_mask / is_causal describe the local shard; the batch and the site give the global mask
-        return _call(fn, module, site, slot, path, query, key, value, dropout=dropout_p, scale=scale)
+        return _call(fn, module, site, carrier, path, query, key, value, dropout=dropout_p, scale=scale)
 
     functional = _Namespace(torch.nn.functional, {"scaled_dot_product_attention": scaled_dot_product_attention})
     nn_ns = _Namespace(torch.nn, {"functional": functional})
@@ -313,12 +300,24 @@ def _refuse_cross(path):
     return pre
 
 
-def wire_sites(model, spec, binding: AttentionBinding, modules: dict, cross: dict | None = None) -> Callable[[], None]:
+def _batch_rules(carrier: StepCarrier, rules: list, config):
+    """A pre-hook on the wired model: each site's ``batch_rule`` (``rules``: ``(site, module, path)``, the
+    first instance of each site) on the step's batch and the call's kwargs."""
+    def pre(model, args, kwargs):
+        cpb = carrier.batch(kwargs)
+        for site, module, path in rules:
+            _check_batch(site, module, cpb, kwargs, path, config)
+    return pre
+
+
+def wire_sites(model, spec, binding: AttentionBinding, modules: dict, cross: dict | None = None,
+               carrier: StepCarrier | None = None) -> Callable[[], None]:
     """Give every attention module of ``modules`` (path -> module) whose class ``spec.self_attention``
-    names its CP site; the ``cross`` instances (path -> module) refuse any call. Returns the undo (also
-    run here if any step fails)."""
+    names its CP site, reading the step context from ``carrier`` (the model's step carrier); the ``cross``
+    instances (path -> module) refuse any call. Returns the undo (also run here if any step fails)."""
     fn = cp_attention(binding)
-    slot = BatchSlot()
+    carrier = carrier if carrier is not None else StepCarrier()
+    rules: list = []
     undos: list = []
     config = _config(model)
     tables = set()
@@ -328,28 +327,30 @@ def wire_sites(model, spec, binding: AttentionBinding, modules: dict, cross: dic
             if site is None:
                 continue
             if site.kind == "method":
-                name, replacement = site.method, _method(fn, module, site, slot, path)
+                name, replacement = site.method, _method(fn, module, site, carrier, path)
             elif site.kind == "fused_qkv":
                 table = rotary_table(model, site) if site.rotary_table else None
-                name, replacement = "forward", _fused_qkv(fn, module, site, slot, path, table, config)
+                name, replacement = "forward", _fused_qkv(fn, module, site, carrier, path, table, config)
             if site.kind in ("method", "fused_qkv"):
                 setattr(module, name, replacement)
                 setattr(module, _TAG, path)
                 undos.append(functools.partial(_drop, module, (name, _TAG)))
             else:
-                undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, slot, path),
+                undos.append(intercept.rebind_forward(module, path, _sdpa_names(fn, module, site, carrier, path),
                                                       ("scaled_dot_product_attention",),
                                                       guard=_guard(site, path, module), tag=_TAG))
+            if site.batch_rule is not None and all(s is not site for s, _, _ in rules):
+                rules.append((site, module, path))
             if site.position_table and site.position_table not in tables:
                 tables.add(site.position_table)
-                undos.append(_steer_positions(model, site, slot).remove)
+                undos.append(_steer_positions(model, site, carrier).remove)
             if site.mean_loss and site.mean_loss not in tables:
                 tables.add(site.mean_loss)
-                undos.append(_global_mean_loss(model, site, slot, binding.cp_group).remove)
+                undos.append(_global_mean_loss(model, site, carrier, binding.cp_group).remove)
         for path, module in (cross or {}).items():
             undos.append(module.register_forward_pre_hook(_refuse_cross(path), with_kwargs=True).remove)
-        undos.append(model.register_forward_pre_hook(slot.capture, with_kwargs=True).remove)
-        undos.append(replay_slots(model, [slot]))   # recomputation reads its own forward's slot
+        if rules:
+            undos.append(model.register_forward_pre_hook(_batch_rules(carrier, rules, config), with_kwargs=True).remove)
     except BaseException:
         for undo in reversed(undos):
             undo()
@@ -383,7 +384,7 @@ def position_table(model, site):
     return path, module
 
 
-def _steer_positions(model, site, slot):
+def _steer_positions(model, site, carrier):
     """A forward pre-hook on the model's position table: ``position_ids`` = this shard's global positions
     (``arange`` of the whole row, cut in the batch's layout: the numbering the model uses itself on one
     device, where it numbers the local input from 0). Without a CP batch it passes nothing (the CP attention
@@ -391,7 +392,7 @@ def _steer_positions(model, site, slot):
     path, module = position_table(model, site)
 
     def pre(mod, args, kwargs):
-        cpb = slot.batch
+        cpb = carrier.current
         if cpb is None:
             return None
         if kwargs.get("cache_length", 0) or (len(args) > 1 and args[1]):
@@ -407,7 +408,7 @@ def _steer_positions(model, site, slot):
     return module.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def _global_mean_loss(model, site, slot, group):
+def _global_mean_loss(model, site, carrier, group):
     """A forward hook on the module that returns a mean loss over its *local* labels != -100 (``mean_loss``:
     a path suffix, called ``(x, labels)`` and returning ``(loss, scores, ...)``; or ``"."``: the wired model
     itself, called with ``labels=`` and returning ``.loss`` / ``.logits``). Under CP that mean is over this
@@ -418,7 +419,7 @@ def _global_mean_loss(model, site, slot, group):
     path, module = ("", model) if top else _one(model, site.mean_loss, "loss module")
 
     def post(mod, args, kwargs, output):
-        cpb = slot.batch
+        cpb = carrier.current
         labels = kwargs.get("labels") if top else (args[1] if len(args) > 1 else None)
         if isinstance(output, tuple):
             loss, scores = (output[0], output[1]) if len(output) > 1 else (None, None)

@@ -25,8 +25,8 @@ dense-mask result up to summation order. Query and key ranges are cut by :class:
 backward adds every range's gradient into one buffer (slicing through autograd would allocate a
 full-size zero gradient per call).
 
-The plan is made on the host from the document ids (one device sync per forward on GPU) and,
-with the masks, cached in the forward's ``CPBatch`` for every layer. Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
+The plan is made on the host from the documents' host copy (``CPBatch.runs``, read once in the shard
+step: no device read here) and, with the masks, cached in the forward's ``CPBatch`` for every layer. Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
 ``window_size`` path (no mask at all) is the production one.
 """
 
@@ -56,14 +56,6 @@ class Call:
 def needs_tiles(cpb, window) -> bool:
     """True when a dense mask would be needed: documents (packing, padding) or a sliding window."""
     return cpb.doc_ids is not None or window is not None
-
-
-def document_runs(doc_row: torch.Tensor) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]`` of the runs of equal ids in one row (ids are non-decreasing)."""
-    S = doc_row.shape[0]
-    cuts = (torch.nonzero(doc_row[1:] != doc_row[:-1]).flatten() + 1).tolist()
-    edges = [0] + cuts + [S]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def plan_row(runs, causal: bool, window: int | None, r0: int, r1: int, tile: int) -> list[Call]:
@@ -108,17 +100,15 @@ def plan(cpb, causal: bool, window, batch: int, tile: int | None = None) -> list
     if key in cpb._cache:
         return cpb._cache[key]
     S = cpb.seq_len
-    docs = cpb.doc_ids
-    if docs is None:
+    runs = cpb.runs   # the documents' host copy, made in the shard step: no device read here
+    if runs is None:
         calls = plan_row([(0, S)], causal, window, 0, batch, tile)
+    elif runs.uniform:
+        calls = plan_row(runs.bounds(0), causal, window, 0, batch, tile)
     else:
-        docs = docs.reshape(-1, S).cpu()
-        if docs.shape[0] == 1 or bool((docs == docs[:1]).all()):
-            calls = plan_row(document_runs(docs[0]), causal, window, 0, batch, tile)
-        else:
-            if docs.shape[0] != batch:
-                raise ValueError(f"the batch's document ids have {docs.shape[0]} rows, attention got {batch}")
-            calls = [c for r in range(batch) for c in plan_row(document_runs(docs[r]), causal, window, r, r + 1, tile)]
+        if runs.rows != batch:
+            raise ValueError(f"the batch's document ids have {runs.rows} rows, attention got {batch}")
+        calls = [c for r in range(batch) for c in plan_row(runs.bounds(r), causal, window, r, r + 1, tile)]
     cpb._cache[key] = calls
     return calls
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
 from .scan import KERNEL_STRATEGIES, STRATEGIES
 
@@ -31,17 +32,17 @@ class Probe:
 
 @dataclass
 class LayerContext:
-    """What a wired layer is bound to when it is wired: its path, CP group and state-passing
-    strategy. The per-step layout and documents come only from the ``ringmaster_batch`` of the call
-    (nothing is read from a process global), checked against the group here."""
+    """What a wired layer is bound to when it is wired: its path, CP group, state-passing strategy and
+    its model's step carrier. The per-step layout and documents come only from the step context: the
+    ``ringmaster_batch`` of the call, else the carrier the shard step set (nothing is read from a
+    process global), checked against the group here."""
 
     path: str
     group: Any = None
     strategy: str = "auto"
-    # the ``ringmaster_batch`` the enclosing layer was last called with (set by an instance-local
-    # forward pre-hook; only used when the kernels are called without it): see :meth:`take_batch`
-    batch: Any = field(default=None, repr=False)
-    # set only while ``wire`` probes the layer (:func:`ringmaster.recurrent.intercept.probe_layer`)
+    # the model's step carrier (ringmaster.sharding.carrier), for a layer called without the kwarg
+    carrier: StepCarrier = field(default_factory=StepCarrier, repr=False)
+    # set only while ``wire`` probes the layer (:func:`ringmaster.intercept.probe_layer`)
     probe: "Probe | None" = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -55,9 +56,8 @@ class LayerContext:
 
     def take_batch(self, kwargs: dict):
         """The ``ringmaster_batch`` of this call, removed from ``kwargs`` (the kernels never see it):
-        the kwarg itself when the layer forwarded it, else what the enclosing layer's pre-hook saw."""
-        batch = kwargs.pop(BATCH_KWARG, None)
-        return batch if batch is not None else self.batch
+        the kwarg itself when the layer got it, else the step carrier's."""
+        return self.carrier.batch(kwargs, pop=True)
 
     def resolve(self, batch) -> tuple[Any, int, str, str]:
         """``(group, size, layout, strategy)`` for a call that carries ``batch`` (its ``CPBatch``)."""
@@ -127,7 +127,7 @@ def drop_local_segments(ctx: LayerContext, kwargs: dict, key: str = "segments") 
     starts instead. Refuses a shard with several local documents but no global document ids (they would
     disagree). Without ringmaster, axolotl's own per-document path stays."""
     segments = kwargs.get(key)
-    batch = kwargs.get(BATCH_KWARG, ctx.batch)
+    batch = ctx.carrier.batch(kwargs)
     if segments is None or (batch is None and ctx.size == 1 and ctx.probe is None):
         return
     seq_idx = getattr(segments, "seq_idx", None)

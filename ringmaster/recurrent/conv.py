@@ -85,7 +85,7 @@ def conv_with_halo(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, weight
 
 
 def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, docs: torch.Tensor, start: int,
-                        weight: torch.Tensor, bias=None, activation=None, **kwargs) -> torch.Tensor:
+                        weight: torch.Tensor, bias=None, activation=None, runs=None, **kwargs) -> torch.Tensor:
     """The model's own causal conv on one chunk ``x [b, c, m]`` (global positions ``[start, start+m)``)
     of a packed row: no tap reaches across a document start, as if every document ran alone.
 
@@ -101,7 +101,10 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
     keep = (hdoc == d[:, :1]) & (hpos >= 0)                               # [b, width]
     halo = halo.to(x.dtype) * keep[:, None, :].to(x.dtype)
     starts = torch.cat([d.new_zeros(b, 1), (d[:, 1:] != d[:, :-1]).long().cumsum(-1)], dim=-1)   # [b, m]
-    gaps = int(starts[:, -1].max())
+    # the most document starts inside the chunk of any row: from the host runs (``runs``, made in the shard
+    # step), or read from the ids (direct callers without them)
+    gaps = (max(len(runs.cuts(r, start, start + m)) for r in range(b)) if runs is not None
+            else int(starts[:, -1].max()))
     if gaps == 0:
         return conv_with_halo(kernel, x, halo, weight, bias, activation, **kwargs)
     pos = (width + torch.arange(m, device=x.device) + width * starts)[:, None, :].expand(b, ch, m)
@@ -119,18 +122,19 @@ def conv_documents(batch, path: str, size: int, x: torch.Tensor) -> torch.Tensor
 
 def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, *,
                      group, layout: str, lengths: Sequence[int] | None = None, docs: torch.Tensor | None = None,
-                     **kwargs) -> torch.Tensor:
+                     runs=None, **kwargs) -> torch.Tensor:
     """``causal_conv1d_fn`` for a CP shard ``x [b, c, l]`` (``weight [c, k]``), exact across ranks.
 
     ``docs [b, S]`` (global document ids of a packed or padded batch): no tap crosses a document
-    start (see :func:`conv_with_documents`); works at CP size 1 too."""
+    start (see :func:`conv_with_documents`); works at CP size 1 too. ``runs``: the batch's host copy of
+    its documents (``CPBatch.runs``), so no document structure is read from ``docs``' values."""
     width = weight.shape[-1] - 1
     P = 1 if group is None else dist.get_world_size(group)
     if width == 0 or (docs is None and P == 1):
         return kernel(x, weight, bias, activation=activation, **kwargs)
     if P == 1:
         halo = x.new_zeros(*x.shape[:-1], width)
-        return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, **kwargs)
+        return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, runs=runs, **kwargs)
     rank = dist.get_rank(group)
     ids = chunk_ids(layout, P, rank)
     chunks = split_local(x, len(ids), dim=-1)
@@ -139,7 +143,7 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
         outs = [conv_with_halo(kernel, c, h, weight, bias, activation, **kwargs) for c, h in zip(chunks, halos)]
     else:
         sizes = list(lengths) if lengths is not None else [chunks[0].shape[-1]] * (P * len(ids))
-        outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, **kwargs)
+        outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, runs=runs, **kwargs)
                 for i, c, h in zip(ids, chunks, halos)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -166,6 +170,7 @@ def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
             check_call_kwargs(ctx.path, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k != "seq_idx"}
         return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
-                                layout=layout, docs=conv_documents(batch, ctx.path, size, x), **kwargs)
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x),
+                                runs=getattr(batch, "runs", None), **kwargs)
     return conv
 

@@ -3,7 +3,8 @@
 A chunk is cut at its document starts (:class:`DocumentSegment`); a chunk holding a start has
 the map ``A = 0`` (its end state does not depend on the incoming state), so both strategies and
 every layout stay unchanged around it. The document ids come from the ``ringmaster_batch`` kwarg
-(or, for a mixer called without kwargs, from a pre-hook on its enclosing layer).
+(or, for a mixer called without kwargs, from the model's step carrier, :mod:`ringmaster.sharding.carrier`);
+the cuts themselves come from the batch's host runs (``CPBatch.runs``), never from the ids' values.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..sharding.documents import Runs
 from .scan import chunk_ids, tie
 
 class DocumentSegment:
@@ -34,15 +36,17 @@ class DocumentSegment:
     same kind of segment over some batch rows and a token range) and ``state_map(final)`` (the
     packed map ``(A=0, b=final)``)."""
 
-    def __init__(self, base, docs: torch.Tensor, prev: torch.Tensor | None):
+    def __init__(self, base, docs: torch.Tensor, prev: torch.Tensor | None, pattern: Sequence[tuple] | None = None):
+        """``pattern``: per row, ``(a document starts on the first token, cuts inside the chunk)``, from the
+        batch's host runs (:func:`local_documents`); without it (direct callers, tests) it is read from
+        ``docs``' values."""
         self.base = base
         self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's outputs ([b, d, l]: 2)
         B, m = docs.shape
-        inner = docs[:, 1:] != docs[:, :-1]
-        at_start = (docs[:, 0] != prev) if prev is not None else torch.zeros(B, dtype=torch.bool, device=docs.device)
+        if pattern is None:
+            pattern = _pattern_of(docs, prev)
         patterns: dict[tuple, list[int]] = {}
-        for r in range(B):
-            key = (bool(at_start[r]), tuple((inner[r].nonzero().flatten() + 1).tolist()))
+        for r, key in enumerate(pattern):
             patterns.setdefault(key, []).append(r)
         self.length = m
         self.batch = B
@@ -132,6 +136,21 @@ class DocumentSegment:
         return self._tied(self._assemble(outs), state_in), self._assemble(finals)
 
 
+def _pattern_of(docs: torch.Tensor, prev: torch.Tensor | None) -> list[tuple[bool, tuple[int, ...]]]:
+    """Per row, ``(starts on the first token, cuts)`` read from the ids' values (a host read)."""
+    B = docs.shape[0]
+    inner = docs[:, 1:] != docs[:, :-1]
+    at_start = (docs[:, 0] != prev) if prev is not None else torch.zeros(B, dtype=torch.bool, device=docs.device)
+    return [(bool(at_start[r]), tuple((inner[r].nonzero().flatten() + 1).tolist())) for r in range(B)]
+
+
+def host_runs(batch, docs: torch.Tensor) -> Runs:
+    """The batch's host copy of its documents (``CPBatch.runs``, made in the shard step); a batch object
+    without one (tests calling the kernels directly) gets it read from ``docs``."""
+    runs = getattr(batch, "runs", None)
+    return runs if runs is not None else Runs.from_doc_ids(docs)
+
+
 def _first(result) -> tuple[torch.Tensor, torch.Tensor]:
     """``(outputs, final state)`` of a kernel call that returned them (as a tuple)."""
     return result[0], result[1]
@@ -147,7 +166,7 @@ def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> 
     docs = getattr(batch, "doc_ids", None) if batch is not None else None
     if docs is None:
         return None
-    seq_len = int(docs.shape[-1])
+    seq_len = docs.shape[-1]
     if getattr(batch, "size", size) != size or seq_len != local_len * size:
         raise RuntimeError(
             f"{path}: the batch's document ids describe {seq_len} tokens over CP size {getattr(batch, 'size', '?')}, "
@@ -161,19 +180,23 @@ def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> 
 
 
 def local_documents(batch, path: str, size: int, rank: int, layout: str, shape: tuple[int, int],
-                    n_chunks: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]] | None:
-    """For each chunk this rank stores (storage order): ``(docs [B, m], prev [B] | None, start)`` from
-    the global document ids, or None when every row is one document (nothing to reset)."""
+                    n_chunks: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int, tuple]] | None:
+    """For each chunk this rank stores (storage order): ``(docs [B, m], prev [B] | None, start, pattern)``
+    from the global document ids, or None when every row is one document (nothing to reset). ``pattern``
+    (per row: a document starts on the chunk's first token, the cuts inside it) comes from the batch's
+    host runs: no device read."""
     B, local_len = shape
     docs = global_documents(batch, path, size, B, local_len)
     if docs is None:
         return None
+    runs = host_runs(batch, docs)
     m = local_len // n_chunks
     out = []
     for c in chunk_ids(layout, size, rank):
         start = c * m
         prev = docs[:, start - 1] if start > 0 else None
-        out.append((docs[:, start:start + m], prev, start))
+        pattern = tuple((start > 0 and runs.starts_at(r, start), runs.cuts(r, start, start + m)) for r in range(B))
+        out.append((docs[:, start:start + m], prev, start, pattern))
     return out
 
 
@@ -181,8 +204,8 @@ def with_documents(segments: Sequence, docs) -> list:
     """Wrap each segment in a :class:`DocumentSegment` (``docs`` from :func:`local_documents`)."""
     if docs is None:
         return list(segments)
-    return [DocumentSegment(seg, d.to(_device(seg)), None if p is None else p.to(_device(seg)))
-            for seg, (d, p, _) in zip(segments, docs)]
+    return [DocumentSegment(seg, d.to(_device(seg)), None if p is None else p.to(_device(seg)), pattern)
+            for seg, (d, p, _, pattern) in zip(segments, docs)]
 
 
 def _device(seg) -> torch.device:

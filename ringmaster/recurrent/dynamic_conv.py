@@ -31,7 +31,7 @@ from ..sharding.documents import BATCH_KWARG
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, Probe
 from .conv import cp_conv_kernel
-from .intercept import interceptable, rebind_attributes
+from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .short_conv import _call_guard
 

@@ -15,15 +15,14 @@ resolved ``fla``, and the function takes ``cp_context``: through the torch fallb
 out and the rows silently computed without the other ranks' state), ``fla.ops.cp`` must import, and the
 layout must be ``contiguous`` (FLA's parts are contiguous; ``head_tail`` is not). The parity of this path
 against ringmaster's ``scan`` is a GPU check (benchmarks/gpu_check.py): on CPU it runs only against the
-stand-in ``fla`` (``ringmaster.testing.kernel_standin``, whose ``cp_context`` gathers the stream), not
-yet against the real FLA on a GPU.
+stand-in ``fla`` (``tests/standins/kernels``, whose ``cp_context`` gathers the stream; it looks like the real
+package to this module), not yet against the real FLA on a GPU.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from typing import Callable
 
 import torch
@@ -44,8 +43,7 @@ def unavailable_reason(kernel: Callable) -> str | None:
     """Why ``recurrent="fla_cp"`` cannot run with this layer kernel (None: it can)."""
     impl = kernel_implementation(kernel)
     module = getattr(impl, "__module__", "") or ""
-    standin = getattr(sys.modules.get(module), "__ringmaster_standin__", False)   # ringmaster.testing.kernel_standin
-    if not (module == "fla" or module.startswith("fla.") or standin):
+    if not (module == "fla" or module.startswith("fla.")):
         return (f"the layer's kernel is {module}.{getattr(impl, '__name__', impl)}, not flash-linear-attention's "
                 "(install flash-linear-attention before transformers imports the model)")
     try:
@@ -61,18 +59,14 @@ def unavailable_reason(kernel: Callable) -> str | None:
     return None
 
 
-def cu_seqlens_of_row(docs: torch.Tensor | None, row: int, seq_len: int, device) -> torch.Tensor:
-    """The global ``cu_seqlens`` of one batch row: its document starts (``docs [b, S]`` global ids), or one
-    document spanning the row."""
-    if docs is None:
-        return torch.tensor([0, seq_len], dtype=torch.long, device=device)
-    d = docs[row]
-    starts = (torch.nonzero(d[1:] != d[:-1]).flatten() + 1).tolist()
-    return torch.tensor([0, *starts, seq_len], dtype=torch.long, device=device)
+def cu_seqlens_of_row(runs, row: int, seq_len: int, device) -> torch.Tensor:
+    """The global ``cu_seqlens`` of one batch row: its document starts (``runs``: the batch's host copy of its
+    documents, ``sharding.documents.Runs``), or one document spanning the row."""
+    starts = [0] if runs is None else list(runs.row(row))
+    return torch.tensor([*starts, seq_len], dtype=torch.long).to(device, non_blocking=True)
 
 
-def fla_cp_rule(kernel: Callable, path: str, group, layout: str, docs: torch.Tensor | None, query, key, value, g,
-                beta, kwargs: dict):
+def fla_cp_rule(kernel: Callable, path: str, group, layout: str, runs, query, key, value, g, beta, kwargs: dict):
     """The layer's chunk kernel under FLA's own CP, one batch row at a time; returns the outputs ``[b, l, hv, dv]``."""
     if layout != "contiguous":
         raise NotImplementedError(f"{path}: recurrent='fla_cp' needs the contiguous layout (FLA's context "
@@ -83,7 +77,7 @@ def fla_cp_rule(kernel: Callable, path: str, group, layout: str, docs: torch.Ten
     seq_len = l * torch.distributed.get_world_size(group)
     outs = []
     for r in range(b):
-        cp_context = build_cp_context(cu_seqlens_of_row(docs, r, seq_len, query.device), group=group)
+        cp_context = build_cp_context(cu_seqlens_of_row(runs, r, seq_len, query.device), group=group)
         o, _ = kernel(query[r:r + 1], key[r:r + 1], value[r:r + 1], g=g[r:r + 1], beta=beta[r:r + 1],
                       cp_context=cp_context, **kwargs)
         outs.append(o)

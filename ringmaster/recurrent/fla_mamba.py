@@ -34,7 +34,7 @@ naming the layer: a view that is not axolotl's layout, a kernel path that no lon
 an unbound view on a CUDA machine (axolotl would bind at its first CUDA forward, over ringmaster's),
 FLA's triton conv backend, a Mamba2 activation that bypasses the conv kernel, and an adapter on a
 module whose weight FLA's kernel path reads directly (``conv1d``, Mamba1's ``dt_proj``, Mamba2's ``norm``).
-Verified on CPU with stand-ins of fla and the hub kernels (ringmaster/testing/fla_mamba_standin); not
+Verified on CPU with stand-ins of fla and the hub kernels (tests/standins/fla_mamba); not
 yet run on a GPU.
 """
 
@@ -51,7 +51,7 @@ import torch
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
-from .intercept import compose_attributes, rebind_function
+from ..intercept import compose_attributes, rebind_function
 from .mamba1 import cp_selective_scan
 from .mamba2 import cp_mamba2_chunk_scan
 
@@ -176,7 +176,7 @@ def _torch_fallback(kind: str, name: str):
 
 def _cp_call(ctx: LayerContext) -> bool:
     """Whether this call needs ringmaster's path: under CP, in wire's probe, or a packed/padded row."""
-    return ctx.probe is not None or ctx.size > 1 or getattr(ctx.batch, "doc_ids", None) is not None
+    return ctx.probe is not None or ctx.size > 1 or getattr(ctx.carrier.current, "doc_ids", None) is not None
 
 
 def _same(path: str, what: str, given, own) -> None:
@@ -336,7 +336,7 @@ def wire_fla_mixer(module, ctx: LayerContext, names: dict | None = None) -> Call
                                "Unwire, rebuild or re-bind, then wire again")
         _check_raw_weights(view, f"layer {ctx.path!r}", kind)   # an adapter added after wiring
         guard((hidden_states, *args), kwargs)
-        if ctx.batch is not None:   # axolotl's per-shard split: the CP kernels use the global documents
+        if ctx.carrier.current is not None:   # axolotl's per-shard split: the CP kernels use the global documents
             drop_local_segments(ctx, kwargs, "_axolotl_segments")
         return previous_forward(hidden_states, *args, **kwargs)
 

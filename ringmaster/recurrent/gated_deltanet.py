@@ -40,9 +40,9 @@ import torch.distributed as dist
 from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
-from .documents import global_documents, local_documents, with_documents
+from .documents import global_documents, host_runs, local_documents, with_documents
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
-from .intercept import rebind_forward
+from ..intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
@@ -128,7 +128,8 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
                            "with packed rows; run the model with use_cache=False")
     if strategy == FLA_CP and size > 1:
         docs = global_documents(batch, ctx.path, size, query.shape[0], query.shape[1])
-        return fla_cp_rule(kernel, ctx.path, group, layout, docs, query, key, value, g, beta, kwargs), None
+        runs = None if docs is None else host_runs(batch, docs)
+        return fla_cp_rule(kernel, ctx.path, group, layout, runs, query, key, value, g, beta, kwargs), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)

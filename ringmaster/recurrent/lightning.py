@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
-from .intercept import interceptable, rebind_attributes
+from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 

@@ -32,7 +32,7 @@ The chunk's own end state ``b`` is computed the same way (:func:`decayed_state`)
 kernel's ``return_last_state``: mamba-ssm returns that last state from an autograd Function whose
 backward *ignores its gradient*, so a map built from it would silently cut every earlier shard's
 gradient through the carried state (the torch fallback keeps it, which is why only the real package, or
-its CPU stand-in ``ringmaster.testing.kernel_standin``, shows the difference). With mamba-ssm /
+its CPU stand-in ``standins.kernels``, shows the difference). With mamba-ssm /
 causal-conv1d installed the same code calls them (the conv through its halo, no ``initial_states``
 needed): verified on CPU against the stand-in packages (tests/test_kernel_standins.py), not yet run on
 a GPU.
@@ -55,7 +55,7 @@ from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
-from .naive import mamba1_dt
+from .step_size import mamba1_dt
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' Mamba1 mixers call (a family spec may rename them)

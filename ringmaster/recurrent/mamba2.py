@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .naive import mamba2_dt
+from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
 from .mixer import wire_conv_scan_mixer

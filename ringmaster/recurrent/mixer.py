@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
 from .conv import cp_conv_kernel
-from .intercept import interceptable, rebind_forward, takes_local_segments
+from ..intercept import interceptable, rebind_forward, takes_local_segments
 
 
 def route_around_fused(ctx: LayerContext, namespace: dict, name: str):

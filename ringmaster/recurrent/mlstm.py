@@ -23,7 +23,7 @@ so ``scan`` all-gathers the maps, composes the prefix and reruns each chunk from
 The layer calls its kernels through a *module*, ``self.mlstm_backend(query, key, value, igate, fgate,
 c_initial, n_initial, m_initial)`` (an ``xLSTMBackend``, whose kernels are picked by ``config.mode``:
 the chunkwise kernel in ``train``, chunkwise + a token loop for the remainder in ``inference``). The
-wired layer's backend instance gets an instance ``forward`` (:func:`~ringmaster.recurrent.intercept.
+wired layer's backend instance gets an instance ``forward`` (:func:`~ringmaster.intercept.
 rebind_attributes`): at CP size 1 on unpacked rows the original; otherwise each chunk runs the
 backend's own forward in ``mode="inference"`` (the only mode that takes any length and returns the
 final state) from its incoming state. Those are transformers' torch kernels ("native"); the external
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedLayerError
 from .context import LayerContext
 from .documents import local_documents, with_documents
-from .intercept import interceptable, rebind_attributes
+from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
@@ -169,7 +169,7 @@ def wire_mlstm_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
 
     def forward(query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
                 return_last_states=None, mode=None):
-        if ctx.probe is None and ctx.size == 1 and getattr(ctx.batch, "doc_ids", None) is None:
+        if ctx.probe is None and ctx.size == 1 and getattr(ctx.carrier.current, "doc_ids", None) is None:
             return backend_forward(backend, query, key, value, igate, fgate, c_initial, n_initial, m_initial,
                                    return_last_states, mode)
         if c_initial is not None or n_initial is not None or m_initial is not None:

@@ -13,7 +13,7 @@ incoming state exactly.
 
 transformers 5.24 calls both pieces as *methods* of submodules (``self.conv_1d(x)``,
 ``self.rg_lru._rnn_scan(...)``), not as module-level kernels, so the wired block instance gets
-instance attributes that shadow them (:func:`~ringmaster.recurrent.intercept.rebind_attributes`):
+instance attributes that shadow them (:func:`~ringmaster.intercept.rebind_attributes`):
 ``conv_1d.forward`` (the module's own conv on ``[halo | shard]``,
 :func:`~ringmaster.recurrent.conv.cp_causal_conv1d`) and ``rg_lru._rnn_scan`` (the layer's own scan
 per chunk, with the state passed across ranks). The gates, the input normalisation and the reset at
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from .documents import local_documents, with_documents
-from .intercept import interceptable, rebind_attributes
+from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
@@ -133,7 +133,8 @@ def wire_rglru_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
             return probe_conv(ctx, conv_kernel, x, weight)
         group, size, layout, _ = ctx.resolve(batch)
         return cp_causal_conv1d(conv_kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=conv_documents(batch, ctx.path, size, x))
+                                docs=conv_documents(batch, ctx.path, size, x),
+                                runs=getattr(batch, "runs", None))
 
     def cp_scan(hidden_states, recurrent_gate, reset, recurrent_states=None, **kwargs):
         def kernel(**kw):

@@ -30,8 +30,8 @@ before it (``time_shift``, a ``ZeroPad2d`` that shifts the sequence by one): a c
 cp_causal_conv1d`, the module's own shift run on ``[halo | shard]``). Packed or padded rows: the
 shift reads zero at every document start and the WKV state restarts there.
 
-The blocks are called without any kwargs: the ``ringmaster_batch`` reaches the layers through the
-pre-hook :mod:`ringmaster.recurrent.wiring` puts on the model itself.
+The blocks are called without any kwargs: the step context reaches the layers through the model's
+step carrier (:mod:`ringmaster.sharding.carrier`), bound to each layer's ``LayerContext`` when wired.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ..errors import UnsupportedLayerError
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from .documents import local_documents, with_documents
-from .intercept import interceptable, rebind_attributes, rebind_forward
+from ..intercept import interceptable, rebind_attributes, rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
 
@@ -152,7 +152,7 @@ def _shift(ctx: LayerContext, pad) -> Callable:
         if size == 1 and docs is None:
             return pad_forward(pad, hidden)
         return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=docs).transpose(1, 2)
+                                docs=docs, runs=getattr(batch, "runs", None)).transpose(1, 2)
     return shift
 
 
@@ -184,7 +184,7 @@ def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Cal
                                     "loop ringmaster runs under CP); the installed transformers changed the layer")
 
     def wkv(time_decay, time_first, key, value, state=None, return_state=False):
-        batch = ctx.batch
+        batch = ctx.carrier.current
         if ctx.probe is None and ctx.size == 1 and getattr(batch, "doc_ids", None) is None:
             return namespace[names["scan"]](time_decay, time_first, key, value, state=state,
                                             return_state=return_state)

@@ -23,7 +23,8 @@ Packed rows (several documents per row) and padding: the state resets at every d
 A chunk is cut at its document starts (:class:`DocumentSegment`); a chunk holding a start has
 the map ``A = 0`` (its end state does not depend on the incoming state), so both strategies and
 every layout stay unchanged around it. The document ids come from the ``ringmaster_batch`` kwarg
-(or, for a mixer called without kwargs, from a pre-hook on its enclosing layer).
+(or, for a mixer called without kwargs, from the model's step carrier, :mod:`ringmaster.sharding.carrier`);
+the cuts themselves come from the batch's host runs (``CPBatch.runs``), never from the ids' values.
 
 Products of decays are only ever multiplied, never divided. The layer adapters
 (:mod:`.mamba`, :mod:`.linear_attn`) describe one chunk of their kernel as a ``Segment``;

@@ -10,7 +10,7 @@ each chunk's halo from the chunk before it in sequence order). There is no scan,
 ``recurrent`` strategy does not apply.
 
 Packed or padded rows: no tap reaches across a document start (global document ids from the
-``ringmaster_batch`` kwarg, or from the enclosing layer's pre-hook when the layer is called
+``ringmaster_batch`` kwarg, or from the model's step carrier when the layer is called
 without kwargs, as Inkling's are); zero columns are inserted before every start so the model's
 own kernel computes every document as if it ran alone.
 
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .context import LayerContext, decode_only_without_cp
 from .conv import cp_conv_kernel
-from .intercept import rebind_forward
+from ..intercept import rebind_forward
 from .kind import RecurrentKind
 
 # role -> the module-level name transformers' short-conv layers call (a family spec may rename them)

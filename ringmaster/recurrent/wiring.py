@@ -10,13 +10,12 @@ import torch
 import torch.distributed as dist
 
 from ..architectures import classify_layers, get_architecture, text_config
-from ..checkpointing import replay_slots
 from ..errors import UnsupportedLayerError
 from ..runtime import active
-from ..sharding.documents import BATCH_KWARG
+from ..sharding.carrier import attach
 from .context import LayerContext, Probe
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
-from .intercept import interceptable
+from ..intercept import interceptable
 from .registry import get_kind, known_kinds
 from .scan import KERNEL_STRATEGIES
 
@@ -96,7 +95,9 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     """Route every declared recurrent layer of ``model`` through exact cross-rank state passing.
 
     ``group`` and ``strategy`` are bound now (default: the current runtime's, else the default
-    process group and ``"auto"``). Fails closed, before touching anything, on a stateful layer the
+    process group and ``"auto"``), and so is the model's step carrier (:mod:`ringmaster.sharding.carrier`:
+    created here unless ``rm.wire`` made it, and registered with the current runtime when the group is its
+    own), which layers called without the ``ringmaster_batch`` kwarg read. Fails closed, before touching anything, on a stateful layer the
     family does not declare. Then every wired layer is probed (:func:`probe_layer`): it must reach
     its replacement kernels and its output must depend on the state they pass in, or the wiring
     is undone and the layer named. ``restore()`` on the handle puts every original forward back."""
@@ -104,9 +105,10 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     layers = check_recurrent_layers(model, None if layers is None else [(p, m, k) for p, m, k in layers], spec)
     group, strategy = _default_group(group), _default_strategy(strategy)
     wiring = RecurrentWiring()
-    modules = dict(model.named_modules())
     hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
-    contexts = []
+    rt = active(required=False)
+    carrier, undo_carrier = attach(model, rt if rt is not None and rt.cp_group is group else None)
+    wiring._restores.append(undo_carrier)
     try:
         for path, module, kind in layers:
             if strategy in KERNEL_STRATEGIES and strategy not in get_kind(kind).strategies:
@@ -114,20 +116,15 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                     f"layer {path!r} (kind {kind!r}) does not offer recurrent={strategy!r}; only kinds "
                     f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
                     "or 'sequential'")
-            ctx = LayerContext(path, group, strategy)
-            contexts.append(ctx)
+            ctx = LayerContext(path, group, strategy, carrier)
             wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
             wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))
-            wiring._restores.append(_batch_hook(modules.get(path.rpartition(".")[0], model), ctx, always=False))
-            wiring._restores.append(_batch_hook(model, ctx))
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
                 width = get_kind(kind).probe_width
                 probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
-        # a checkpointed layer recomputes with the batch its own forward saw (ringmaster/checkpointing.py)
-        wiring._restores.append(replay_slots(model, contexts))
     except BaseException:
         wiring.restore()
         raise
@@ -180,33 +177,6 @@ def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, le
 
 def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
-
-
-def _batch_hook(parent, ctx: LayerContext, always: bool = True) -> Callable[[], None]:
-    """An instance-local forward pre-hook that records the call's ``ringmaster_batch`` in ``ctx``: the
-    document ids then reach the layer's kernels even when the module around it calls it without
-    forwarding its kwargs. Two per layer: one on the model itself (``always``: set on every call, None
-    when absent, so no batch outlives the forward that brought it) and one on the module enclosing the
-    layer (its decoder layer: set when the call carries the batch, e.g. a VLM's language model gets it
-    from its own pre-hook). A checkpointed decoder layer is recomputed in backward without these hooks
-    (transformers 5.24 checkpoints ``forward``, not ``__call__``): its checkpoint function puts back the
-    slot of its own forward (:mod:`ringmaster.checkpointing`). RWKV's
-    blocks are called with no kwargs at all, and Mamba's / Mamba2's causal-LM heads call their backbone
-    without kwargs: only the model sees the batch."""
-
-    def hook(module, args, kwargs):
-        batch = kwargs.get(BATCH_KWARG)
-        if always or batch is not None:
-            ctx.batch = batch
-        return None
-
-    handle = parent.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def restore() -> None:
-        handle.remove()
-        ctx.batch = None
-
-    return restore
 
 
 def recurrent_plan(models, size: int):

@@ -15,6 +15,7 @@ from ..comm import all_gather, all_reduce_sum
 from ..runtime import Runtime, active, check_setup_path, runtime_of
 from ..validation import validate_batch
 from . import balancers
+from .carrier import carrier_of
 from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
 from .positions import row_inputs
 
@@ -227,7 +228,8 @@ class ContextParallelContextManager:
     of each rank's loss, and of its gradients, equals the single-device value. Batches that
     were already cut in the collator (they carry ``_cp_shard``) are not cut again; their
     token count is summed over the group. ``gather_outputs`` all-gathers the logits back to
-    the full sequence after the forward (for losses that need every position).
+    the full sequence after the forward (for losses that need every position). The pre-hook also sets
+    the hooked model's step carrier (:mod:`.carrier`) and the post-hook clears it.
 
     ``load_balance=None`` (the default, or ``"auto"``) cuts each model's batches in the layout its own runtime
     was set up with; an explicit layout is used as given (Ring attention plans with whatever
@@ -293,11 +295,17 @@ class ContextParallelContextManager:
             kwargs[BATCH_KWARG] = batch_kwarg(meta)
             apply_positions(runtime, kwargs)
             kwargs["use_cache"] = False
+            carrier = carrier_of(module)
+            if carrier is not None:   # the layers transformers calls without kwargs read it; cleared in _post_hook
+                carrier.set(kwargs[BATCH_KWARG])
             return (), kwargs
 
         return pre_hook
 
     def _post_hook(self, module, args, kwargs, output):
+        carrier = carrier_of(module)
+        if carrier is not None:   # the step ends with the forward (a checkpoint's recomputation replays it)
+            carrier.clear()
         logits = getattr(output, "logits", None)
         if self.gather_outputs and isinstance(logits, torch.Tensor):
             layout = self._layouts.get(id(module), self.load_balance or "contiguous")
@@ -311,9 +319,9 @@ class ContextParallelContextManager:
         handles = []
         for model in self.models:
             params = [p for p in inspect.signature(model.forward).parameters if p not in ("self", "args", "kwargs")]
-            # first: every other pre-hook (the recurrent layers' batch hook on the model) sees the shard's kwargs
+            # first: every other pre-hook (the accounting, a VLM's) sees the shard's kwargs
             handles.append(model.register_forward_pre_hook(self._make_pre_hook(params), with_kwargs=True,
                                                            prepend=True))
-            if self.gather_outputs:
-                handles.append(model.register_forward_hook(self._post_hook, with_kwargs=True))
+            # last, and also when the forward raises: the step carrier is cleared after every other hook
+            handles.append(model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
         return handles

@@ -7,13 +7,20 @@ flows) only within the same id. Padding tokens get an id of their own each, so t
 only themselves: they are never attended by real tokens, never produce NaN rows, and carry
 label -100 so they are never counted.
 
-The per-batch :class:`CPBatch` travels to every layer as the ``ringmaster_batch`` keyword
-argument (transformers forwards unknown kwargs to the attention and linear-attention
-layers), so no module global holds per-batch state and gradient checkpointing replays it.
+The per-batch :class:`CPBatch` is the step context: built once per batch by the shard step from the
+full batch, on the host. It holds the layout, the global document ids (on the batch's device) and
+their host copy, :class:`Runs` (every document boundary as Python ints, read from the device once,
+here), from which every mask plan, ring pair skip, block segment, tile skip, ``cu_seqlens``, and
+recurrent document cut is derived without reading a tensor value in forward or backward (device
+tensors it derives, masks and ``cu_seqlens``, are cached in the context: made once per batch). It travels to every layer
+as the ``ringmaster_batch`` keyword argument (transformers forwards unknown kwargs to the attention and
+linear-attention layers; a checkpoint captures it), and where a layer is called without kwargs, in the
+model's one step carrier (:mod:`.carrier`). No module global holds per-batch state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -89,13 +96,122 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
     return doc
 
 
+def bisect_right(seq: tuple[int, ...], x: int) -> int:
+    """``bisect.bisect_right`` in plain Python: torch.compile traces it (the C builtin is a graph break)."""
+    lo, hi = 0, len(seq)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < seq[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def bisect_left(seq: tuple[int, ...], x: int) -> int:
+    """``bisect.bisect_left`` in plain Python (see :func:`bisect_right`)."""
+    lo, hi = 0, len(seq)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seq[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The host copy of a batch's document structure: per row, the global start of every run of equal
+    document ids (ids are non-decreasing along a row, so a run is one document; a padding token is a
+    run of its own). Read from the device once, in the shard step (:meth:`from_doc_ids`); every mask
+    plan, segment cut, ``cu_seqlens`` and skip decision in forward and backward is derived from it
+    on the host, so no layer reads a tensor value. One row stands for every row of the batch."""
+
+    seq_len: int
+    starts: tuple[tuple[int, ...], ...]   # per row: sorted run starts, the first one 0
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "Runs":
+        """One host read of the change points of ``doc_ids [B, S]``."""
+        d = doc_ids.reshape(-1, doc_ids.shape[-1])
+        rows: list[list[int]] = [[0] for _ in range(d.shape[0])]
+        if d.shape[-1] > 1:
+            for r, t in (d[:, 1:] != d[:, :-1]).nonzero().tolist():
+                rows[r].append(t + 1)
+        return cls(d.shape[-1], tuple(tuple(r) for r in rows))
+
+    @property
+    def rows(self) -> int:
+        return len(self.starts)
+
+    def row(self, r: int) -> tuple[int, ...]:
+        return self.starts[r if self.rows > 1 else 0]
+
+    @property
+    def uniform(self) -> bool:
+        """Every row has the same documents."""
+        return all(s == self.starts[0] for s in self.starts)
+
+    def bounds(self, r: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` of row ``r``'s runs."""
+        st = self.row(r)
+        return list(zip(st, (*st[1:], self.seq_len)))
+
+    def run_of(self, r: int, t: int) -> int:
+        """The index (in row ``r``) of the run holding token ``t``."""
+        return bisect_right(self.row(r), t) - 1
+
+    def spans(self, r: int, t0: int, t1: int) -> list[tuple[int, int, int]]:
+        """``(run index, start, stop)`` of the runs of row ``r`` meeting ``[t0, t1)``, clipped to it."""
+        st = self.row(r)
+        first, last = self.run_of(r, t0), self.run_of(r, t1 - 1)
+        return [(i, max(st[i], t0), min(st[i + 1] if i + 1 < len(st) else self.seq_len, t1))
+                for i in range(first, last + 1)]
+
+    def cuts(self, r: int, t0: int, t1: int) -> tuple[int, ...]:
+        """Run starts of row ``r`` strictly inside ``(t0, t1)``, relative to ``t0``."""
+        st = self.row(r)
+        return tuple(s - t0 for s in st[bisect_right(st, t0):bisect_left(st, t1)])
+
+    def starts_at(self, r: int, t: int) -> bool:
+        st = self.row(r)
+        i = bisect_left(st, t)
+        return i < len(st) and st[i] == t
+
+    def disjoint(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """No row shares a document between tokens ``[q0, q1)`` and ``[k0, k1)``."""
+        for r in range(self.rows):
+            qa, qb = self.run_of(r, q0), self.run_of(r, q1 - 1)
+            ka, kb = self.run_of(r, k0), self.run_of(r, k1 - 1)
+            if not (kb < qa or ka > qb):
+                return False
+        return True
+
+    def longest(self) -> int:
+        return max(e - s for r in range(self.rows) for s, e in self.bounds(r))
+
+    def chunked(self, chunk: int) -> "Runs":
+        """The runs cut again every ``chunk`` tokens from each run's start (:func:`chunk_doc_ids`)."""
+        rows = []
+        for r in range(self.rows):
+            rows.append(tuple(t for s, e in self.bounds(r) for t in range(s, e, chunk)))
+        return Runs(self.seq_len, tuple(rows))
+
+    @classmethod
+    def whole(cls, seq_len: int, rows: int = 1) -> "Runs":
+        return cls(seq_len, tuple((0,) for _ in range(rows)))
+
+
 class CPBatch:
     """What every CP layer needs to know about the whole batch, for one forward pass."""
 
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
-                 rows: Mapping[str, Any] | None = None):
+                 rows: Mapping[str, Any] | None = None, runs: Runs | None = None):
         self.rank, self.size, self.layout, self.seq_len = rank, size, balancers.check_layout(layout), seq_len
         self.doc_ids = doc_ids
+        # the host copy of the documents: built here, in the shard step (the only read of doc_ids' values)
+        self.runs = runs if runs is not None or doc_ids is None else Runs.from_doc_ids(doc_ids)
         # the full rows' input_ids / attention_mask when the batch brought no position_ids: what an
         # absolute position rule needs (sharding.positions); None otherwise
         self.rows = rows
@@ -103,7 +219,8 @@ class CPBatch:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
-        return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"))
+        return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
+                   meta.get("runs"))
 
     def chunked(self, chunk: int) -> "CPBatch":
         """This batch as chunked-attention layers see it: the same rank, layout and length, with
@@ -113,7 +230,8 @@ class CPBatch:
         key = ("chunked", chunk)
         if key not in self._cache:
             docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
-            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows)
+            runs = (self.runs or Runs.whole(self.seq_len)).chunked(chunk)
+            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows, runs)
         return self._cache[key]
 
     @property
@@ -151,14 +269,14 @@ class CPBatch:
 
     def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
         """Flash-style boundaries of the whole (single-row) sequence and the longest document."""
-        docs = self.docs_on(device)
-        if docs is None:
-            return torch.tensor([0, self.seq_len], dtype=torch.int32, device=device), self.seq_len
-        if docs.shape[0] != 1:
+        if self.runs is None:
+            return _on(device, [0, self.seq_len], torch.int32), self.seq_len
+        if self.runs.rows != 1:
             raise NotImplementedError("flash kernels take packed documents as one row; flatten the batch to B=1")
-        counts = torch.bincount(docs[0] - docs[0, 0])
-        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        return cu, int(counts.max())
+        key = ("cu", str(device))
+        if key not in self._cache:
+            self._cache[key] = (_on(device, [*self.runs.row(0), self.seq_len], torch.int32), self.runs.longest())
+        return self._cache[key]
 
     def varlen_bounds(self, batch_size: int, device) -> tuple[torch.Tensor, int]:
         """Flash varlen boundaries of all ``batch_size`` rows flattened into one (row-major): each
@@ -166,16 +284,18 @@ class CPBatch:
         longest document. Built once per forward."""
         key = ("varlen", batch_size, str(device))
         if key not in self._cache:
-            docs = self.docs_on(device)
             S = self.seq_len
-            if docs is None:
-                cu = torch.arange(0, (batch_size + 1) * S, S, dtype=torch.int32, device=device)
-                self._cache[key] = (cu, S)
+            if self.runs is None:
+                self._cache[key] = (_on(device, list(range(0, (batch_size + 1) * S, S)), torch.int32), S)
             else:
-                docs = (docs - docs[:, :1]).expand(batch_size, S)
-                offset = torch.cat([docs.new_zeros(1), (docs[:, -1] + 1).cumsum(0)[:-1]])
-                counts = torch.bincount((docs + offset[:, None]).reshape(-1))
-                counts = counts[counts > 0]
-                cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-                self._cache[key] = (cu, int(counts.max()))
+                cu = [r * S + s for r in range(batch_size) for s in self.runs.row(r)] + [batch_size * S]
+                self._cache[key] = (_on(device, cu, torch.int32), self.runs.longest())
         return self._cache[key]
+
+
+def _on(device, values: list[int], dtype) -> torch.Tensor:
+    """A small host-built tensor on ``device``: built in host memory, copied without waiting."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

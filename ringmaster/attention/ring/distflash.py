@@ -29,6 +29,7 @@ import torch
 
 from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
 from ...sharding import balancers
+from ...sharding.documents import Runs
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -84,6 +85,11 @@ class DistFlashPlan:
     rank: int
     chunk: int                 # tokens per rank
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
+    runs: object | None = field(default=None, compare=False)  # the documents' host copy (sharding.documents.Runs)
+
+    def __post_init__(self):
+        if self.docs is not None and self.runs is None:   # a caller without the step's host copy (tests)
+            object.__setattr__(self, "runs", Runs.from_doc_ids(self.docs))
 
     def steps(self):
         return balancers.distflash_schedule(self.size)
@@ -96,20 +102,12 @@ def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
     active = [[task.rows(plan.chunk)[1] > task.rows(plan.chunk)[0] for task in step] for step in steps]
     if plan.docs is None:
         return active
-    c, docs = plan.chunk, plan.docs
-    flat = [(s, r, task) for s, step in enumerate(steps) for r, task in enumerate(step) if active[s][r]]
-    if not flat:
-        return active
-    lo, hi = [], []  # ids are non-decreasing along a row: min/max of a span are its ends
-    for _, _, task in flat:
-        a, b = task.rows(c)
-        lo.append(torch.stack([docs[:, task.q * c + a], docs[:, task.kv * c]]))
-        hi.append(torch.stack([docs[:, task.q * c + b - 1], docs[:, task.kv * c + c - 1]]))
-    lo, hi = torch.stack(lo), torch.stack(hi)   # [n, 2 (q, kv), B]
-    disjoint = (hi[:, 1] < lo[:, 0]) | (lo[:, 1] > hi[:, 0])
-    keep = (~disjoint.all(-1)).tolist()
-    for (s, r, _), k in zip(flat, keep):
-        active[s][r] = bool(k)
+    c = plan.chunk
+    for s, step in enumerate(steps):
+        for r, task in enumerate(step):
+            if active[s][r]:   # from the host runs: no device read
+                a, b = task.rows(c)
+                active[s][r] = not plan.runs.disjoint(task.q * c + a, task.q * c + b, task.kv * c, task.kv * c + c)
     return active
 
 
@@ -125,7 +123,8 @@ def task_mask(plan: DistFlashPlan, task):
     if plan.docs is None:
         return None if lo is None else BlockMask(b - a, c, lo=lo)
     return BlockMask(b - a, c, lo=lo, q_docs=plan.docs[:, task.q * c + a:task.q * c + b],
-                     k_docs=plan.docs[:, task.kv * c:task.kv * c + c])
+                     k_docs=plan.docs[:, task.kv * c:task.kv * c + c], runs=plan.runs, q_start=task.q * c + a,
+                     k_start=task.kv * c)
 
 
 class _Exchange:

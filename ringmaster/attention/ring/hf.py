@@ -74,7 +74,7 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     if binding.schedule == "distflash":
         distflash.check_call(causal, kwargs.get("sliding_window"), cpb.seq_len)
         plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
-                                       chunk=query.shape[2], docs=cpb.docs_on(query.device))
+                                       chunk=query.shape[2], docs=cpb.docs_on(query.device), runs=cpb.runs)
         return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
                                              scale=kwargs.get("scaling"), sinks=sinks)
     rel = kwargs.get(REL_KWARG)
@@ -84,7 +84,7 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
-                    alibi=kwargs.get("alibi_slopes"))
+                    alibi=kwargs.get("alibi_slopes"), runs=cpb.runs)
     return ring_attention(query, key, value, group, plan, kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"),
                           rel=None if rel is None else rel.logits())

@@ -22,7 +22,7 @@ query/key head dim and the results sliced (:class:`.common.EqualHeadDims`, as tr
 path pads them).
 
 The real kernels are GPU-only and **not yet run on a GPU** here; CI runs this provider against
-ringmaster's CPU stand-in (``ringmaster.testing.flash_standin``) loaded through ``LOCAL_KERNELS``.
+ringmaster's CPU stand-in (``standins.flash_repos``) loaded through ``LOCAL_KERNELS``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ class BlockMask:
     # ``d = q_pos - k_pos = rel_offset + i - j`` when ``0 <= d < E``, else nothing
     rel_logits: torch.Tensor | None = field(default=None, compare=False)
     rel_offset: int = 0
+    # the host copy of the documents (``sharding.documents.Runs``) and the global positions of the block's
+    # first query and first key: segments and tile skips are decided from these, never from q_docs' values
+    runs: object | None = field(default=None, compare=False)
+    q_start: int = 0
+    k_start: int = 0
 
     # ---- what kind of block this is
     @property
@@ -115,6 +120,8 @@ class BlockMask:
         trimmed to the rows and keys its band reaches, so every listed row sees at least one key.
         A host sync per row (the run bounds become ``cu_seqlens``); never a per-token loop."""
         assert self.q_docs is not None and self.dense is None
+        if self.runs is not None:
+            return self._host_segments(0, self.sq, 0, self.sk)
         out = []
         for b in range(self.q_docs.shape[0]):
             qspans, kspans = _runs(self.q_docs[b]), _runs(self.k_docs[b])
@@ -126,6 +133,38 @@ class BlockMask:
                 if seg is not None:
                     out.append((b, *seg))
         return out
+
+    def _host_segments(self, r0: int, r1: int, k0: int, k1: int) -> list[tuple[int, int, int, int, int]]:
+        """:meth:`segments` of the tile ``[r0, r1) x [k0, k1)`` from the host runs (no device read)."""
+        out = []
+        runs, qs, ks = self.runs, self.q_start, self.k_start
+        for b in range(self.q_docs.shape[0]):
+            kspans = {i: (s - ks, e - ks) for i, s, e in runs.spans(b, ks + k0, ks + k1)}
+            for i, s, e in runs.spans(b, qs + r0, qs + r1):
+                if i in kspans:
+                    seg = _trim(s - qs, e - qs, *kspans[i], self.lo, self.hi)
+                    if seg is not None:
+                        out.append((b, *seg))
+        return out
+
+    def visibility(self, r0: int, r1: int, k0: int, k1: int) -> str | None:
+        """``"none"``, ``"all"`` or ``"some"`` of the tile's (row, key) pairs are visible, decided on the host
+        (band and host runs); ``None`` when only the mask's values can tell (an arbitrary dense mask, or
+        documents without their host copy)."""
+        if self.dense is not None or (self.q_docs is not None and self.runs is None):
+            return None
+        if _trim(r0, r1, k0, k1, self.lo, self.hi) is None:
+            return "none"
+        band_all = (self.lo is None or r0 - (k1 - 1) >= self.lo) and (self.hi is None or (r1 - 1) - k0 <= self.hi)
+        if self.q_docs is None:
+            return "all" if band_all else "some"
+        segs = self._host_segments(r0, r1, k0, k1)
+        if not segs:
+            return "none"
+        rows = self.q_docs.shape[0]
+        one_doc = all(len(self.runs.spans(b, self.q_start + r0, self.q_start + r1)) == 1 for b in range(rows)) \
+            and len(segs) == rows and all(s[1:] == (r0, r1, k0, k1) for s in segs)
+        return "all" if band_all and one_doc else "some"
 
 
 def _runs(ids: torch.Tensor) -> dict:

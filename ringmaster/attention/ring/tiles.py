@@ -26,8 +26,11 @@ def tiles(mask: BlockMask, device, tile_rows: int = TILE_ROWS):
         if sub is None:
             continue
         r0, r1, k0, k1 = sub
-        m = mask.tile(r0, r1, k0, k1, device)
-        if m is not None and m.device.type != "meta":  # meta (shape tracing) has no values to test
+        seen = mask.visibility(r0, r1, k0, k1)   # from the host copy of the documents: no device read
+        if seen == "none":
+            continue
+        m = None if seen == "all" else mask.tile(r0, r1, k0, k1, device)
+        if seen is None and m is not None and m.device.type != "meta":  # an arbitrary mask: only values tell
             if not bool(m.any()):
                 continue
             if bool(m.all()):

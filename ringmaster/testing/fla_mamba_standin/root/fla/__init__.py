@@ -1,5 +1,0 @@
-"""CPU stand-in for flash-linear-attention (``fla``): only ``fla.layers.mamba.Mamba`` and
-``fla.layers.mamba2.Mamba2``, the two classes axolotl 0.21's FLA Mamba backend builds on
-(see ringmaster.testing.fla_mamba_standin). Not the real package: nothing else is provided."""
-
-STANDIN = True

@@ -1,4 +1,0 @@
-"""STAND-IN for ``fla.ops`` (ringmaster.testing.kernel_standin): CPU pure-torch test double, not the real package.
-"""
-
-__ringmaster_standin__ = True

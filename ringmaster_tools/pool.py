@@ -1,0 +1,139 @@
+"""A pool of local CPU gloo ranks that runs one function on every rank and returns the results.
+
+Spawning processes and importing torch/transformers takes seconds on a small machine, so
+the demo, the benchmarks and the test suite start one pool and run many jobs in it. A job
+that fails on one rank (or hangs past ``timeout``) raises here with every rank's traceback;
+a hung pool is killed and must be replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A job raised on one or more ranks; the message carries each rank's traceback."""
+
+
+@dataclass
+class RankContext:
+    """What a job function receives as its first argument on each rank."""
+
+    rank: int
+    world: int
+    _meshes: dict = field(default_factory=dict)
+
+    def mesh(self, cp: int):
+        """A ``("dp", "cp")`` DeviceMesh with a cp dim of ``cp`` over all ranks (created once, collectively)."""
+        if cp not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.world % cp:
+                raise ValueError(f"cp={cp} does not divide the pool's world size {self.world}")
+            self._meshes[cp] = init_device_mesh("cpu", (self.world // cp, cp), mesh_dim_names=("dp", "cp"))
+        return self._meshes[cp]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo",
+            sys_path: tuple = ()) -> None:
+    # before anything imports transformers' modeling modules (their kernels resolve once, at import)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    ctx = RankContext(rank, world)
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        try:
+            results.put((job_id, rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:  # reported to the caller with the rank's traceback
+            results.put((job_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class LocalPool:
+    def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo",
+                 sys_path: tuple = ()):
+        """``backend``: what every rank passes to ``init_process_group`` (``"cuda:gloo"`` builds a CUDA-only
+        group on CPU, the stand-in for NCCL in tests/test_devices.py). ``sys_path``: folders each worker puts
+        first on its ``sys.path`` before it runs anything (the kernel stand-in packages,
+        :data:`standins.kernels.SITE`); the parent process is left alone."""
+        self.world, self.timeout, self.grace = world, timeout, grace
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend,
+                                                                    tuple(sys_path)), daemon=True)
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+        self._next = 0
+        self.broken = False
+
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        if self.broken:
+            raise RuntimeError("this pool was shut down after a failure; start a new LocalPool")
+        self._next += 1
+        job_id = self._next
+        for q in self._tasks:
+            q.put((job_id, fn, args, kwargs))
+        got: dict[int, tuple[bool, Any]] = {}
+        while len(got) < self.world:
+            failed = any(not ok for ok, _ in got.values())
+            try:
+                # once a rank has failed the others may be stuck in a collective: wait briefly, then kill
+                jid, rank, ok, payload = self._results.get(timeout=self.grace if failed else self.timeout)
+            except queue.Empty:
+                self.close(force=True)
+                missing = sorted(set(range(self.world)) - set(got))
+                errors = "".join(f"\n--- rank {r} ---\n{p}" for r, (ok, p) in sorted(got.items()) if not ok)
+                raise (RankError if failed else TimeoutError)(
+                    f"ranks {missing} did not finish {getattr(fn, '__name__', fn)} "
+                    f"({'stuck after another rank failed' if failed else f'within {self.timeout:.0f}s'}); "
+                    f"the pool was shut down{errors}")
+            if jid == job_id:
+                got[rank] = (ok, payload)
+        failed = {r: p for r, (ok, p) in got.items() if not ok}
+        if failed:
+            raise RankError("".join(f"\n--- rank {r} ---\n{p}" for r, p in sorted(failed.items())))
+        return [got[r][1] for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        self.broken = True
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=any(exc))

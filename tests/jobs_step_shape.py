@@ -1,0 +1,62 @@
+"""Host-sync jobs (every rank of the gloo pool): ringmaster_tools.step_shape over a grid of models, backends
+and batches, and the mutations that must make the count fail."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ringmaster_tools import step_shape
+
+
+@contextlib.contextmanager
+def _item_in_ring_loop():
+    """One ``.item()`` per ring block in the forward: a host read the batch already told us."""
+    from ringmaster.attention.ring import loop
+
+    original = loop._forward_block
+
+    def forward_block(kernel, plan, q, kv, src, scale, acc, lay, softcap, rel=None):
+        q.sum().item()
+        return original(kernel, plan, q, kv, src, scale, acc, lay, softcap, rel)
+
+    loop._forward_block = forward_block
+    try:
+        yield
+    finally:
+        loop._forward_block = original
+
+
+@contextlib.contextmanager
+def _runs_dropped():
+    """The step context without its host copy of the documents: every layer reads the ids' values again."""
+    from ringmaster.sharding import documents
+
+    original = documents.CPBatch.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.runs = None
+
+    documents.CPBatch.__init__ = init
+    try:
+        yield
+    finally:
+        documents.CPBatch.__init__ = original
+
+
+MUTATIONS = {"item_in_ring_loop": _item_in_ring_loop, "runs_dropped": _runs_dropped}
+
+
+def grid(ctx, cases, size: int = 2, mutation: str | None = None) -> list[dict]:
+    """``step_shape.host_syncs`` for every ``(model, backend, batch)`` of ``cases``."""
+    patch = MUTATIONS[mutation]() if mutation else contextlib.nullcontext()
+    out = []
+    with patch:
+        for model, backend, batch in cases:
+            try:
+                out.append({"case": (model, backend, batch), **step_shape.host_syncs(ctx, model, backend, batch, size)})
+            except Exception as exc:   # a mutation may break the step outright: report it as a failed row
+                if mutation is None:
+                    raise
+                out.append({"case": (model, backend, batch), "error": repr(exc)})
+    return out

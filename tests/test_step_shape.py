@@ -1,0 +1,35 @@
+"""Host syncs per CP training step equal (at most) the non-CP model's: every per-batch fact (documents,
+masks, cuts, boundaries) is read on the host once, in the shard step (issue 26). Counted with
+ringmaster_tools.profiling.count_host_syncs over one warm forward + backward, on every rank."""
+
+import itertools
+
+import jobs_step_shape
+import pytest
+
+MODELS = ["llama", "gdn-hybrid", "mamba2-hybrid"]
+P2 = list(itertools.product(MODELS, ["ulysses", "ring-alltoall", "ring-allgather", "distflash"],
+                            ["dense", "packed", "padded"]))
+P4 = [(m, b, k) for m in MODELS for b, k in (("usp", "packed"), ("usp", "padded"), ("ring-alltoall", "packed"))]
+
+
+def _check(rows):
+    bad = [r for r in rows if r["cp_all"] > r["plain_all"] or r["cp"] > r["plain"]]
+    assert not bad, "\n".join(f"{r['case']}: CP {r['cp_all']} host syncs {r['cp_ops']} vs non-CP {r['plain_all']}"
+                              for r in bad)
+
+
+@pytest.mark.parametrize("size,cases", [(2, P2), (4, P4)], ids=["P2", "P4"])
+def test_host_syncs_equal_non_cp(pool, size, cases):
+    for rank_rows in pool.run(jobs_step_shape.grid, cases, size):
+        _check(rank_rows)
+
+
+@pytest.mark.parametrize("mutation,case", [
+    ("item_in_ring_loop", ("llama", "ring-alltoall", "packed")),
+    ("runs_dropped", ("gdn-hybrid", "ring-allgather", "padded")),
+])
+def test_the_count_can_fail(pool, mutation, case):
+    rows = pool.run(jobs_step_shape.grid, [case], 2, mutation=mutation)[0]
+    with pytest.raises(AssertionError, match="host syncs"):
+        _check(rows)
