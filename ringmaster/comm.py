@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from .compat import all_gather_single, backend_for, current_device, group_device_types, reduce_scatter_single
 
@@ -43,8 +44,9 @@ def _maybe_sync() -> None:
 
 @contextlib.contextmanager
 def timed_comm(kind: str, phase: str, bytes_sent: int, tag: str = ""):
-    """Time one collective and report it to the active recorders (no-op when nobody records)."""
-    if not _RECORDERS:
+    """Time one collective and report it to the active recorders (no-op when nobody records, and inside
+    ``torch.compile``: a traced region records nothing and reads no clock)."""
+    if torch.compiler.is_compiling() or not _RECORDERS:
         yield
         return
     _maybe_sync()
@@ -64,7 +66,11 @@ class CollectiveError(RuntimeError):
 
 @contextlib.contextmanager
 def diagnosed(kind: str, tag: str, group):
-    """Turn a timeout / lost peer inside a collective into an error that says where and why."""
+    """Turn a timeout / lost peer inside a collective into an error that says where and why (eager only:
+    a traced collective fails when the compiled graph runs, not where it was traced)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     try:
         yield
     except RuntimeError as exc:
@@ -209,3 +215,83 @@ def all_gather(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x.unsqueeze(0)
     return _AllGather.apply(x, group, tag)
+
+
+# ---- point-to-point messages as traceable functional collectives (the ring's and distflash's hops)
+
+
+def start_exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Size]], group,
+                   like: torch.Tensor, after: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, torch.Size]]]:
+    """Issue point-to-point messages over ``group`` as one functional all-to-all (``torch.distributed.
+    _functional_collectives.all_to_all_single``) and return at once: ``(flat, layout)`` for
+    :func:`finish_exchange`.
+
+    ``sends``: ``[(group rank, tensor)]``, at most one per peer; ``recvs``: ``[(group rank, shape)]``, at most
+    one per peer, in the order the caller wants them back. Every message has ``like``'s dtype. Every rank of
+    the group must call this at the same point (it is a collective), also one with nothing to move; both
+    ends derive the sizes from the same global plan. In eager mode the result is an
+    ``AsyncCollectiveTensor``: the transfer runs while the caller computes, and waits at
+    :func:`finish_exchange` (or first use). Under ``torch.compile`` it traces as ``all_to_all_single`` +
+    ``wait_tensor``, which the compiler schedules (isend/irecv and ``P2POp`` would break the graph);
+    ``after`` (a backward's incoming gradient) keeps it in that phase (:func:`pinned`), and a rank that
+    receives nothing must :func:`anchor` the result.
+
+    Every collective's order is the program's: the compiler never reorders collectives relative to one
+    another, and each rank issues the same ones in the same order."""
+    P = dist.get_world_size(group)
+    if len({peer for peer, _ in sends}) < len(sends) or len({peer for peer, _ in recvs}) < len(recvs):
+        raise ValueError("start_exchange: at most one message to and one from each peer")
+    parts = [None] * P
+    in_splits, out_splits = [0] * P, [0] * P
+    for peer, t in sends:
+        parts[peer] = t.reshape(-1).to(like.dtype)   # the wire format is the caller's, on both ends
+        in_splits[peer] = t.numel()
+    for peer, shape in recvs:
+        out_splits[peer] = torch.Size(shape).numel()
+    starts = [sum(out_splits[:peer]) for peer in range(P)]   # messages arrive in peer order
+    layout = [(starts[peer], torch.Size(shape)) for peer, shape in recvs]
+    chunks = [p for p in parts if p is not None]
+    flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else like.new_empty((0,))
+    if after is not None:
+        flat = pinned(flat, after)
+    return funcol.all_to_all_single(flat.contiguous(), out_splits, in_splits, group), layout
+
+
+def complete(t: torch.Tensor) -> torch.Tensor:
+    """Wait for an in-flight functional collective's result (a no-op when traced or already a plain tensor)."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def finish_exchange(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[torch.Tensor]:
+    """The messages :func:`start_exchange` posted, waited for, in the order of its ``recvs``."""
+    flat = complete(flat)
+    return [flat[offset:offset + shape.numel()].view(shape) for offset, shape in layout]
+
+
+def pinned(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``x``, depending on ``after`` under ``torch.compile`` (``x`` itself in eager mode).
+
+    AOTAutograd's partitioner places each node of the joint graph by what its inputs depend on: a backward
+    collective on saved tensors only (the ring's first K/V hop) goes to the end of the forward graph, and a
+    receive with nothing to send (its input a fresh empty tensor) depends on nothing at all, so it may be
+    placed in either graph or both: out of order with the peers' collectives. A zero-element slice of the
+    phase's input (the forward's q, the backward's incoming gradient), summed (0) into ``x``, keeps the
+    collective in its phase."""
+    if not torch.compiler.is_compiling():
+        return x
+    return x + after.reshape(-1)[:0].sum().to(x.dtype)
+
+
+def anchor(x: torch.Tensor, unread: list[torch.Tensor]) -> torch.Tensor:
+    """``x``, made to depend on exchanges whose (empty) result this rank never reads: a rank that only sends.
+
+    To the compiler a functional collective is a pure function of its input: one whose result nothing
+    uses is dead code and is dropped, on this rank only, while its peers wait for its message (a hang,
+    or the next collective matched with the wrong one). Under ``torch.compile`` each such result's sum
+    (over no elements: 0) is added to ``x``, which the graph returns; in eager mode ``x`` is returned as
+    it is (every exchange is waited for in program order)."""
+    if not torch.compiler.is_compiling():
+        return x
+    for t in unread:
+        x = x + t.sum().to(x.dtype)
+    return x

@@ -21,14 +21,23 @@ from .errors import UnsupportedLayerError
 
 
 class _Overlay(dict):
-    """Globals for a re-bound forward: our replacements first, then the live module namespace."""
+    """Globals for a re-bound forward: our replacements over the module namespace as it is at wire time,
+    then (``__missing__``) names the module defines later. A copy, not a lookup per call: ``torch.compile``
+    reads a function's globals as a plain dict (a name only ``__missing__`` finds is unknown to it), so
+    a wired layer's forward traces like the class forward does. Without ``__name__``: dynamo reads the
+    globals of a function whose namespace names a module from that module (importing it by name), which
+    would see the class forward's kernels, not ours; a namespace without a name it reads as it is."""
 
     def __init__(self, base: dict, replacements: dict):
-        super().__init__(replacements)
+        super().__init__(base)
+        self.update(replacements)
+        self.pop("__name__", None)
         self._base = base
         self.setdefault("__builtins__", base.get("__builtins__", builtins))
 
     def __missing__(self, key):
+        if key == "__name__":
+            raise KeyError(key)
         return self._base[key]
 
 
@@ -40,6 +49,7 @@ def _rebuild_chain(fn: Callable, innermost_globals: dict) -> Callable:
     if inner is None:
         new = types.FunctionType(fn.__code__, innermost_globals, fn.__name__, fn.__defaults__, fn.__closure__)
         new.__kwdefaults__ = fn.__kwdefaults__
+        new.__module__ = fn.__module__   # the namespace carries no __name__ (_Overlay)
         new.__dict__.update(fn.__dict__)
         return new
     new_inner = _rebuild_chain(inner, innermost_globals)
@@ -185,7 +195,7 @@ def rebind_attributes(owner, path: str, replacements: dict[str, Callable]) -> Ca
 
 def rebind_function(fn: Callable, replacements: dict[str, Callable]) -> Callable:
     """A copy of ``fn`` (a plain function, or a ``functools.wraps`` chain around one) whose module-global
-    names resolve to ``replacements`` first, then to ``fn``'s own namespace (looked up per call). For a
+    names resolve to ``replacements`` first, then to ``fn``'s own namespace (:class:`_Overlay`). For a
     function another tool already re-bound per instance (axolotl's FLA Mamba view clones
     flash-linear-attention's ``cuda_kernels_forward`` with the hub kernels as globals): the copy keeps
     that tool's bindings for every name not replaced. Nothing shared is touched."""

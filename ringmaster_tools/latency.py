@@ -5,9 +5,10 @@
         out = attention(q, k, v); out.sum().backward()
     links.p2p_ops, links.collective_ops                        # how many were delayed on this rank
 
-**What a delay means.** A p2p exchange (``torch.distributed.batch_isend_irecv``, which is how the
-ring issues its hops) returns its requests at once, as before; each request's ``wait()`` returns no
-earlier than ``X`` after the exchange was *issued*. That is a link's latency: a caller that issues a
+**What a delay means.** A p2p exchange returns at once, as before, and completes no earlier than ``X``
+after it was *issued*: ``torch.distributed.batch_isend_irecv``'s requests in their ``wait()``, and a
+functional ``all_to_all_single`` (how the ring and distflash issue their hops: ``comm.start_exchange``,
+in flight until waited for) in its ``wait_tensor``. That is a link's latency: a caller that issues a
 hop, computes, and only then waits sees ``max(0, X - compute)``, a caller that waits at once sees
 ``X``. A collective (``all_to_all_single``, ``all_gather_into_tensor`` / ``all_gather_single``,
 ``reduce_scatter_tensor`` / ``reduce_scatter_single``, ``all_reduce``) is synchronous in ringmaster,
@@ -21,8 +22,11 @@ them (tests and benchmarks only; ``import ringmaster`` never imports this module
 constructor and a Python ``ProcessGroup`` subclass is unknown to c10d's group maps, so
 ``get_global_rank`` / ``P2POp`` refuse it. ``isend`` / ``irecv`` themselves are not swapped:
 ``P2POp`` checks its op by identity, so the delay sits on ``batch_isend_irecv``. Calls made through
-``torch.distributed`` attribute lookup (ringmaster's ``dist.batch_isend_irecv(...)``) see the delay;
-a library that imported a function by name before the block does not.
+``torch.distributed`` attribute lookup (ringmaster's ``dist.all_to_all_single(...)``) see the delay;
+a library that imported a function by name before the block does not. Functional collectives are
+not module functions to swap: a dispatch mode (public ``TorchDispatchMode``) sees their ops
+(``_c10d_functional.all_to_all_single`` issues, ``_c10d_functional.wait_tensor`` completes), whoever
+called them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import functools
 import threading
 import time
 
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 P2P = ("batch_isend_irecv",)
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
@@ -113,6 +119,44 @@ class Links:
         return bare
 
 
+class _FunctionalHops(TorchDispatchMode):
+    """Delays functional all-to-alls as p2p exchanges: the op is issued at once, and the ``wait_tensor`` of
+    its result returns no earlier than ``X`` after the issue (what :class:`DelayedWork` does for requests)."""
+
+    def __init__(self, links: Links):
+        super().__init__()
+        self.links = links
+        self.in_flight: dict[int, tuple] = {}   # id(result) -> (result, DelayedWork stand-in)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            issued = time.perf_counter()
+            out = func(*args, **kwargs)
+            links = self.links
+            links.p2p_ops += 1
+            call = len(links.issued_at)
+            links.issued_at.append((issued, "all_to_all_single"))
+            links.log("issue", call)
+            self.in_flight[id(out)] = (out, issued + links.p2p_s, call)
+            return out
+        if func is torch.ops._c10d_functional.wait_tensor.default and id(args[0]) in self.in_flight:
+            _, ready_at, call = self.in_flight.pop(id(args[0]))
+            links = self.links
+            return DelayedWork(_Wait(func, args, kwargs), ready_at, links, call, links.p2p_s).wait()
+        return func(*args, **kwargs)
+
+
+class _Wait:
+    """A functional hop's ``wait_tensor`` as the request :class:`DelayedWork` wraps."""
+
+    def __init__(self, func, args, kwargs):
+        self.func, self.args, self.kwargs = func, args, kwargs
+
+    def wait(self):
+        return self.func(*self.args, **self.kwargs)
+
+
 _LOCK = threading.Lock()
 _ACTIVE: list[Links] = []
 
@@ -169,7 +213,8 @@ def inject_latency(p2p_ms: float = 0.0, collective_ms: float = 0.0):
                 continue
             saved[name] = fn
             setattr(dist, name, (_p2p if name in P2P else _collective)(fn, links))  # counts even at 0 ms
-        yield links
+        with _FunctionalHops(links):
+            yield links
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)

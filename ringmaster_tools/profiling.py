@@ -581,7 +581,10 @@ def _c10d_sent(op: str, args: tuple) -> tuple[str, int]:
         return "all_to_all", _alltoall_bytes(a[1], a[3], a[4], rank, size)
     if op == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group_name)
         rank, size = _pg_rank_size(a[3])
-        return "all_to_all", _alltoall_bytes(a[0], a[1], a[2], rank, size)
+        # one that keeps nothing for this rank carries point-to-point messages (the ring's hops, distflash's
+        # messages, torch's permute_tensor): counted as sends, like batch_isend_irecv's
+        kind = "send" if a[2] and not a[2][rank] else "all_to_all"
+        return kind, _alltoall_bytes(a[0], a[1], a[2], rank, size)
     if op == "alltoall_":  # (outputs, inputs, pg, ...)
         rank, _ = _pg_rank_size(a[2])
         return "all_to_all", sum(_tensor_bytes(t) for i, t in enumerate(a[1]) if i != rank)

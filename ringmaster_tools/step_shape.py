@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 MODELS = {
     "llama": ("llama", dict(num_hidden_layers=4)),
+    "llama-flex": ("llama", dict(num_hidden_layers=4, attn_implementation="flex_attention")),
     "gdn-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4,
                                         layer_types=["linear_attention", "full_attention"] * 2)),
     "mamba2-hybrid": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3])),
@@ -27,6 +28,7 @@ MODELS = {
 # backend name -> RingmasterConfig fields (size added per run)
 BACKENDS = {
     "ulysses": dict(backend="ulysses"),
+    "ulysses-scan": dict(backend="ulysses", recurrent="scan"),   # recurrent layers: the all-gather scan at P=2 too
     "ring-alltoall": dict(backend="ring", rotate_method="alltoall", load_balance="head_tail"),
     "ring-allgather": dict(backend="ring", rotate_method="allgather", load_balance="head_tail"),
     "distflash": dict(backend="ring", rotate_method="alltoall", load_balance="distflash"),
@@ -46,11 +48,13 @@ def make_batch(kind: str, vocab: int, seq_len: int = 64) -> dict:
     raise ValueError(f"batch kind {kind!r}: dense, packed or padded")
 
 
-def _model(name: str, dtype=torch.float32):
+def _model(name: str, dtype=torch.float32, **extra):
     from ringmaster_tools.parity import tiny_model
 
     model_type, overrides = MODELS[name]
-    return tiny_model(model_type, dtype=dtype, **overrides)
+    overrides = {**overrides, **extra}
+    inner = overrides.pop("attn_implementation", "sdpa")
+    return tiny_model(model_type, attn_implementation=inner, dtype=dtype, **overrides)
 
 
 def _cfg(backend: str, size: int):
@@ -59,17 +63,20 @@ def _cfg(backend: str, size: int):
     return rm.RingmasterConfig(size=size, **BACKENDS[backend])
 
 
-def _step(model, batch):
-    out = model(**batch)
-    out.loss.backward()
+def _step(model, batch, backward: bool = True):
+    with torch.set_grad_enabled(backward):
+        out = model(**batch)
+    if backward:
+        out.loss.backward()
     return out
 
 
-def _cp_step(model, runtime, batch):
+def _cp_step(model, runtime, batch, backward: bool = True):
     from ringmaster.adapters.raw import context_parallel_region
 
-    with context_parallel_region(batch, runtime=runtime) as shard:
+    with context_parallel_region(batch, runtime=runtime) as shard, torch.set_grad_enabled(backward):
         out = model(**shard)
+    if backward:
         out.loss.backward()
     return out
 
@@ -105,9 +112,15 @@ def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 
             "cp_ops": dict(cp.ops), "shard": shard_syncs.total}
 
 
-def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, fullgraph: bool = True) -> dict:
+def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, fullgraph: bool = True,
+                   compiler: str | None = None, backward: bool | None = None, overrides: dict | None = None) -> dict:
     """Every decoder block compiled (``fullgraph``) after ``rm.wire``: errors against the model without
-    CP (loss, gathered logits, the worst gradient, each relative to its own norm) and graph breaks."""
+    CP (loss, gathered logits, the worst gradient, each relative to its own norm) and graph breaks.
+    ``compiler``: the torch.compile backend (default ``inductor`` with ``fullgraph``, ``eager`` without;
+    ``aot_eager`` traces forward and backward like inductor without its slow CPU codegen). ``backward``:
+    run the backward and compare gradients (default: unless the model runs flex_attention on CPU, which
+    has no CPU backward in torch 2.13; then forward only, ``grad`` is None). ``overrides``: config fields over
+    the row's model (fewer layers for a quick test)."""
     import torch._dynamo
 
     import ringmaster as rm
@@ -116,21 +129,23 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
     mesh = ctx.mesh(size)
     group = mesh.get_group("cp")
     torch.manual_seed(0)
-    ref = _model(model_name)
+    ref = _model(model_name, **(overrides or {}))
     batch = make_batch(batch_kind, ref.config.vocab_size)
     model = copy.deepcopy(ref)
-    ref_out = _step(ref, batch)
+    if backward is None:
+        backward = ref.config._attn_implementation != "flex_attention"
+    ref_out = _step(ref, batch, backward)
     runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
         for layer in decoder_blocks(model):
-            layer.compile(fullgraph=fullgraph, backend="inductor" if fullgraph else "eager")
-        out = _cp_step(model, runtime, batch)
+            layer.compile(fullgraph=fullgraph, backend=compiler or ("inductor" if fullgraph else "eager"))
+        out = _cp_step(model, runtime, batch, backward)
         logits = rm.gather_sequence(out.logits.detach(), dim=1, runtime=runtime)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
-        grads, missing, _ = group_mean_grad_errors(model, ref, group, size)
+        grads, missing, _ = group_mean_grad_errors(model, ref, group, size) if backward else ({}, [], None)
         if missing:
             raise AssertionError(f"no CP gradient for {missing}")
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -139,7 +154,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
             layer._compiled_call_impl = None
         rm.unwire(model)
     return {"loss": rel_err(loss / size, ref_out.loss.detach()), "logits": rel_err(logits, ref_out.logits.detach()),
-            "grad": max(grads.values()) if grads else 0.0, "graph_breaks": breaks}
+            "grad": (max(grads.values()) if grads else 0.0) if backward else None, "graph_breaks": breaks}
 
 
 def decoder_blocks(model) -> list:

@@ -70,6 +70,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mask_mod(S: int, padded_len: int, causal: bool, window, docs: torch.Tensor | None):
+    per_row = False  # every cell the closure reads is bound (torch.compile refuses an empty cell)
     if docs is not None:
         # indices past S can reach the mask_mod inside a partial last tile: pad, never index out of range
         docs = torch.cat([docs, docs.new_full((docs.shape[0], padded_len - S), -1)], dim=1)

@@ -52,18 +52,20 @@ class _HeadSliceModule:
     """Stands in for the attention module inside the inner kernel.
 
     Same attributes, except the head-dependent ones (GQA ratio, sinks) describe only the
-    heads this rank computes, so the model's unmodified kernel does the right thing.
+    heads this rank computes, so the model's unmodified kernel does the right thing. A plain
+    object with ordinary attributes and a ``__getattr__`` fallback: built per call, it is traced
+    by ``torch.compile`` (no ``object.__getattribute__`` tricks, which dynamo cannot follow).
     """
 
     def __init__(self, module: torch.nn.Module, overrides: dict):
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_overrides", overrides)
+        self.module = module
+        for name, value in overrides.items():
+            setattr(self, name, value)
 
-    def __getattr__(self, name):
-        overrides = object.__getattribute__(self, "_overrides")
-        if name in overrides:
-            return overrides[name]
-        return getattr(object.__getattribute__(self, "_module"), name)
+    def __getattr__(self, name):  # only for what is not an override
+        if name == "module":  # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.module, name)
 
 
 def inner_attention(inner: str, module: torch.nn.Module) -> Callable:

@@ -38,7 +38,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather, timed_comm
+from ..comm import all_gather, pinned, timed_comm
 from ..sharding import balancers
 
 STRATEGIES = ("scan", "sequential")
@@ -130,7 +130,10 @@ class _Tie(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad, *[torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.metas])
+        # the zeros depend on ``grad`` when compiled (comm.pinned): else the backward collective they feed has
+        # no input from the backward and the compiler may hoist it into the forward, on this rank only
+        return (grad, *[pinned(torch.zeros(shape, dtype=dtype, device=device), grad)
+                        for shape, dtype, device in ctx.metas])
 
 
 def tie(out, *deps):

@@ -10,8 +10,11 @@ schedule: each block's backward gets the *merged* output and LSE (exact for ever
 dQ of a lent block travels back to the queries' owner, dK/dV of a fetched block back to the
 K/V's owner.
 
-Messages are point to point (``batch_isend_irecv``), the next step's inputs in flight while the
-current step computes, so a rank holds at most two foreign blocks: memory stays O(S/P).
+Messages are point to point, the next step's inputs in flight while the current step computes, so a
+rank holds at most two foreign blocks: memory stays O(S/P). Each point of the schedule posts one
+functional all-to-all per message kind that any rank moves there (``comm.start_exchange``: every rank
+derives the same kinds, sizes and dtypes from the global schedule), which ``torch.compile`` traces
+(isend/irecv and ``P2POp`` break the graph); in eager mode it is in flight until :meth:`_Exchange.wait`.
 Causal attention only: a sliding window or non-causal attention is refused before any
 collective (use load_balance='none'). Packed rows: each block is masked by "same document";
 a block whose rows share no document is skipped by both its computer and its owners (every
@@ -23,16 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ...comm import diagnosed, timed_comm
+from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
 from ...sharding import balancers
 from ...sharding.documents import Runs
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
 SKIP = "skip"
-# gloo matches p2p messages by (peer, tag): one tag per message kind keeps kinds apart
+# message kinds: one collective per kind at each point of the schedule (each kind has one dtype)
 CH_KV, CH_Q, CH_OUT, CH_DQ, CH_DKV = 10, 11, 12, 13, 14
 
 
@@ -126,30 +128,53 @@ def task_mask(plan: DistFlashPlan, task):
 
 
 class _Exchange:
-    """Point-to-point messages inside the CP group, posted as one batch, waited for later."""
+    """Point-to-point messages inside the CP group: one functional all-to-all per message kind, waited for later."""
 
-    def __init__(self, group):
-        self.group = group
-        self.ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+    def __init__(self, group, device, after: torch.Tensor | None = None):
+        # after: the phase's input (q forward, dout backward): every exchange stays in its phase (comm.pinned)
+        self.group, self.device, self.after = group, device, after
+        self.unread: list[torch.Tensor] = []   # results of collectives that brought this rank nothing
 
-    def post(self, sends, recvs, phase: str, tag: str):
-        """``sends``: ``[(group rank, tensor, channel)]``; ``recvs``: ``[(group rank, buffer, channel)]``.
-        Returns a pending handle (None when there is nothing to move)."""
-        if not sends and not recvs:
+    def post(self, sends, recvs, kinds: dict, phase: str, tag: str):
+        """``sends``: ``[(group rank, tensor, kind)]``; ``recvs``: ``[(group rank, shape, kind)]``; ``kinds``:
+        ``{kind: dtype}`` for every kind *any* rank of the group moves at this point (from the global schedule,
+        so every rank posts the same collectives, with the same wire dtype). Returns a pending handle (None
+        when nothing moves anywhere)."""
+        if not kinds:
             return None
-        ops = [dist.P2POp(dist.isend, t, self.ranks[peer], self.group, tag=ch) for peer, t, ch in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.group, tag=ch) for peer, buf, ch in recvs]
+        flights = []
+        for kind, dtype in kinds.items():
+            like = torch.empty(0, dtype=dtype, device=self.device)
+            mine = [(peer, t.to(dtype)) for peer, t, k in sends if k == kind]
+            order = [i for i, (_, _, k) in enumerate(recvs) if k == kind]
+            flat, layout = start_exchange(mine, [recvs[i][:2] for i in order], self.group, like, after=self.after)
+            flights.append((flat, layout, order))
         nbytes = sum(t.numel() * t.element_size() for _, t, _ in sends)
-        return [buf for _, buf, _ in recvs], dist.batch_isend_irecv(ops), (phase, nbytes, tag), sends
+        return flights, len(recvs), (phase, nbytes, tag)
 
     def wait(self, pending) -> list[torch.Tensor]:
         if pending is None:
             return []
-        bufs, works, (phase, nbytes, tag), _ = pending
+        flights, n, (phase, nbytes, tag) = pending
+        got = [None] * n
         with diagnosed("p2p", tag, self.group), timed_comm("p2p", phase, nbytes, tag):
-            for w in works:
-                w.wait()
-        return bufs
+            for flat, layout, order in flights:
+                if not order:
+                    self.unread.append(complete(flat))
+                for i, t in zip(order, finish_exchange(flat, layout)):
+                    got[i] = t
+        return got
+
+    def anchor(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` depending on every exchange this rank only sent on (``comm.anchor``: kept under compile)."""
+        return anchor(x, self.unread)
+
+
+def _moves(step, active) -> tuple[bool, bool]:
+    """(some K/V block, some query block) travels to another rank at this step: global facts."""
+    kv = any(on and task.kv != x for x, (task, on) in enumerate(zip(step, active)))
+    q = any(on and task.q != x for x, (task, on) in enumerate(zip(step, active)))
+    return kv, q
 
 
 def _rows(x: torch.Tensor, task, c: int) -> torch.Tensor:
@@ -161,7 +186,7 @@ def _inputs(plan, step, active, me, local: dict, like: dict):
     """The sends and receives that bring step ``step``'s inputs to the ranks computing it.
 
     ``local[kind](task)``: the tensor this rank sends for ``task`` (kind "kv" or "q");
-    ``like[kind](task)``: an empty buffer of the right shape to receive it."""
+    ``like[kind](task)``: the shape it arrives in."""
     sends, recvs = [], []
     for x, task in enumerate(step):
         if x == me or not active[x]:
@@ -192,14 +217,14 @@ class DistFlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, plan: DistFlashPlan, group, kernel, scale: float):
         me, c = plan.rank, plan.chunk
         steps, active = plan.steps(), active_tasks(plan)
-        ex = _Exchange(group)
+        ex = _Exchange(group, q.device, after=q)
         kv = torch.stack([k, v]).contiguous()
         acc = acc_dtype(q)
         B, H, _, D = q.shape
         out = q.new_zeros((B, H, c, D), dtype=acc)
         lse = q.new_full((B, H, c), float("-inf"), dtype=acc)
         local = {"kv": lambda task: kv, "q": lambda task: _rows(q, task, c).contiguous()}
-        like = {"kv": lambda task: torch.empty_like(kv), "q": lambda task: q.new_empty((B, H, _n(task, c), D))}
+        like = {"kv": lambda task: kv.shape, "q": lambda task: (B, H, _n(task, c), D)}
 
         def absorb(homing, got):
             for (_, task), part in zip(homing, got):
@@ -209,7 +234,10 @@ class DistFlashAttention(torch.autograd.Function):
         def post_inputs(s):
             if s >= len(steps):
                 return None
-            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "forward", "ring_distflash_in")
+            kv_moves, q_moves = _moves(steps[s], active[s])
+            kinds = {**({CH_KV: kv.dtype} if kv_moves else {}), **({CH_Q: q.dtype} if q_moves else {})}
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), kinds, "forward",
+                           "ring_distflash_in")
 
         pending_in, pending_out = post_inputs(0), None
         for s, step in enumerate(steps):
@@ -227,8 +255,9 @@ class DistFlashAttention(torch.autograd.Function):
                 else:  # a lent block: its partial (out, lse) goes home as one [..., D + 1] message
                     sends.append((task.q, part.contiguous(), CH_OUT))
             homing = [(x, t) for x, t in enumerate(step) if x != me and active[s][x] and t.q == me]
-            recvs = [(x, q.new_empty((B, H, _n(t, c), D + 1), dtype=acc), CH_OUT) for x, t in homing]
-            posted = ex.post(sends, recvs, "forward", "ring_distflash_out")
+            recvs = [(x, (B, H, _n(t, c), D + 1), CH_OUT) for x, t in homing]
+            lent = _moves(step, active[s])[1]   # some rank computed a lent block: partials go home
+            posted = ex.post(sends, recvs, {CH_OUT: acc} if lent else {}, "forward", "ring_distflash_out")
             if pending_out is not None:
                 absorb(pending_out[0], ex.wait(pending_out[1]))
             pending_out, pending_in = (homing, posted), nxt
@@ -238,7 +267,7 @@ class DistFlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         ctx.has_sinks, ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active = (
             sinks is not None, plan, group, kernel, scale, active)
-        return out.to(q.dtype)
+        return ex.anchor(out.to(q.dtype))
 
     @staticmethod
     def backward(ctx, dout):
@@ -247,10 +276,10 @@ class DistFlashAttention(torch.autograd.Function):
         plan, group, kernel, scale, active = ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.active
         me, c = plan.rank, plan.chunk
         steps = plan.steps()
-        ex = _Exchange(group)
+        dout = dout.contiguous()
+        ex = _Exchange(group, q.device, after=dout)
         acc = acc_dtype(q)
         B, H, _, D = q.shape
-        dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
@@ -260,8 +289,7 @@ class DistFlashAttention(torch.autograd.Function):
                               _rows(lse, task, c).unsqueeze(-1)], -1).contiguous()
 
         local = {"kv": lambda task: kv, "q": owner_rows}
-        like = {"kv": lambda task: torch.empty_like(kv),
-                "q": lambda task: q.new_empty((B, H, _n(task, c), 3 * D + 1), dtype=acc)}
+        like = {"kv": lambda task: kv.shape, "q": lambda task: (B, H, _n(task, c), 3 * D + 1)}
 
         def add_dq(task, g):
             a, b = task.rows(c)
@@ -270,7 +298,10 @@ class DistFlashAttention(torch.autograd.Function):
         def post_inputs(s):
             if s >= len(steps):
                 return None
-            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), "backward", "ring_distflash_in")
+            kv_moves, q_moves = _moves(steps[s], active[s])
+            kinds = {**({CH_KV: kv.dtype} if kv_moves else {}), **({CH_Q: acc} if q_moves else {})}
+            return ex.post(*_inputs(plan, steps[s], active[s], me, local, like), kinds, "backward",
+                           "ring_distflash_in")
 
         pending_in, pending_grads = post_inputs(0), None
         for s, step in enumerate(steps):
@@ -301,10 +332,12 @@ class DistFlashAttention(torch.autograd.Function):
                 if x == me or not active[s][x]:
                     continue
                 if t.q == me:
-                    homing.append(("dq", t, (x, q.new_empty((B, H, _n(t, c), D), dtype=acc), CH_DQ)))
+                    homing.append(("dq", t, (x, (B, H, _n(t, c), D), CH_DQ)))
                 if t.kv == me:
-                    homing.append(("dkv", t, (x, torch.empty_like(dkv), CH_DKV)))
-            posted = ex.post(sends, [h[2] for h in homing], "backward", "ring_distflash_grads")
+                    homing.append(("dkv", t, (x, dkv.shape, CH_DKV)))
+            kv_moves, q_moves = _moves(step, active[s])
+            kinds = {**({CH_DQ: acc} if q_moves else {}), **({CH_DKV: acc} if kv_moves else {})}
+            posted = ex.post(sends, [h[2] for h in homing], kinds, "backward", "ring_distflash_grads")
             if pending_grads is not None:
                 _absorb_grads(pending_grads[0], ex.wait(pending_grads[1]), add_dq, dkv)
             pending_grads = (homing, posted)
@@ -313,7 +346,7 @@ class DistFlashAttention(torch.autograd.Function):
         dsinks = None
         if sinks is not None:
             dsinks = sink_grad(sinks, lse.to(acc), dout, out)   # per head [H] or per token [B, H, S]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
+        return ex.anchor(dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 
 def _absorb_grads(homing, got, add_dq, dkv):

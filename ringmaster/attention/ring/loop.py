@@ -1,7 +1,14 @@
 """The ring loop: every rank's queries meet every rank's K/V block, forward and backward.
 
-Rotation ``alltoall`` ("p2p"): K/V blocks travel around the ring with isend/irecv; the next
-block is in flight while the current one computes. Backward walks the same ring with dK/dV
+Rotation ``alltoall`` ("p2p"): K/V blocks travel around the ring, one hop per step; the next
+block is in flight while the current one computes. A hop is a *functional* all-to-all with one
+non-empty split each way (:class:`_Ring`, ``comm.start_exchange``; the same collective torch's own
+context parallel rotates with, ``permute_tensor``), chosen over isend/irecv because it is traceable:
+``torch.compile(block, fullgraph=True)`` traces the whole ring, forward and backward (``P2POp`` and
+``batch_isend_irecv`` break the graph, and torch's experimental p2p compilation is a global dynamo
+flag a library should not set). In eager mode the hop is an ``AsyncCollectiveTensor``: issued before
+the block computes, waited for after it, so the overlap is kept; compiled, the ``wait_tensor`` sits in
+the graph and the compiler schedules it. Backward walks the same ring with dK/dV
 partial sums travelling beside the blocks, so no rank ever holds more than two K/V blocks; both
 hops are waited for only after the block's compute (:func:`_p2p_backward`), so a link latency up
 to one block's compute is hidden (benchmarks/overlap.py measures it with injected latency).
@@ -20,12 +27,11 @@ LSE merge is unchanged by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from ...comm import _all_gather, _reduce_scatter, diagnosed, timed_comm
+from ...comm import _all_gather, _reduce_scatter, complete, diagnosed, start_exchange, timed_comm
 from ...sharding import balancers
 from ...sharding.documents import Runs
 from .masks import BlockMask
@@ -56,7 +62,6 @@ class RingPlan:
         return balancers.shard_chunks(self.layout, self.size, rank)
 
 
-@lru_cache(maxsize=4096)
 def _pair_band(a: int, b: int, c: int, causal: bool, window: int | None):
     """Query chunk ``a`` against key chunk ``b`` (chunk length ``c``): SKIP, or the band
     ``(lo, hi)`` of local ``i - j`` the pair keeps (``None`` = unbounded).
@@ -131,26 +136,32 @@ def _sl(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
 
 
 class _Ring:
-    """Point-to-point neighbours on the CP group: send to rank+1, receive from rank-1."""
+    """The ring's neighbours on the CP group: send to rank+1, receive from rank-1.
 
-    def __init__(self, group):
-        self.group = group
+    A hop is one functional all-to-all with a single non-empty split each way (``comm.start_exchange``:
+    what torch's own context parallel does with ``permute_tensor``): it traces under ``torch.compile``
+    where ``isend``/``irecv``/``P2POp`` break the graph, and in eager mode it is still in flight while the
+    caller computes (an ``AsyncCollectiveTensor``, waited for in :meth:`wait`). Messages are matched by
+    issue order, the same on every rank (``channel`` is kept for callers; tags are a p2p notion)."""
+
+    def __init__(self, group, after: torch.Tensor | None = None):
+        self.group, self.after = group, after   # after: backward's dout, every hop stays in backward (comm.pinned)
         P, r = dist.get_world_size(group), dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (r + 1) % P)
-        self.prev = dist.get_global_rank(group, (r - 1) % P)
+        self.next, self.prev = (r + 1) % P, (r - 1) % P   # group ranks
 
     def start(self, tensor: torch.Tensor, phase: str, tag: str, channel: int = 0):
-        recv = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag=channel),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag=channel)]
+        """Issue the hop; returns ``(recv, works, meta)``: ``recv`` is ``tensor``-shaped, in flight until
+        :meth:`wait` (``works``: the in-flight buffers; empty when already complete)."""
+        flat, _ = start_exchange([(self.next, tensor)], [(self.prev, tensor.shape)], self.group, tensor,
+                                 after=self.after)
         nbytes = tensor.numel() * tensor.element_size()
-        return recv, dist.batch_isend_irecv(ops), (phase, nbytes, tag)
+        return flat.view(tensor.shape), [flat], (phase, nbytes, tag)
 
     def wait(self, pending):
         recv, works, (phase, nbytes, tag) = pending
         with diagnosed("p2p", tag, self.group), timed_comm("p2p", phase, nbytes, tag):
-            for w in works:
-                w.wait()
+            for flat in works:
+                recv = complete(flat).view(recv.shape)
         return recv
 
 
@@ -209,7 +220,7 @@ def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _K
     P, acc = plan.size, dq.dtype
     home = torch.zeros(kv.shape, dtype=acc, device=q.device)
     early, late = _own_split(block_pairs(plan, plan.rank, q.device, rel))
-    ring = _Ring(group) if P > 1 else None
+    ring = _Ring(group, after=dout) if P > 1 else None
     pending_kv = ring.start(kv, "backward", "ring_kv") if ring else None
     _backward_pairs(kernel, plan, q, kv, early, scale, dout, out, lse, dq, home, lay, softcap, drel)
     pending_dkv = None

@@ -1,0 +1,37 @@
+"""Decoder blocks compile with ``torch.compile(block, fullgraph=True)`` after ``rm.wire`` and stay exact.
+
+Each case compiles every block of a tiny model (torchtitan's order: wire, then compile), runs one CP
+step and compares loss, gathered logits and every gradient with the model without CP
+(``ringmaster_tools.step_shape.compile_parity``). The backend is ``aot_eager_decomp_partition``:
+AOTAutograd's forward/backward graphs with the min-cut partitioner inductor uses (the one that keeps
+collectives where ringmaster pins them), minus inductor's CPU code generation, too slow for the suite;
+``benchmarks/step_shape.py`` / ``ringmaster_tools.step_shape`` runs the same rows with inductor.
+"""
+
+import jobs_compile
+import pytest
+
+from ringmaster_tools.pool import RankError
+
+TOL = 1e-5
+GDN_GRAD_TOL = 5e-3   # fp32 cancellation in gated DeltaNet's A_log / dt_bias gradients, as in eager (fp64 elsewhere)
+
+
+@pytest.mark.parametrize("model, backend, grad_tol", [
+    ("llama", "ulysses", TOL),
+    ("llama", "ring-alltoall", TOL),
+    ("gdn-hybrid", "ulysses-scan", GDN_GRAD_TOL),
+])
+def test_fullgraph_compile_matches_single_device(pool, model, backend, grad_tol):
+    for r in pool.run(jobs_compile.compile_parity, model, backend):
+        assert r["graph_breaks"] == 0, r
+        assert r["loss"] <= TOL and r["logits"] <= TOL, r
+        assert r["grad"] <= grad_tol, r
+
+
+def test_mutation_host_read_in_ring_breaks_fullgraph(pool):
+    """A host read (``.item()``) put back into the ring loop, branching on the value as host reads do: fullgraph
+    compile raises (torch 2.13 traces the read as a symbol, then cannot decide the branch; with
+    ``capture_scalar_outputs`` off the read itself is the graph break)."""
+    with pytest.raises(RankError, match=r"data-dependent expression|Tensor\.item\(\)"):
+        pool.run(jobs_compile.compile_with_host_read_in_ring)
