@@ -28,7 +28,7 @@ from .attention.ring.select import resolve_ring_impl
 from .attention.selfattn import check_sites, split_cross, wire_sites
 from .attention.setup import setup
 from .attention.ulysses import kv_replication
-from .config import LoadBalance, RingmasterConfig, RingmasterPlan
+from .config import LoadBalance, RingImpl, RingmasterConfig, RingmasterPlan
 from .errors import UnsupportedLayerError
 from .mesh import intra_node_size
 from .multimodal import wire_multimodal
@@ -49,6 +49,9 @@ class WireReport:
     use_cache_switched_off: bool = False
     positions: str | None = None     # how absolute position tables are numbered (PositionConvention.describe)
     bridged: list[str] = field(default_factory=list)  # attention layers whose decoder layer drops **kwargs
+    # wire(..., compile=True): the paths that do not compile with torch.compile(block, fullgraph=True), or that
+    # have not been shown to, each with the reason and the fix (everything else compiles)
+    compile_notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
@@ -60,7 +63,37 @@ class WireReport:
             lines.append(f"  ringmaster_batch carried past {len(self.bridged)} decoder layers that drop **kwargs")
         if self.use_cache_switched_off:
             lines.append("  use_cache switched off while wired")
+        lines += [f"  compile: {note}" for note in self.compile_notes]
         return "\n".join(lines)
+
+
+# recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile.py,
+# benchmarks/step_shape.py); the others run, exactly, but have not been traced
+COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2")
+# ring block kernels and inner attention kernels dynamo traces (torch ops with meta kernels)
+COMPILE_VERIFIED_INNER = ("sdpa", "eager", "flex_attention")
+
+
+def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: str) -> list[str]:
+    """What would not compile, or is not shown to, under ``torch.compile(block, fullgraph=True)``."""
+    notes = []
+    if cfg.ring_size > 1 and resolve_ring_impl(cfg.ring_impl, inner) is RingImpl.HF_KERNELS:
+        notes.append("ring_impl='hf_kernels': the hub flash kernels are not traced here (no fake implementation "
+                     "checked); use ring_impl='aten' for a compiled ring")
+    if inner not in COMPILE_VERIFIED_INNER:
+        notes.append(f"inner attention {inner!r} is not shown to compile with fullgraph=True (checked: "
+                     f"{', '.join(COMPILE_VERIFIED_INNER)})")
+    kinds = sorted(set(recurrent_kinds))
+    if kinds and strategy == "sequential":
+        notes.append("recurrent='sequential' passes the state with blocking send/recv, which torch.compile cannot "
+                     "trace: use recurrent='scan'")
+    elif kinds and strategy == "fla_cp":
+        notes.append("recurrent='fla_cp' (flash-linear-attention's own CP) is not shown to compile here")
+    unverified = [k for k in kinds if k not in COMPILE_VERIFIED_KINDS]
+    if unverified:
+        notes.append(f"recurrent kinds {unverified} run exactly but are not shown to compile with fullgraph=True "
+                     f"(shown: {', '.join(COMPILE_VERIFIED_KINDS)} on recurrent='scan')")
+    return notes
 
 
 def _spec(model):
@@ -134,12 +167,17 @@ def _refuse_router_logits_kwarg(model, undo: list) -> None:
 
 
 def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mesh=None,
-         cp_dim: str = "cp") -> Runtime:
+         cp_dim: str = "cp", compile: bool = False) -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
     model, switch attention in place, wire the recurrent layers. Returns the runtime;
     ``runtime.report`` says what changed and ``unwire(model)`` undoes it. On any failure the model
     (and the current runtime) is left exactly as it was. ``cfg`` is resolved into a frozen plan
-    (``runtime.config``); the object passed in is never changed."""
+    (``runtime.config``); the object passed in is never changed.
+
+    ``compile=True`` prepares the model for ``torch.compile(block, fullgraph=True)`` (torchtitan's order:
+    wire, checkpoint, compile, then FSDP): ``recurrent="auto"`` picks the all-gather scan at every CP size
+    (the sequential pass's send/recv does not trace), and ``runtime.report.compile_notes`` names, with a
+    warning, every path that does not compile or is not shown to; everything else compiles."""
     if getattr(model, "_ringmaster_runtime", None) is not None:
         raise RuntimeError(
             f"{type(model).__name__} is already wired by ringmaster; call rm.unwire(model) before wiring again"
@@ -170,7 +208,10 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
     # absolute position tables: probe (tiny forwards of the still unwired model) how the model numbers them
     positions = position_convention(model, spec, [p for p, _, _ in layers.recurrent])
     # the frozen plan this model runs by (runtime.config); the caller's config object is never changed
+    asked_recurrent = cfg.recurrent
     cfg = cfg.resolve(num_kv_heads=num_kv, intra_node_size=intra_node_size(), num_heads=num_heads)
+    if compile and asked_recurrent == "auto" and cfg.recurrent != "scan":
+        cfg = cfg.replace(recurrent="scan")   # the sequential pass's send/recv does not trace
     if cfg.ulysses_size > 1:
         for path, (hq, hk) in (splits or {"": (num_heads, num_kv)}).items():
             if hq is None:
@@ -184,6 +225,13 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         check_dtype(resolve_ring_impl(cfg.ring_impl, inner), param.device, param.dtype, inner)
         if cfg.load_balance is LoadBalance.DISTFLASH and cfg.ulysses_size == 1:
             distflash.check_model(model, tcfg, layers.attention)
+
+    strategy = cfg.recurrent
+    notes: list[str] = []
+    if compile:
+        notes = compile_notes(cfg, inner, [k for _, _, k in recurrent], strategy)
+        if notes:
+            warnings.warn("rm.wire(compile=True): " + "; ".join(notes), stacklevel=2)
 
     # ---- change, recording every undo
     previous = _runtime.active(required=False)
@@ -216,13 +264,13 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             bridged, handles = bridge.install(model, layers.attention)
             undo.extend(handle.remove for handle in handles)
         if recurrent:
-            wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=cfg.recurrent)
+            wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=strategy)
             undo.append(wiring.restore)
             rt.recurrent_wiring = wiring
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
                                use_cache_switched_off=switched, bridged=bridged,
-                               positions=positions.describe() if positions else None)
+                               positions=positions.describe() if positions else None, compile_notes=notes)
         if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
             modules = dict(model.named_modules())
             arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention},

@@ -150,7 +150,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
     if backward is None:
         backward = ref.config._attn_implementation != "flex_attention"
     ref_out = _reference(ref, batch, batch_kind, backward)
-    runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh)
+    runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh, compile=True)   # recurrent auto -> scan
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:

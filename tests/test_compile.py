@@ -20,7 +20,7 @@ GDN_GRAD_TOL = 5e-3   # fp32 cancellation in gated DeltaNet's A_log / dt_bias gr
 @pytest.mark.parametrize("model, backend, grad_tol", [
     ("llama", "ulysses", TOL),
     ("llama", "ring-alltoall", TOL),
-    ("gdn-hybrid", "ulysses-scan", GDN_GRAD_TOL),
+    ("gdn-hybrid", "ulysses", GDN_GRAD_TOL),   # rm.wire(compile=True): recurrent auto -> the scan at P=2 too
 ])
 def test_fullgraph_compile_matches_single_device(pool, model, backend, grad_tol):
     for r in pool.run(jobs_compile.compile_parity, model, backend):
@@ -35,3 +35,16 @@ def test_mutation_host_read_in_ring_breaks_fullgraph(pool):
     ``capture_scalar_outputs`` off the read itself is the graph break)."""
     with pytest.raises(RankError, match=r"data-dependent expression|Tensor\.item\(\)"):
         pool.run(jobs_compile.compile_with_host_read_in_ring)
+
+
+def test_wire_for_compile_names_what_does_not_compile():
+    """``rm.wire(compile=True)`` reports (and warns) the paths that do not compile or are not shown to."""
+    import ringmaster as rm
+    from ringmaster.wiring import compile_notes
+
+    plan = rm.RingmasterConfig(size=2, backend="ring", ring_impl="hf_kernels").resolve(num_kv_heads=2)
+    notes = compile_notes(plan, "flash_attention_2", ["gated_deltanet", "rwkv"], "sequential")
+    text = " ".join(notes)
+    assert "hf_kernels" in text and "flash_attention_2" in text and "recurrent='scan'" in text and "rwkv" in text
+    ok = rm.RingmasterConfig(size=2, backend="ulysses").resolve(num_kv_heads=2)
+    assert compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan") == []
