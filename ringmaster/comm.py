@@ -11,6 +11,8 @@ raises ``No backend type associated with device type cpu``.
 
 from __future__ import annotations
 
+import contextvars
+
 import contextlib
 import time
 from typing import Callable
@@ -254,7 +256,23 @@ def start_exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int,
     flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else like.new_empty((0,))
     if after is not None:
         flat = pinned(flat, after)
-    return funcol.all_to_all_single(flat.contiguous(), out_splits, in_splits, group), layout
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single(flat.contiguous(), out_splits, in_splits, group), layout
+    token = _POINT_TO_POINT.set(True)   # for counters at the c10d level: these are messages, not an all-to-all
+    try:
+        return funcol.all_to_all_single(flat.contiguous(), out_splits, in_splits, group), layout
+    finally:
+        _POINT_TO_POINT.reset(token)
+
+
+# True only while start_exchange issues its collective (eager): lets a c10d-level counter
+# (ringmaster_tools.profiling.count_collectives) count those bytes as point-to-point sends
+_POINT_TO_POINT: contextvars.ContextVar[bool] = contextvars.ContextVar("ringmaster_point_to_point", default=False)
+
+
+def point_to_point() -> bool:
+    """Whether the collective being issued now is :func:`start_exchange`'s point-to-point messages."""
+    return _POINT_TO_POINT.get()
 
 
 def complete(t: torch.Tensor) -> torch.Tensor:

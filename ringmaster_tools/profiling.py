@@ -38,7 +38,7 @@ from typing import Iterable
 
 import torch
 
-from ringmaster.comm import _RECORDERS, recording, timed_comm  # noqa: F401  (timed_comm: kept for old imports)
+from ringmaster.comm import _RECORDERS, point_to_point, recording, timed_comm  # noqa: F401  (timed_comm: kept for old imports)
 
 
 PHASES = ("forward", "backward")
@@ -581,9 +581,9 @@ def _c10d_sent(op: str, args: tuple) -> tuple[str, int]:
         return "all_to_all", _alltoall_bytes(a[1], a[3], a[4], rank, size)
     if op == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group_name)
         rank, size = _pg_rank_size(a[3])
-        # one that keeps nothing for this rank carries point-to-point messages (the ring's hops, distflash's
-        # messages, torch's permute_tensor): counted as sends, like batch_isend_irecv's
-        kind = "send" if a[2] and not a[2][rank] else "all_to_all"
+        # ringmaster's point-to-point messages (the ring's hops, distflash's messages; comm.start_exchange) are
+        # counted as sends, like batch_isend_irecv's; any other all-to-all (torch's permute_tensor too) as one
+        kind = "send" if point_to_point() else "all_to_all"
         return kind, _alltoall_bytes(a[0], a[1], a[2], rank, size)
     if op == "alltoall_":  # (outputs, inputs, pg, ...)
         rank, _ = _pg_rank_size(a[2])
