@@ -50,8 +50,24 @@ from . import relbias, token_sinks
 _REFUSED_BIAS_KWARGS = ("alibi",)
 
 
-def _where(module) -> str:
-    return f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', '?')})"
+class _Where:
+    """A layer's name for error messages, formatted only when one is raised: reading ``layer_idx`` on every
+    call would make torch.compile specialise each decoder block on it (one graph per layer, and past
+    dynamo's recompile limit at the ninth block)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def __str__(self) -> str:
+        return f"{type(self.module).__name__} (layer_idx={getattr(self.module, 'layer_idx', '?')})"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+def _where(module) -> _Where:
+    return _Where(module)
 
 
 def layer_chunk(module) -> int | None:

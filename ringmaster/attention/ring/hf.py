@@ -82,9 +82,12 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     if rel is not None:  # the bias and its gradient are built inside the math kernel's block tiles
         kernel = _MATH
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
+    # compiled: the plan does not read the host runs, so a new packing does not recompile the block
+    static = torch.compiler.is_compiling()
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
-                    alibi=kwargs.get("alibi_slopes"), runs=cpb.runs)
+                    alibi=kwargs.get("alibi_slopes"), runs=None if static else cpb.runs,
+                    static_docs=static and cpb.doc_ids is not None)
     return ring_attention(query, key, value, group, plan, kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"),
                           rel=None if rel is None else rel.logits())

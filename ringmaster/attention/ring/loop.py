@@ -53,9 +53,12 @@ class RingPlan:
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
     alibi: torch.Tensor | None = field(default=None, compare=False)  # ALiBi slopes [Hq] (bloom, mpt)
     runs: object | None = field(default=None, compare=False)  # the documents' host copy (sharding.documents.Runs)
+    # under torch.compile: plan without the host copy (no pair or tile skipped by documents; the document
+    # masks come from ``docs`` on the device), so the compiled graph does not depend on the packing
+    static_docs: bool = False
 
     def __post_init__(self):
-        if self.docs is not None and self.runs is None:   # a caller without the step's host copy (tests)
+        if self.docs is not None and self.runs is None and not self.static_docs:   # a caller without the host copy
             object.__setattr__(self, "runs", Runs.from_doc_ids(self.docs))
 
     def chunks(self, rank: int) -> list[int]:
@@ -103,14 +106,14 @@ def block_pairs(plan: RingPlan, src: int, device, rel: torch.Tensor | None = Non
                 continue
             docs = {}
             if plan.docs is not None:
-                if _docs_disjoint(plan, a, b):
+                if not plan.static_docs and _docs_disjoint(plan, a, b):
                     continue
                 docs = dict(q_docs=plan.docs[:, a * c:(a + 1) * c], k_docs=plan.docs[:, b * c:(b + 1) * c])
             if rel is not None:
                 docs.update(rel_logits=rel[..., qi * c:(qi + 1) * c, :], rel_offset=(a - b) * c)
             pairs.append((qi, kj, BlockMask(c, c, lo=band[0], hi=band[1], alibi_slopes=plan.alibi,
                                             alibi_offset=(b - a) * c, runs=plan.runs, q_start=a * c,
-                                            k_start=b * c, **docs)))
+                                            k_start=b * c, static_docs=plan.static_docs, **docs)))
     return pairs
 
 

@@ -40,6 +40,9 @@ class BlockMask:
     runs: object | None = field(default=None, compare=False)
     q_start: int = 0
     k_start: int = 0
+    # documents planned without the host copy (compiled steps): a tile the band shows is computed with its
+    # document mask, never skipped by documents
+    static_docs: bool = False
 
     # ---- what kind of block this is
     @property
@@ -151,10 +154,12 @@ class BlockMask:
         """``"none"``, ``"all"`` or ``"some"`` of the tile's (row, key) pairs are visible, decided on the host
         (band and host runs); ``None`` when only the mask's values can tell (an arbitrary dense mask, or
         documents without their host copy)."""
-        if self.dense is not None or (self.q_docs is not None and self.runs is None):
+        if self.dense is not None or (self.q_docs is not None and self.runs is None and not self.static_docs):
             return None
         if _trim(r0, r1, k0, k1, self.lo, self.hi) is None:
             return "none"
+        if self.q_docs is not None and self.runs is None:   # static documents: the tile mask decides per row
+            return "some"
         band_all = (self.lo is None or r0 - (k1 - 1) >= self.lo) and (self.hi is None or (r1 - 1) - k0 <= self.hi)
         if self.q_docs is None:
             return "all" if band_all else "some"
