@@ -130,7 +130,8 @@ def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 
 def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, fullgraph: bool = True,
                    compiler: str | None = None, backward: bool | None = None, overrides: dict | None = None) -> dict:
     """Every decoder block compiled (``fullgraph``) after ``rm.wire``: errors against the model without
-    CP (loss, gathered logits, the worst gradient, each relative to its own norm) and graph breaks.
+    CP (loss, gathered logits, the worst gradient, each relative to its own norm), graph breaks and the
+    graphs compiled. The first CP step runs eagerly (its accounting); the second, compiled, is compared.
     ``compiler``: the torch.compile backend (default ``inductor`` with ``fullgraph``, ``eager`` without;
     ``aot_eager`` traces forward and backward like inductor without its slow CPU codegen). ``backward``:
     run the backward and compare gradients (default: unless the model runs flex_attention on CPU, which
@@ -156,7 +157,9 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
     try:
         for layer in decoder_blocks(model):
             layer.compile(fullgraph=fullgraph, backend=compiler or ("inductor" if fullgraph else "eager"))
-        out = _cp_step(model, runtime, batch, backward)
+        _cp_step(model, runtime, batch, backward)   # the first CP forward runs eagerly (attention.accounting)
+        model.zero_grad(set_to_none=True)
+        out = _cp_step(model, runtime, batch, backward)   # compiled
         logits = rm.gather_sequence(out.logits.detach(), dim=1, runtime=runtime)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
@@ -164,6 +167,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
         if missing:
             raise AssertionError(f"no CP gradient for {missing}")
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     finally:
         for layer in decoder_blocks(model):
             layer._compiled_call_impl = None
@@ -173,7 +177,8 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
         real = batch["attention_mask"].bool()
         logits, ref_logits = logits[real], ref_logits[real]
     return {"loss": rel_err(loss / size, ref_out.loss.detach()), "logits": rel_err(logits, ref_logits),
-            "grad": (max(grads.values()) if grads else 0.0) if backward else None, "graph_breaks": breaks}
+            "grad": (max(grads.values()) if grads else 0.0) if backward else None, "graph_breaks": breaks,
+            "graphs": graphs}
 
 
 def decoder_blocks(model) -> list:

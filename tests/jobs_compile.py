@@ -35,3 +35,47 @@ def compile_with_host_read_in_ring(ctx, P=2):
         return compile_parity(ctx, "llama", "ring-alltoall", P)
     finally:
         loop._forward_block = original
+
+
+def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
+    """A ``layers``-block llama, every block compiled (fullgraph) before its first CP step, three steps: the
+    graphs compiled after each, and the loss against the model without CP. ``eager_first=False`` is the
+    mutation: the accounting leaves the first CP forward compiled (its per-module records specialise every
+    block: one graph per layer, past dynamo's recompile limit of 8)."""
+    import copy
+
+    import torch
+    import torch._dynamo
+
+    import ringmaster as rm
+    from ringmaster.attention import accounting
+    from ringmaster_tools.parity import rel_err
+
+    mesh = ctx.mesh(P)
+    torch.manual_seed(0)
+    ref = step_shape._model("llama", num_hidden_layers=layers)
+    batch = step_shape.make_batch("packed", ref.config.vocab_size)
+    model = copy.deepcopy(ref)
+    ref_loss = step_shape._reference(ref, batch, "packed", backward=False).loss.detach()
+    runtime = rm.wire(model, step_shape._cfg("ulysses", P), device_mesh=mesh, compile=True)
+    original = accounting.Ledger.run_eagerly
+    if not eager_first:
+        accounting.Ledger.run_eagerly = lambda self: None
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        for block in step_shape.decoder_blocks(model):
+            block.compile(fullgraph=True, backend="aot_eager_decomp_partition")
+        steps = []
+        for _ in range(3):
+            out = step_shape._cp_step(model, runtime, batch, backward=False)
+            loss = out.loss.detach().clone()
+            torch.distributed.all_reduce(loss, group=mesh.get_group("cp"))
+            steps.append({"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                          "loss": rel_err(loss / P, ref_loss)})
+    finally:
+        accounting.Ledger.run_eagerly = original
+        for block in step_shape.decoder_blocks(model):
+            block._compiled_call_impl = None
+        rm.unwire(model)
+    return steps

@@ -24,7 +24,7 @@ GDN_GRAD_TOL = 5e-3   # fp32 cancellation in gated DeltaNet's A_log / dt_bias gr
 ])
 def test_fullgraph_compile_matches_single_device(pool, model, backend, grad_tol):
     for r in pool.run(jobs_compile.compile_parity, model, backend):
-        assert r["graph_breaks"] == 0, r
+        assert r["graph_breaks"] == 0 and r["graphs"] >= 1, r
         assert r["loss"] <= TOL and r["logits"] <= TOL, r
         assert r["grad"] <= grad_tol, r
 
@@ -35,6 +35,22 @@ def test_mutation_host_read_in_ring_breaks_fullgraph(pool):
     ``capture_scalar_outputs`` off the read itself is the graph break)."""
     with pytest.raises(RankError, match=r"data-dependent expression|Tensor\.item\(\)"):
         pool.run(jobs_compile.compile_with_host_read_in_ring)
+
+
+def test_first_cp_forward_runs_eagerly_then_one_graph_serves_every_block(pool):
+    """Blocks compiled before the first CP step: that step runs eagerly (its one-time accounting records per
+    module), then 10 blocks share their graphs (<= 2, stable) and the loss matches the model without CP."""
+    for steps in pool.run(jobs_compile.first_forward_compiled, 10):
+        assert steps[0]["graphs"] == 0 and 1 <= steps[1]["graphs"] <= 2, steps
+        assert steps[2]["graphs"] == steps[1]["graphs"], steps
+        assert all(s["loss"] <= TOL for s in steps), steps
+
+
+def test_mutation_first_cp_forward_compiled_hits_the_recompile_limit(pool):
+    """Mutation: the accounting leaves the first CP forward compiled; its per-module records give one graph per
+    block and the ninth block fails (fullgraph: dynamo's recompile limit raises instead of running eagerly)."""
+    with pytest.raises(RankError, match=r"recompile|cache_size_limit|recompile_limit"):
+        pool.run(jobs_compile.first_forward_compiled, 10, eager_first=False)
 
 
 def test_wire_for_compile_names_what_does_not_compile():

@@ -25,6 +25,12 @@ The ledger is bound at wire time to the runtime (the attention function is close
 through its :class:`~ringmaster.attention.binding.AttentionBinding`); nothing is a process
 global. After the first forward passes, the hooks are removed and the CP function pays one
 attribute read per call.
+
+The first CP forward runs eagerly even where blocks (or the whole model) are compiled: the model's
+pre-hook sets torch.compile's ``force_eager`` stance until its post-hook. Recording per module
+inside a compiled block would specialise the block's graph on each layer (one graph per layer:
+past dynamo's recompile limit at the ninth block) and on the armed flag; once the ledger is
+disarmed, every block compiles to one graph. The backward of that first step is eager too.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Ledger:
         self.positions = None                 # the PositionConvention of the model's absolute position tables
         self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
         self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
+        self.stance = None                    # torch.compiler.set_stance("force_eager") while a first forward runs
 
     # ---- called by the CP attention function (only while armed)
     def record(self, module, attention_mask) -> None:
@@ -144,8 +151,19 @@ class Ledger:
                 "(ArchitectureSpec(refuse=...)); a decoder layer must pass **kwargs down to its attention")
         self.disarm()
 
+    def run_eagerly(self) -> None:
+        """Until :meth:`compile_again`: compiled blocks run their eager code (the first CP forward)."""
+        if self.stance is None:
+            self.stance = torch.compiler.set_stance("force_eager")
+
+    def compile_again(self) -> None:
+        if self.stance is not None:
+            stance, self.stance = self.stance, None
+            stance.__exit__(None, None, None)   # back to the stance before the first forward
+
     def disarm(self) -> None:
         self.armed = False
+        self.compile_again()
         self.lookups.clear()
         for handle in self.handles:
             handle.remove()
@@ -169,18 +187,27 @@ def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tab
     ledger.tables = {id(m): (p, m, offsets[p]) for p, m in (tables or {}).items()}
     ledger.begin()
 
+    @torch.compiler.disable   # under torch.compile(model): a graph break, only while armed
     def pre(module, args, kwargs):
         ledger.begin()
+        if ledger.armed:
+            ledger.run_eagerly()
 
+    @torch.compiler.disable
     def post(module, args, kwargs, output):
         if ledger.armed and (ledger.calls or BATCH_KWARG in kwargs or ledger.unexpected):
-            ledger.finish(kwargs)
+            ledger.finish(kwargs)   # disarms (and compiles again) when it passes
+
+    @torch.compiler.disable
+    def restore(module, *args):   # always: a forward that raised, or one without CP (no batch)
+        ledger.compile_again()
 
     def lookup(table, args, output):
         if ledger.armed:
             ledger.looked_up(table, args, output)
 
     ledger.handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-                      model.register_forward_hook(post, with_kwargs=True)]
+                      model.register_forward_hook(post, with_kwargs=True),
+                      model.register_forward_hook(restore, always_call=True)]
     ledger.handles += [m.register_forward_hook(lookup) for _, m, _ in ledger.tables.values()]
     ledger.armed = True
