@@ -113,3 +113,12 @@ def current_device(device_type: str):
     if available is None or current is None or not available():
         return None
     return torch.device(device_type, current())
+
+
+def run_eagerly():
+    """Enter torch.compile's ``force_eager`` stance now (compiled modules run their eager code) and return
+    the object whose ``__exit__(None, None, None)`` puts back the stance found. The first CP forward runs
+    under it: its one-time checks (:mod:`ringmaster.attention.accounting`,
+    :mod:`ringmaster.architectures.mixing`) record per module, which inside a compiled block would specialise
+    its graph on every layer."""
+    return torch.compiler.set_stance("force_eager")

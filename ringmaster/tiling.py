@@ -20,7 +20,8 @@ sequence); inside a checkpointed decoder layer the tiles nest in the layer's rec
 
 **Fail closed.** ``tiled_mlp`` only wraps a module it proved per-token: a probe forward (no grad,
 eval mode) of a random input of 8 tokens must equal the concatenation of the module run on two
-tiles of it (relative max error <= 1e-4; 3e-2 in 16-bit dtypes). Attention, a convolution, a scan, a router with a
+tiles of it (relative max error <= 1e-4; 3e-2 in 16-bit dtypes: :func:`ringmaster.per_token.split_probe`,
+the probe ``rm.wire`` runs on every module it does not route). Attention, a convolution, a scan, a router with a
 per-sequence capacity, anything that mixes tokens fails the probe and raises, naming the module;
 so does a module whose output is not ``[batch, seq, ...]`` (or a tuple of such tensors and
 non-tensors). Parameters on the meta device (deferred init) are refused: probe before sharding
@@ -38,11 +39,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import per_token
 from .errors import UnsupportedLayerError
 
 _TAG = "_ringmaster_tiled"
 DEFAULT_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
-PROBE_TOKENS, PROBE_SPLIT, PROBE_TOL, PROBE_TOL_16 = 8, 3, 1e-4, 3e-2
+PROBE_TOKENS, PROBE_SPLIT = 8, 3
 
 
 @dataclass
@@ -130,9 +132,7 @@ def _probe(path: str, module: nn.Module, forward: Callable, width: int) -> None:
     training = module.training
     module.eval()
     try:
-        with torch.no_grad():
-            whole = forward(x)
-            parts = [forward(x[:, :PROBE_SPLIT].contiguous()), forward(x[:, PROBE_SPLIT:].contiguous())]
+        err, whole, first = per_token.split_probe(forward, (x,), {}, PROBE_TOKENS, PROBE_TOKENS, PROBE_SPLIT, dim=1)
     except Exception as exc:  # a module that cannot run on [batch, seq, hidden] alone
         raise UnsupportedLayerError(
             f"tiled_mlp: module {path!r} ({type(module).__name__}) did not run on a [2, {PROBE_TOKENS}, {width}] "
@@ -141,21 +141,12 @@ def _probe(path: str, module: nn.Module, forward: Callable, width: int) -> None:
     finally:
         module.train(training)
     _check_output(path, whole, PROBE_TOKENS)
-    _check_output(path, parts[0], PROBE_SPLIT)
-    tiled = _cat(parts, PROBE_TOKENS)
-    a = [t for t in (whole if isinstance(whole, (tuple, list)) else (whole,)) if isinstance(t, torch.Tensor)]
-    b = [t for t in (tiled if isinstance(tiled, (tuple, list)) else (tiled,)) if isinstance(t, torch.Tensor)]
-    # a GEMM over fewer rows may block differently: last-bit differences, ~1e-2 relative in 16-bit types;
-    # a module that mixes tokens is off by O(1)
-    tol = PROBE_TOL if param.dtype in (torch.float32, torch.float64) else PROBE_TOL_16
-    for u, v in zip(a, b):
-        scale = max(u.abs().max().item(), 1e-30)
-        err = (u.double() - v.double()).abs().max().item() / scale
-        if not err <= tol:
-            raise UnsupportedLayerError(
-                f"tiled_mlp: module {path!r} ({type(module).__name__}) is not per-token: its output on a sequence "
-                f"differs from its outputs on two tiles of it (relative error {err:.1e}); it mixes tokens "
-                "(attention, a convolution, a scan, a per-sequence router capacity) and cannot be tiled")
+    _check_output(path, first, PROBE_SPLIT)
+    if not err <= per_token.tolerance(param.dtype):
+        raise UnsupportedLayerError(
+            f"tiled_mlp: module {path!r} ({type(module).__name__}) is not per-token: its output on a sequence "
+            f"differs from its outputs on two tiles of it (relative error {err:.1e}); it mixes tokens "
+            "(attention, a convolution, a scan, a per-sequence router capacity) and cannot be tiled")
 
 
 def _default_paths(model: nn.Module) -> list[str]:

@@ -20,12 +20,13 @@ from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, position_convention, position_tables, refuse_if_unsafe,
                             stateful_layers, text_config, unsupported_message)
 from .architectures.heads import common_split, head_splits
+from .architectures import mixing
 from .attention import bridge, local, relbias
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
 from .attention.ring.select import resolve_ring_impl
-from .attention.selfattn import check_sites, split_cross, wire_sites
+from .attention.selfattn import check_sites, site_paths, split_cross, wire_sites
 from .attention.setup import setup
 from .attention.ulysses import kv_replication
 from .config import LoadBalance, RingImpl, RingmasterConfig, RingmasterPlan
@@ -52,6 +53,8 @@ class WireReport:
     # wire(..., compile=True): the paths that do not compile with torch.compile(block, fullgraph=True), or that
     # have not been shown to, each with the reason and the fix (everything else compiles)
     compile_notes: list[str] = field(default_factory=list)
+    # the token-mixing probe of the first CP forward (architectures.mixing): what it showed, in how long
+    token_probe: str | None = None
 
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
@@ -64,6 +67,8 @@ class WireReport:
         if self.use_cache_switched_off:
             lines.append("  use_cache switched off while wired")
         lines += [f"  compile: {note}" for note in self.compile_notes]
+        if self.token_probe:
+            lines.append(f"  token-mixing probe: {self.token_probe}")
         return "\n".join(lines)
 
 
@@ -276,6 +281,13 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention},
                 positions=positions, tables={p: modules[p] for p, _ in positions.modules} if positions else None)
             undo.append(rt.binding.ledger.disarm)
+        # every module it does not route must be per-token: shown on the first CP forward (architectures.mixing)
+        routed = list(layers.attention) + list(cross) + [p for p, _, _ in layers.recurrent] + list(spec.vision_modules)
+        routed += [p for p, _ in positions.modules] if positions else []
+        routed += site_paths(model, spec) if spec.self_attention else []
+        probe = mixing.MixingProbe(mixing.candidates(model, routed), rt.cp_group, carrier, rt.report)
+        mixing.arm(probe, model)
+        undo.append(probe.disarm)
         model._ringmaster_runtime = rt
         undo.append(lambda: model.__dict__.pop("_ringmaster_runtime", None))
     except BaseException:

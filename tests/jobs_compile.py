@@ -42,13 +42,14 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
     graphs compiled after each, and the loss against the model without CP. ``eager_first=False`` is the
     mutation: the accounting leaves the first CP forward compiled (its per-module records specialise every
     block: one graph per layer, past dynamo's recompile limit of 8)."""
+    import contextlib
     import copy
 
     import torch
     import torch._dynamo
 
     import ringmaster as rm
-    from ringmaster.attention import accounting
+    from ringmaster import compat
     from ringmaster_tools.parity import rel_err
 
     mesh = ctx.mesh(P)
@@ -58,9 +59,9 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
     model = copy.deepcopy(ref)
     ref_loss = step_shape._reference(ref, batch, "packed", backward=False).loss.detach()
     runtime = rm.wire(model, step_shape._cfg("ulysses", P), device_mesh=mesh, compile=True)
-    original = accounting.Ledger.run_eagerly
-    if not eager_first:
-        accounting.Ledger.run_eagerly = lambda self: None
+    original = compat.run_eagerly
+    if not eager_first:   # every first-forward check (accounting, token-mixing probe) stays compiled
+        compat.run_eagerly = lambda: contextlib.nullcontext()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
@@ -74,7 +75,7 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
             steps.append({"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                           "loss": rel_err(loss / P, ref_loss)})
     finally:
-        accounting.Ledger.run_eagerly = original
+        compat.run_eagerly = original
         for block in step_shape.decoder_blocks(model):
             block._compiled_call_impl = None
         rm.unwire(model)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ringmaster as rm
-from ringmaster import tiling as tm
+from ringmaster import per_token, tiling as tm
 from ringmaster_tools.parity import rel_err, tiny_batch, tiny_model
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -65,7 +65,7 @@ def test_mutation_tiles_out_of_order_is_caught(monkeypatch):
         return stock(pieces[::-1], length) if len(pieces) > 1 else stock(pieces, length)
 
     monkeypatch.setattr(tm, "_cat", reversed_cat)
-    monkeypatch.setattr(tm, "PROBE_TOL", float("inf"))   # let the probe pass: the parity check must catch it
+    monkeypatch.setattr(per_token, "TOL", float("inf"))   # let the probe pass: the parity check must catch it
     _, logits, grad, _ = errors("llama", 7)
     assert logits > 1e-3 and grad > 1e-3, (logits, grad)
 

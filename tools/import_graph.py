@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
                              "ringmaster.intercept")}),
     ("step", {"step": ("ringmaster.sharding",)}),
     ("ops", {"attention": ("ringmaster.attention",), "recurrent": ("ringmaster.recurrent",),
-             "tiling": ("ringmaster.tiling",)}),
+             "tiling": ("ringmaster.tiling", "ringmaster.per_token")}),
     ("architectures", {"architectures": ("ringmaster.architectures",)}),
     ("multimodal", {"multimodal": ("ringmaster.multimodal",)}),
     # wire time: classify the model (architectures/), validate, bind, swap. recurrent/wiring.py is the recurrent

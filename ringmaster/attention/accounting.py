@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .. import compat
 from ..errors import UnsupportedLayerError
 from ..sharding.documents import BATCH_KWARG
 
@@ -154,7 +155,7 @@ class Ledger:
     def run_eagerly(self) -> None:
         """Until :meth:`compile_again`: compiled blocks run their eager code (the first CP forward)."""
         if self.stance is None:
-            self.stance = torch.compiler.set_stance("force_eager")
+            self.stance = compat.run_eagerly()
 
     def compile_again(self) -> None:
         if self.stance is not None:

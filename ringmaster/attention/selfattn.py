@@ -449,6 +449,14 @@ def _one(model, suffix, what):
     return found[0]
 
 
+def site_paths(model, spec) -> list[str]:
+    """The modules the declared self-attention sites of ``spec`` route besides the attention modules: their
+    position tables (numbered globally), rotary tables (looked up globally) and mean-loss modules."""
+    suffixes = {s for site in spec.self_attention.values()
+                for s in (site.position_table, site.rotary_table, site.mean_loss) if s and s != "."}
+    return [p for p, _ in model.named_modules() if any(p == s or p.endswith("." + s) for s in suffixes)]
+
+
 def rotary_table(model, site):
     """The model's rotary table module for ``site.rotary_table`` (a path suffix; exactly one must match)."""
     found = [m for p, m in model.named_modules() if p == site.rotary_table or p.endswith("." + site.rotary_table)]
