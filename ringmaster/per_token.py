@@ -39,22 +39,22 @@ def _map(obj: Any, fn: Callable) -> Any:
     return obj
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in tensors(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in tensors(o)]
     if hasattr(obj, "to_tuple"):   # a transformers ModelOutput
-        return _tensors(obj.to_tuple())
+        return tensors(obj.to_tuple())
     return []
 
 
 def sequence_dim(args: tuple, kwargs: dict, length: int) -> int | None:
     """The sequence dimension of a call whose tokens number ``length``: dim 1 of the first tensor argument
     when it has that size, else its dim 0; None when no argument is sequence-shaped."""
-    for t in _tensors(args) + _tensors(kwargs):
+    for t in tensors(args) + tensors(kwargs):
         if t.dim() >= 2 and t.shape[1] == length:
             return 1
         if t.dim() >= 1 and t.shape[0] == length:
@@ -83,11 +83,11 @@ def split_probe(call: Callable, args: tuple, kwargs: dict, length: int, tokens: 
         return 0.0, [], []
     whole_in = cut((args, kwargs), dim, length, 0, tokens)
     with torch.no_grad():
-        whole = _tensors(call(*whole_in[0], **whole_in[1]))
+        whole = tensors(call(*whole_in[0], **whole_in[1]))
         parts = []
         for a, b in ((0, split), (split, tokens)):
             piece = cut((args, kwargs), dim, length, a, b)
-            parts.append(_tensors(call(*piece[0], **piece[1])))
+            parts.append(tensors(call(*piece[0], **piece[1])))
     worst = 0.0
     for u, first, second in zip(whole, parts[0], parts[1]):
         if u.dim() <= dim or u.shape[dim] != tokens or first.shape[dim:dim + 1] != (split,):

@@ -44,7 +44,8 @@ _PER_TOKEN = tuple(cls for cls in vars(nn.modules.activation).values()
 
 def per_token_leaf(module: nn.Module) -> bool:
     """A torch layer that is per-token by construction (its class's forward is torch's own)."""
-    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _PER_TOKEN)
+    forward = type(module).forward
+    return isinstance(module, _PER_TOKEN) and getattr(forward, "__module__", "").startswith("torch.nn.modules.")
 
 
 def _lineage(path: str):
@@ -83,7 +84,8 @@ class MixingProbe:
         self.armed = False
         self.length: int | None = None      # this forward's local length while a first CP forward runs
         self.results: dict[str, tuple[float, float] | str] = {}
-        self.handles: list = []
+        self.handles: list = []           # the model's hooks, until the first CP forward passes
+        self.module_handles: list = []    # the candidates' hooks, during a first CP forward only
         self.stance = None
         self._inside = False
         self._started = 0.0
@@ -101,8 +103,11 @@ class MixingProbe:
         modes = [(m, m.training) for m in module.modules()]
         module.eval()
         self._inside = True
+        devices = sorted({t.device.index or 0 for t in per_token.tensors((args, kwargs)) if t.device.type == "cuda"})
         try:
-            err, whole, _ = per_token.split_probe(module, args, kwargs, length, tokens, SPLIT)
+            # the random state as it was: a checkpoint's recomputation (no probe then) draws the same masks
+            with torch.random.fork_rng(devices=devices):
+                err, whole, _ = per_token.split_probe(module, args, kwargs, length, tokens, SPLIT)
             dtype = next((t.dtype for t in whole if t.is_floating_point()), torch.float32)
             self.results[path] = (err, per_token.tolerance(dtype))
         except Exception as exc:   # cannot run on a piece of its input: not shown per-token
@@ -142,6 +147,19 @@ class MixingProbe:
         self._started = time.perf_counter()
         if self.stance is None:
             self.stance = compat.run_eagerly()
+        if not self.module_handles:   # the candidates are hooked for this forward only
+            for path, module in self.candidates.items():
+                def hook(module, args, kwargs, output, path=path):
+                    self.check(path, module, args, kwargs)
+                self.module_handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def end_forward(self) -> None:
+        """After a first CP forward (passed, refused or raised): the candidates unhooked, the stance back."""
+        self.length = None
+        for handle in self.module_handles:
+            handle.remove()
+        self.module_handles = []
+        self.compile_again()
 
     def finish(self) -> None:
         if self.length is None:
@@ -157,6 +175,7 @@ class MixingProbe:
         if bad:
             problems = self.problems(bad)
             self.results.clear()
+            self.end_forward()
             raise UnsupportedLayerError(
                 "ringmaster's token-mixing probe (first CP forward, before any backward; the loss must not be used): "
                 + "; ".join(problems) + ". Under CP each rank runs such a module on its shard alone, so the result "
@@ -176,8 +195,7 @@ class MixingProbe:
 
     def disarm(self) -> None:
         self.armed = False
-        self.length = None
-        self.compile_again()
+        self.end_forward()
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -185,7 +203,7 @@ class MixingProbe:
 
 def arm(probe: MixingProbe, model: nn.Module) -> None:
     """Hook ``model``'s first CP forward (its pre-hook first of all, its restoring post-hook last of all, so
-    the eager stance nests around the attention accounting's) and every candidate's forward."""
+    the eager stance nests around the attention accounting's); the candidates are hooked during that forward."""
 
     @torch.compiler.disable
     def pre(module, args, kwargs):
@@ -198,17 +216,12 @@ def arm(probe: MixingProbe, model: nn.Module) -> None:
             probe.finish()
 
     @torch.compiler.disable
-    def restore(module, *args):   # always: a forward that raised leaves the stance as it found it
-        probe.length = None
-        probe.compile_again()
+    def restore(module, *args):   # always: a forward that raised leaves no hook and the stance as it found it
+        probe.end_forward()
 
     probe.handles = [model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
                      model.register_forward_hook(post, with_kwargs=True),
                      model.register_forward_hook(restore, always_call=True)]
-    for path, module in probe.candidates.items():
-        def hook(module, args, kwargs, output, path=path):
-            probe.check(path, module, args, kwargs)
-        probe.handles.append(module.register_forward_hook(hook, with_kwargs=True))
     probe.armed = bool(probe.candidates)
     if not probe.armed:
         probe.disarm()
