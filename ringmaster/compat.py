@@ -115,10 +115,34 @@ def current_device(device_type: str):
     return torch.device(device_type, current())
 
 
-def run_eagerly():
-    """Enter torch.compile's ``force_eager`` stance now (compiled modules run their eager code) and return
-    the object whose ``__exit__(None, None, None)`` puts back the stance found. The first CP forward runs
-    under it: its one-time checks (:mod:`ringmaster.attention.accounting`,
+class _Eager:
+    """The blocks a model compiled (``module.compile()``: their ``_compiled_call_impl``) run their eager code
+    until :meth:`__exit__`; a block compiled by wrapping (``torch.compile(block)`` in the layer list) can only
+    be reached through torch.compile's ``force_eager`` stance, which also runs a kernel's own compiled
+    function eagerly (flex attention: its dense scores), so it is entered only then."""
+
+    def __init__(self, model):
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        self.stashed = [(m, m._compiled_call_impl) for m in model.modules()
+                        if getattr(m, "_compiled_call_impl", None) is not None]
+        for m, _ in self.stashed:
+            m._compiled_call_impl = None
+        wrapped = any(isinstance(m, OptimizedModule) for m in model.modules())
+        self.stance = torch.compiler.set_stance("force_eager") if wrapped else None
+
+    def __exit__(self, *exc) -> None:
+        for m, compiled in self.stashed:
+            m._compiled_call_impl = compiled
+        self.stashed = []
+        if self.stance is not None:
+            stance, self.stance = self.stance, None
+            stance.__exit__(None, None, None)
+
+
+def run_eagerly(model):
+    """Run ``model``'s compiled blocks eagerly from now until the returned object's ``__exit__(None, None,
+    None)``. The first CP forward runs so: its one-time checks (:mod:`ringmaster.attention.accounting`,
     :mod:`ringmaster.architectures.mixing`) record per module, which inside a compiled block would specialise
-    its graph on every layer."""
-    return torch.compiler.set_stance("force_eager")
+    its graph on every layer. Kernels that compile themselves (flex attention) stay compiled."""
+    return _Eager(model)

@@ -61,7 +61,7 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
     runtime = rm.wire(model, step_shape._cfg("ulysses", P), device_mesh=mesh, compile=True)
     original = compat.run_eagerly
     if not eager_first:   # every first-forward check (accounting, token-mixing probe) stays compiled
-        compat.run_eagerly = lambda: contextlib.nullcontext()
+        compat.run_eagerly = lambda model: contextlib.nullcontext()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:

@@ -16,8 +16,8 @@ first :data:`TOKENS` positions of its real input and on two pieces of them
 the candidate's own forward (so an FSDP2 unit's parameters are gathered). Its verdicts are agreed over
 the CP group (one all-reduce of a flag per candidate, once), and a module that mixes tokens, or that
 cannot run on a piece of its input, raises on every rank before any backward, naming its path, class
-and the fix. That first forward runs eagerly (torch.compile's ``force_eager`` stance, as the attention
-accounting's). The cost is three forwards of :data:`TOKENS` tokens per candidate, once; the wiring
+and the fix. That first forward's compiled blocks run eagerly (:func:`ringmaster.compat.run_eagerly`, as
+for the attention accounting). The cost is three forwards of :data:`TOKENS` tokens per candidate, once; the wiring
 report says how many modules were probed and how long it took.
 """
 
@@ -138,7 +138,7 @@ class MixingProbe:
                 if isinstance(r, str) or (isinstance(r, tuple) and not r[0] <= r[1])]
 
     # ---- the model's hooks
-    def begin(self, kwargs: dict) -> None:
+    def begin(self, model: nn.Module, kwargs: dict) -> None:
         batch = self.carrier.batch(kwargs)
         if batch is None:
             return   # a forward without CP: the probe waits for the first CP one
@@ -146,7 +146,7 @@ class MixingProbe:
         self.results.clear()
         self._started = time.perf_counter()
         if self.stance is None:
-            self.stance = compat.run_eagerly()
+            self.stance = compat.run_eagerly(model)
         if not self.module_handles:   # the candidates are hooked for this forward only
             for path, module in self.candidates.items():
                 def hook(module, args, kwargs, output, path=path):
@@ -208,7 +208,7 @@ def arm(probe: MixingProbe, model: nn.Module) -> None:
     @torch.compiler.disable
     def pre(module, args, kwargs):
         if probe.armed:
-            probe.begin(kwargs)
+            probe.begin(module, kwargs)
 
     @torch.compiler.disable
     def post(module, args, kwargs, output):

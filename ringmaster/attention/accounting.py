@@ -26,8 +26,8 @@ through its :class:`~ringmaster.attention.binding.AttentionBinding`); nothing is
 global. After the first forward passes, the hooks are removed and the CP function pays one
 attribute read per call.
 
-The first CP forward runs eagerly even where blocks (or the whole model) are compiled: the model's
-pre-hook sets torch.compile's ``force_eager`` stance until its post-hook. Recording per module
+The first CP forward runs eagerly even where blocks are compiled (:func:`ringmaster.compat.run_eagerly`,
+from the model's pre-hook to its always-called post-hook). Recording per module
 inside a compiled block would specialise the block's graph on each layer (one graph per layer:
 past dynamo's recompile limit at the ninth block) and on the armed flag; once the ledger is
 disarmed, every block compiles to one graph. The backward of that first step is eager too.
@@ -57,7 +57,7 @@ class Ledger:
         self.positions = None                 # the PositionConvention of the model's absolute position tables
         self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
         self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
-        self.stance = None                    # torch.compiler.set_stance("force_eager") while a first forward runs
+        self.stance = None                    # compat.run_eagerly(model) while a first forward runs
 
     # ---- called by the CP attention function (only while armed)
     def record(self, module, attention_mask) -> None:
@@ -152,10 +152,10 @@ class Ledger:
                 "(ArchitectureSpec(refuse=...)); a decoder layer must pass **kwargs down to its attention")
         self.disarm()
 
-    def run_eagerly(self) -> None:
-        """Until :meth:`compile_again`: compiled blocks run their eager code (the first CP forward)."""
+    def run_eagerly(self, model) -> None:
+        """Until :meth:`compile_again`: ``model``'s compiled blocks run their eager code (the first CP forward)."""
         if self.stance is None:
-            self.stance = compat.run_eagerly()
+            self.stance = compat.run_eagerly(model)
 
     def compile_again(self) -> None:
         if self.stance is not None:
@@ -192,7 +192,7 @@ def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tab
     def pre(module, args, kwargs):
         ledger.begin()
         if ledger.armed:
-            ledger.run_eagerly()
+            ledger.run_eagerly(module)
 
     @torch.compiler.disable
     def post(module, args, kwargs, output):
