@@ -16,6 +16,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
+# a fixed section after the table (the rule behind several errors, not one bad input)
+WIRE_FORMAT = """
+## One wire format per passed tensor
+
+A tensor that crosses ranks has one wire format (shape and dtype), derived once from facts both ends
+share, and both ends use it: the sender casts what it sends to it, the receiver allocates it and hands it
+on. Neither end derives the format from its own computation alone, so a kernel that computes in another
+dtype than the model (transformers' pure-torch Mamba2 and gated-delta kernels compute their state in
+float32 inside a float64 model) cannot make the two ends disagree: before, the receiver allocated
+float64 while the sender sent float32, and gloo aborted the whole process ("Received data size doesn't
+match expected size"; NCCL would have read a buffer of the wrong dtype).
+
+- Recurrent state, sequential pass (`recurrent/scan.py`): the wire format is `wire_format(segment)`,
+  from the segment's `state_meta()` (batch and head sizes, the inputs' dtypes; never the shard length
+  or the kernel's output). `to_wire` casts the kernel's final state to it (differentiable), the same
+  for a state handed to a chunk on the same rank; `_Recv` allocates it; both backward messages use it.
+  A state that cannot take it (another shape) raises `WireFormatError` naming the layer and the fix
+  before any collective; wire's probe runs the same check on every rank (`scan.probe_run`), and the
+  sender checks again right before `dist.send` (a one-sided error there: its peer waits in `recv`).
+- Ring and distflash hops (`comm.start_exchange`): every message is cast to the caller's `like` dtype,
+  and the receive shapes come from the same global plan on both ends.
+- Symmetric collectives (the scan's map all-gather, the conv halo all-gather): every rank is sender
+  and receiver with the same derivation (its own tensor, the same kernel on the same dtypes), so there is
+  no separate receiver-side format to disagree with.
+
+Tests: `tests/test_wire_format.py` (fp64 Nemotron-H and Qwen3.5 with float32 kernel state under the
+sequential pass match the model without CP; a sender that skips the cast fails at wire on every rank,
+and, patched in after wire, before the send)."""
+
+
 def main() -> None:
     import bad_inputs
 
@@ -48,6 +78,7 @@ def main() -> None:
     ]
     for i, (name, what, kind, message, elapsed) in enumerate(rows, 1):
         lines.append(f"| {i} | {what} (`{name}`) | `{kind}` | {message} | {elapsed:.1f}s |")
+    lines += WIRE_FORMAT.splitlines()
     path = os.path.join(ROOT, "docs", "reliability.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
