@@ -226,7 +226,7 @@ def skip_mamba1_state_passing() -> Callable[[], None]:
     directly, so only the model-level check can see this one."""
     from ringmaster.recurrent import mamba1
 
-    def mutated(segments, strategy, group, layout):
+    def mutated(segments, strategy, group, layout, *name):
         return [seg.run(None) for seg in segments]
 
     return _patch(mamba1, "pass_state", mutated)

@@ -44,7 +44,7 @@ from .documents import global_documents, host_runs, local_documents, with_docume
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' gated-DeltaNet layers call (a family spec may rename them)
 KERNELS = {"conv": "causal_conv1d_fn", "scan": "torch_chunk_gated_delta_rule"}
@@ -115,7 +115,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
-        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0], None
+        return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -135,7 +135,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
     segments = with_documents([GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
 

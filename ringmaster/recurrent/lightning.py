@@ -41,7 +41,7 @@ from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> a name the class forward must read (checked statically): the per-head decay buffer, which
 # ringmaster's forward reads too. The real check is numerical (:func:`check_same_as_class_forward`).
@@ -130,14 +130,14 @@ def cp_lightning(ctx: LayerContext, batch, q, k, v, slope, block_size: int):
     """The attention core of this rank's shard (``[B, l, H, D]``) with the earlier shards' state."""
     if ctx.probe is not None:   # wire's probe: the core is reached, and its incoming state matters
         seg = LightningSegment(q, k, v, slope, block_size)
-        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0]
+        return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(q.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (q, k, v)]
     segments = with_documents([LightningSegment(*chunk, slope, block_size) for chunk in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
 

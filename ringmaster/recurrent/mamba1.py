@@ -56,7 +56,7 @@ from .documents import local_documents, with_documents
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .step_size import mamba1_dt
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' Mamba1 mixers call (a family spec may rename them)
 KERNELS = {"conv": "causal_conv1d_fn", "scan": "mamba_selective_scan"}
@@ -193,7 +193,7 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = Mamba1Segment(kernel, hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, kwargs)
-        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0]
+        return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -213,7 +213,7 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     gates = split_local(z, n, dim=-1) if z is not None else [None] * n
     segments = with_documents([Mamba1Segment(kernel, u, d, A, b, c, D, g, delta_bias, delta_softplus, kwargs)
                                for u, d, b, c, g in zip(*parts, gates)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=-1)
 

@@ -37,7 +37,7 @@ from .context import LayerContext, check_call_kwargs
 from .documents import local_documents, with_documents
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' Mamba2 mixers call (a family spec may rename them)
 KERNELS = {"conv": "causal_conv1d_fn", "scan": "mamba2_chunk_scan"}
@@ -114,7 +114,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         kwargs.pop("z", None)
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
-        return seg.run(ctx.probe.state("scan", *seg.state_meta()))[0]
+        return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -131,7 +131,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
     segments = with_documents([Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit,
                                              kwargs) for x, d, b, c in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
 

@@ -48,7 +48,7 @@ from .context import LayerContext
 from .documents import local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the submodule attribute the layer's forward calls (checked statically, then probed)
 KERNELS = {"scan": "mlstm_backend"}
@@ -128,14 +128,14 @@ def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate):
     if ctx.probe is not None:
         seg = MlstmSegment(kernel, q, k, v, igate, fgate)
         injected = ctx.probe.state("scan", *seg.state_meta())
-        return seg.run(injected)[0], None
+        return probe_run(seg, injected, ctx.path)[0], None
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(q.shape[:1]) + (q.shape[2],), n)
     parts = [split_local(t, n, dim=2) for t in (q, k, v, igate, fgate)]
     segments = with_documents([MlstmSegment(kernel, *p) for p in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=2)), None
 

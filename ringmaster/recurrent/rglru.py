@@ -36,7 +36,7 @@ from .context import LayerContext
 from .documents import local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the submodule attribute the block's forward calls (checked statically, then probed)
 KERNELS = {"conv": "conv_1d", "scan": "rg_lru"}
@@ -95,7 +95,7 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:
         seg = RglruSegment(kernel, hidden_states, recurrent_gate, reset)
-        return seg.run(ctx.probe.state("scan", *seg.state_meta()))
+        return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -110,7 +110,7 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     reset = reset.expand(*hidden_states.shape[:2], 1) if reset.shape[0] != hidden_states.shape[0] else reset
     parts = [split_local(t, n, dim=1) for t in (hidden_states, recurrent_gate, reset)]
     segments = with_documents([RglruSegment(kernel, *chunk) for chunk in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=1)), None
 

@@ -48,7 +48,7 @@ from .context import LayerContext
 from .documents import local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes, rebind_forward
 from .kind import RecurrentKind
-from .scan import chunk_ids, hi, pass_state, simulate_sequential, split_local, state_dtype
+from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # time mixing: the token shift lives in ``extract_key_value`` (called from forward), the WKV kernel is
 # called by name; channel mixing: only the shift
@@ -119,7 +119,7 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
         injected = ctx.probe.state("scan", *seg.state_meta())
         if injected is not None:   # a valid stabilised state: positive num/den scale, finite max
             injected = torch.stack([injected[..., 0], injected[..., 1].abs() + 1, injected[..., 2]], dim=-1)
-        return seg.run(injected)[0], None
+        return probe_run(seg, injected, ctx.path)[0], None
     group, size, layout, strategy = ctx.resolve(batch)
     if state is not None or return_state:
         raise RuntimeError(f"{ctx.path}: a cache (the WKV state) is not supported under CP or with packed rows; "
@@ -129,7 +129,7 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
     docs = local_documents(batch, ctx.path, size, rank, layout, tuple(key.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (key, value)]
     segments = with_documents([WkvSegment(kernel, time_decay, time_first, k, v) for k, v in zip(*parts)], docs)
-    outs = pass_state(segments, strategy, group, layout) if size > 1 else simulate_sequential(segments)
+    outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=1)), None
 

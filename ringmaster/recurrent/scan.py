@@ -33,12 +33,13 @@ this module only knows segments, layouts and collectives.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm import all_gather, pinned, timed_comm
+from ..errors import WireFormatError
 from ..sharding import balancers
 
 STRATEGIES = ("scan", "sequential")
@@ -59,10 +60,14 @@ class Segment(Protocol):
         """The segment's outputs for incoming state ``state_in`` (None: zero), from ``aux``."""
 
     def run(self, state_in: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
-        """``(outputs, final state)`` computed directly from ``state_in`` (the sequential path)."""
+        """``(outputs, final state)`` computed directly from ``state_in`` (the sequential path). ``state_in``
+        comes in the wire format (:func:`wire_format`); the final state may come out in whatever dtype the
+        kernel computes it in (the pass casts it to the wire format)."""
 
     def state_meta(self) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-        """Shape, dtype and device of the state tensor this segment passes on."""
+        """Shape, dtype and device of the state tensor this segment passes on: a function of what every rank
+        of the group shares (batch and head sizes, the inputs' dtypes), never of the local shard's length or
+        of the kernel's output, so both ends of a hop derive the same one (:func:`wire_format`)."""
 
 
 def state_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -73,6 +78,60 @@ def state_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def hi(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least fp32."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class WireFormat(NamedTuple):
+    """The shape and dtype a passed state has on the wire: one per passed tensor, agreed by both ends."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
+
+
+def wire_format(segment: Segment) -> WireFormat:
+    """The wire format of the state a layer call passes between its chunks, derived once per call from
+    :meth:`Segment.state_meta` (facts every rank shares). The sender casts to it (:func:`to_wire`), the
+    receiver allocates it, and a state handed to a chunk on the same rank takes it too, so every chunk sees
+    the same incoming state whoever computed it."""
+    shape, dtype, _ = segment.state_meta()
+    return WireFormat(tuple(int(n) for n in shape), dtype)
+
+
+def _mismatch(state: torch.Tensor, fmt: WireFormat, name: str | None, what: str) -> WireFormatError:
+    return WireFormatError(
+        f"{name or 'a recurrent layer'}: the state it {what} is {str(state.dtype).removeprefix('torch.')} "
+        f"{list(state.shape)}, but the wire format both ranks agreed on (from the segment's state_meta()) is "
+        f"{fmt.describe()}; the peer would read a buffer of another size or dtype (gloo aborts the process, NCCL "
+        "reads garbage). Make the kind's state_meta() describe the final state its kernel returns (same shape), "
+        "and pass that state through ringmaster.recurrent.scan.to_wire before it is sent")
+
+
+def to_wire(state: torch.Tensor, fmt: WireFormat, name: str | None = None) -> torch.Tensor:
+    """``state`` cast to the wire format ``fmt`` (differentiable: the gradient comes back in ``state``'s
+    dtype). A state of another shape cannot be cast: :class:`WireFormatError`, before any collective."""
+    if tuple(state.shape) != fmt.shape:
+        raise _mismatch(state, fmt, name, "passes on")
+    return state.to(fmt.dtype)
+
+
+def check_wire(state: torch.Tensor, fmt: WireFormat, name: str | None, what: str) -> torch.Tensor:
+    """``state``, contiguous, if it has the wire format exactly; else :class:`WireFormatError` (the last check
+    before a send or a receive is issued)."""
+    if tuple(state.shape) != fmt.shape or state.dtype != fmt.dtype:
+        raise _mismatch(state, fmt, name, what)
+    return state.contiguous()
+
+
+def probe_run(segment: Segment, state_in: torch.Tensor | None, name: str | None = None):
+    """``segment.run(state_in)`` in wire's probe forward, its final state checked against the wire format the
+    way the sequential pass sends it: a kind whose kernel's state cannot take that format fails at wire time,
+    on every rank, naming the layer (the pass itself would fail on the sending rank only, its peer waiting)."""
+    out, final = segment.run(state_in)
+    fmt = wire_format(segment)
+    check_wire(to_wire(final, fmt, name), fmt, name, "would send")
+    return out, final
 
 
 def chunk_ids(layout: str, size: int, rank: int) -> list[int]:
@@ -150,51 +209,51 @@ def _global(group, group_rank: int) -> int:
 
 
 class _Recv(torch.autograd.Function):
-    """``state = recv(src)``; backward sends the state's gradient back to ``src``.
+    """``state = recv(src)`` into a buffer of the wire format ``fmt``; backward sends the state's gradient
+    back to ``src`` in the same format.
 
     ``token`` chains every p2p op of one layer call so that autograd runs their backwards in
     exactly the reverse order on every rank (no rank waits on a send the peer has not reached)."""
 
     @staticmethod
-    def forward(ctx, token, shape, dtype, src, group):
-        ctx.src, ctx.group = src, group
-        buf = torch.empty(shape, dtype=dtype, device=token.device)
+    def forward(ctx, token, fmt, src, group, name):
+        ctx.src, ctx.group, ctx.fmt, ctx.name = src, group, fmt, name
+        buf = torch.empty(fmt.shape, dtype=fmt.dtype, device=token.device)
         with timed_comm("recv", "forward", 0, "state_passing"):
             dist.recv(buf, src=src, group=group)
         return buf, token.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_state, grad_token):
-        grad_state = grad_state.contiguous()
+        grad_state = check_wire(grad_state, ctx.fmt, ctx.name, "sends back as its gradient")
         with timed_comm("send", "backward", grad_state.numel() * grad_state.element_size(), "state_passing"):
             dist.send(grad_state, dst=ctx.src, group=ctx.group)
         return grad_token, None, None, None, None
 
 
 class _Send(torch.autograd.Function):
-    """Send ``state`` to ``dst``; returns ``out`` unchanged plus a new token. Backward receives the
-    state's gradient from ``dst``."""
+    """Send ``state`` (already in the wire format ``fmt``: checked here, before the send) to ``dst``; returns
+    ``out`` unchanged plus a new token. Backward receives the state's gradient from ``dst`` in that format."""
 
     @staticmethod
-    def forward(ctx, token, state, out, dst, group):
-        ctx.dst, ctx.group = dst, group
-        ctx.meta = (state.shape, state.dtype, state.device)
-        state = state.contiguous()
+    def forward(ctx, token, state, out, dst, group, fmt, name):
+        state = check_wire(state, fmt, name, "sends")
+        ctx.dst, ctx.group, ctx.fmt, ctx.device = dst, group, fmt, state.device
         with timed_comm("send", "forward", state.numel() * state.element_size(), "state_passing"):
             dist.send(state, dst=dst, group=group)
         return out, token.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_out, grad_token):
-        shape, dtype, device = ctx.meta
-        grad_state = torch.empty(shape, dtype=dtype, device=device)
+        grad_state = torch.empty(ctx.fmt.shape, dtype=ctx.fmt.dtype, device=ctx.device)
         with timed_comm("recv", "backward", 0, "state_passing"):
             dist.recv(grad_state, src=ctx.dst, group=ctx.group)
-        return grad_token, grad_state, grad_out, None, None
+        return grad_token, grad_state, grad_out, None, None, None, None
 
 
-def sequential_pass(segments: Sequence[Segment], group, layout: str) -> list:
-    """Chunk-to-chunk state passing in sequence order; ``segments`` in this rank's storage order."""
+def sequential_pass(segments: Sequence[Segment], group, layout: str, name: str | None = None) -> list:
+    """Chunk-to-chunk state passing in sequence order; ``segments`` in this rank's storage order; ``name``:
+    the layer, for errors. Every passed state has the one wire format of :func:`wire_format`."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ids = chunk_ids(layout, P, rank)
     if len(ids) != len(segments):
@@ -203,6 +262,7 @@ def sequential_pass(segments: Sequence[Segment], group, layout: str) -> list:
     last = P * len(ids) - 1
     grad = torch.is_grad_enabled()
     device = segments[0].state_meta()[2]
+    fmt = wire_format(segments[0])
     token = torch.zeros((), device=device, requires_grad=True) if grad else torch.zeros((), device=device)
     outs: dict[int, Any] = {}
     finals: dict[int, torch.Tensor] = {}
@@ -213,22 +273,22 @@ def sequential_pass(segments: Sequence[Segment], group, layout: str) -> list:
             if owner[c - 1] == rank:
                 state_in = finals[c - 1]
             else:
-                shape, dtype, _ = seg.state_meta()
-                state_in, token = _Recv.apply(token, shape, dtype, _global(group, owner[c - 1]), group)
+                state_in, token = _Recv.apply(token, fmt, _global(group, owner[c - 1]), group, name)
         out, final = seg.run(state_in)
         if c < last and owner[c + 1] != rank:
-            out, token = _send_tied(token, hi(final), out, _global(group, owner[c + 1]), group)
-        else:
-            finals[c] = hi(final)
+            out, token = _send_tied(token, to_wire(final, fmt, name), out, _global(group, owner[c + 1]), group, fmt,
+                                    name)
+        elif c < last:
+            finals[c] = to_wire(final, fmt, name)
         outs[j] = out
     return [outs[j] for j in range(len(ids))]
 
 
-def _send_tied(token, state, out, dst, group):
+def _send_tied(token, state, out, dst, group, fmt, name):
     """``_Send`` on a tensor output or the first tensor of a tuple output."""
     if isinstance(out, torch.Tensor):
-        return _Send.apply(token, state, out, dst, group)
-    first, token = _Send.apply(token, state, out[0], dst, group)
+        return _Send.apply(token, state, out, dst, group, fmt, name)
+    first, token = _Send.apply(token, state, out[0], dst, group, fmt, name)
     return (first, *out[1:]), token
 
 
@@ -252,11 +312,12 @@ def scan_pass(segments: Sequence[Segment], group, layout: str) -> list:
     return outs
 
 
-def pass_state(segments: Sequence[Segment], strategy: str, group, layout: str) -> list:
+def pass_state(segments: Sequence[Segment], strategy: str, group, layout: str, name: str | None = None) -> list:
+    """``name``: the layer (its path), named by the errors."""
     if strategy == "scan":
         return scan_pass(segments, group, layout)
     if strategy == "sequential":
-        return sequential_pass(segments, group, layout)
+        return sequential_pass(segments, group, layout, name)
     raise ValueError(f"recurrent strategy {strategy!r}: use one of {STRATEGIES}")
 
 
