@@ -43,3 +43,19 @@ def test_mutation_without_the_probe_the_running_mean_trains_wrong(pool):
     so the refusal test above fails."""
     for r in pool.run(jobs_token_mixing.llama_case, "running_mean_mlp", probe=False):
         assert r["refused"] is None and r["grad"] > 1e-2, r
+
+
+def test_attention_that_mixes_before_the_interface_is_refused_precisely():
+    """xglm computes attention in the module (bmm + softmax, no attention interface); zaya convolves q/k and
+    delays v inside its attention module: both refused at rm.wire's lookup, naming what mixes."""
+    import ringmaster as rm
+    from ringmaster.architectures.generic import refuse_if_unsafe
+    from ringmaster_tools.parity import tiny_model
+
+    xglm = tiny_model("xglm", num_layers=1)
+    with pytest.raises(rm.UnsupportedLayerError, match=r"XGLMAttention.*computes it itself"):
+        rm.get_architecture(xglm)
+    zaya = tiny_model("zaya", num_experts_per_tok=1)
+    spec = rm.get_architecture(zaya)
+    with pytest.raises(rm.UnsupportedLayerError, match=r"conv_qk_depthwise.*v_proj_delayed"):
+        refuse_if_unsafe(zaya, spec)

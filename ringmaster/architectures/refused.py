@@ -21,3 +21,9 @@ DOGE = refuse(("doge",), (
     "additive bias per key, and a top-k over the keys once they exceed keep_window_size) and passes it to the "
     "kernel: under CP that mask covers only the rank's shard of keys while the CP kernels mask from global "
     "positions, so the layer cannot be the single-device one. Use a CP size of 1 for Doge"))
+ZAYA = refuse(("zaya",), (
+    "ZayaAttention's CCA projection (ZayaCCAProjection, inside the attention module, before the attention "
+    "interface) mixes tokens along the sequence: a causal depthwise and a grouped Conv1d over the q/k "
+    "projections (conv_qk_depthwise, conv_qk_grouped: kernel - 1 earlier tokens each) and a value delayed by one "
+    "token (v_proj_delayed). Under CP each rank would miss the previous shard's tokens there; ringmaster has no "
+    "halo for a conv inside an attention module. Use a CP size of 1 for ZAYA"))
