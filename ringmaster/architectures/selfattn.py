@@ -198,6 +198,6 @@ XLM = register_architecture(ArchitectureSpec(
         qkv=("q_lin", "k_lin", "v_lin"), out="out_lin", heads_attr="n_heads", causal_config="causal",
         cross_arg="kv", empty_cache_arg="cache", refuse_kwargs=("output_attentions",), batch_rule=_xlm_batch,
         mean_loss="pred_layer", refuse_config=(
-            ("config.asm", "an adaptive softmax head's loss is a mean over the local shard; use asm=False")))},
+            ("config.asm", "an adaptive softmax head's loss is a mean over the local shard; use asm=False"),))},
     notes="fused_qkv site (separate q/k/v); causal per config; right-padded rows only (batch rule)",
 ))
