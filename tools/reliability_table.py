@@ -49,8 +49,14 @@ def main() -> None:
     for i, (name, what, kind, message, elapsed) in enumerate(rows, 1):
         lines.append(f"| {i} | {what} (`{name}`) | `{kind}` | {message} | {elapsed:.1f}s |")
     path = os.path.join(ROOT, "docs", "reliability.md")
+    tail = ""   # the hand-written sections after the table (from the first "## " heading) are kept
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if "\n## " in old:
+            tail = "\n" + old[old.index("\n## ") + 1:]
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n" + tail)
     print(f"wrote {path} ({len(rows)} kinds)")
 
 
