@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import runtime as _runtime
 from .architectures import (classify_layers, get_architecture, position_convention, position_tables, refuse_if_unsafe,
-                            stateful_layers, text_config, unsupported_message)
+                            stateful_layers, text_config, unforked_dropout, unsupported_message)
 from .architectures.heads import common_split, head_splits
 from .architectures import mixing
 from .attention import bridge, local, relbias
@@ -35,6 +35,7 @@ from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime
+from .sharding import rng
 from .sharding.carrier import attach
 
 __all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
@@ -250,6 +251,10 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         # the model's step carrier, for the layers transformers calls without the ringmaster_batch kwarg
         carrier, detach = attach(model, rt)
         undo.append(detach)
+        # dropout: each rank's CP forward draws from its own forked random state (sharding/rng.py); a VLM's
+        # vision tower runs replicated on every rank before its language model, so it keeps the shared stream
+        forked = model.get_submodule(spec.language_model) if spec.multimodal else model
+        undo.extend(handle.remove for handle in rng.install(forked, carrier))
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []
@@ -341,6 +346,13 @@ def check_setup_path(model) -> None:
         raise UnsupportedLayerError(
             f"layer {sites[0]!r} ({type(dict(model.named_modules())[sites[0]]).__name__}) computes attention itself; "
             f"only rm.wire routes it through CP attention (a self-attention site); {_USE_WIRE}")
+    dropout = unforked_dropout(model)
+    if dropout:
+        raise UnsupportedLayerError(
+            f"{dropout[0]}{f' (and {len(dropout) - 1} more)' if len(dropout) > 1 else ''}: dropout under CP needs each "
+            "rank's forward to draw from its own forked random state, which only rm.wire installs (without it "
+            "every rank reuses one mask pattern); set the model's dropout to 0.0 or "
+            + _USE_WIRE)
     bridged = bridge.bridge_paths(model, layers.attention)
     if bridged:
         raise UnsupportedLayerError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import ringmaster as rm
+from ringmaster.sharding import rng
 from ringmaster_tools.parity import compare, tiny_batch, tiny_model
 
 # per-family tiny overrides on top of testing.parity.COMMON (heads that split over 2 ranks, short windows)
@@ -72,6 +73,11 @@ def sweep(ctx, families, P=2, backend="ulysses"):
         finally:
             rm.teardown()
     return out
+
+
+def add_feature_dropout(model):
+    """A Dropout1d (whole channels, one draw shared along the sequence) in the first MLP."""
+    model.model.layers[0].mlp.channel_drop = torch.nn.Dropout1d(0.1)
 
 
 def wire_error(ctx, model_type, P=2, extra=None, prepare=None):
@@ -193,7 +199,10 @@ def accounting_passes_then_disarms(ctx, P=2, model_type="phi3"):
         for _ in range(2):
             with context_parallel_region(batch) as shard:
                 model(**shard).loss.backward()
-        return armed_before, ledger.armed, len(ledger.handles), len(model._forward_hooks), len(
+        def others(hooks):   # the per-rank random-state fork (sharding/rng.py) stays for every CP forward
+            return sum(1 for h in hooks.values() if not isinstance(getattr(h, "__self__", None), rng.RankFork))
+
+        return armed_before, ledger.armed, len(ledger.handles), others(model._forward_hooks), others(
             model._forward_pre_hooks)
     finally:
         rm.unwire(model)

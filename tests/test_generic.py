@@ -100,13 +100,20 @@ def test_accounting_disarms_after_first_forward(pool):
     assert armed_before and not armed_after and handles == 0 and post_hooks == 0 and pre_hooks == 0
 
 
-def test_seed_oss_dropout_refused_and_exact_without(pool):
-    """The llama-like family a naive generic path trained wrong (whole-gradient error 0.56 at P=2): seed_oss
-    ships residual_dropout=0.1, and each CP rank draws the same dropout mask stream. Refused with dropout on,
-    exact with it off."""
-    kind, msg = pool.run(jobs_generic.wire_error, "seed_oss", 2, dict(residual_dropout=0.1))[0]
-    assert kind == "UnsupportedLayerError" and "config.residual_dropout=0.1" in msg, msg
+def test_seed_oss_dropout_wires_and_exact_without(pool):
+    """The llama-like family a naive generic path trained wrong (whole-gradient error 0.56 at P=2, every rank
+    drawing the same masks): seed_oss ships residual_dropout=0.1, now run under each rank's forked random state
+    (tests/test_dropout.py checks the masks), so it wires; exact with it off. A LayerDrop-like field the model
+    reads still refuses (a draw shared along the sequence)."""
+    assert pool.run(jobs_generic.wire_error, "seed_oss", 2, dict(residual_dropout=0.1))[0] is None
     check(pool.run(jobs_generic.parity, "seed_oss", 2, "ulysses", dict(residual_dropout=0.0)))
+
+
+def test_shared_draw_refused(pool):
+    """Dropout whose draw is shared along the sequence cannot be forked per rank: feature dropout is refused,
+    naming the layer."""
+    kind, msg = pool.run(jobs_generic.wire_error, "olmo2", 2, prepare=jobs_generic.add_feature_dropout)[0]
+    assert kind == "UnsupportedLayerError" and "drops whole channels" in msg and "model.layers.0.mlp" in msg, msg
 
 
 @pytest.mark.parametrize("model_type,needle", [("phimoe", "sparsemixer"), ("doge", "DogeAttention")])

@@ -213,10 +213,18 @@ def test_falcon_alibi_and_output_attentions_refused():
     assert "forward" not in vars(model.transformer.h[0].self_attention)  # nothing changed
 
 
-def test_dropout_refused():
-    model = tiny_model("openai-gpt", attn_implementation="eager", **{**js.TINY["openai-gpt"], "resid_pdrop": 0.1})
-    with pytest.raises(UnsupportedLayerError, match=r"resid_dropout.*p=0.1"):
+def test_dropout_inside_the_replaced_attention_refused():
+    """openai-gpt's attention dropout is applied inside ``_attn``, which its CP site replaces: refused, naming it.
+    Its residual dropout runs outside the site, under each rank's forked random state (tests/test_dropout.py):
+    no refusal."""
+    from ringmaster.attention.selfattn import check_sites
+
+    model = tiny_model("openai-gpt", attn_implementation="eager", **{**js.TINY["openai-gpt"], "attn_pdrop": 0.1})
+    with pytest.raises(UnsupportedLayerError, match=r"attn_dropout \(p=0.1\) is applied inside its method '_attn'"):
         rm.wire(model, rm.RingmasterConfig(size=2, backend="ring"))
+    model = tiny_model("openai-gpt", attn_implementation="eager", **{**js.TINY["openai-gpt"], "resid_pdrop": 0.1})
+    spec = rm.get_architecture(model)
+    check_sites(model, spec, [n for n, m in model.named_modules() if type(m).__name__ in spec.self_attention])
 
 
 def test_falcon_eager_refused():

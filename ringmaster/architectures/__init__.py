@@ -10,11 +10,11 @@ anything stateful it does not know; an unregistered model goes through the gener
 
 from . import kimi_linear, llama, mamba, minimax, nemotron_h, qwen3_5, recurrent_gemma, refused, rwkv, selfattn, short_conv, softcap_mla, vlm, xlstm  # noqa: F401  (built-in families register on import)
 from .classify import Classification, STATEFUL_PATTERN, classify_layers, stateful_layers, unsupported_message
-from .generic import cp_hazards, generic_spec, get_architecture, refuse_if_unsafe
+from .generic import cp_hazards, generic_spec, get_architecture, refuse_if_unsafe, unforked_dropout
 from .positions import position_convention, position_tables
 from .spec import (ArchitectureSpec, SelfAttentionSite, known_model_types, register_architecture,  # noqa: F401
                    registered_architecture, text_config)
 
 __all__ = ["ArchitectureSpec", "Classification", "STATEFUL_PATTERN", "classify_layers", "cp_hazards",
-           "generic_spec", "get_architecture", "refuse_if_unsafe", "registered_architecture",
+           "generic_spec", "get_architecture", "refuse_if_unsafe", "unforked_dropout", "registered_architecture",
            "known_model_types", "position_convention", "position_tables", "register_architecture", "stateful_layers", "text_config", "unsupported_message"]

@@ -5,8 +5,8 @@ transformers' attention interface (its ``forward`` reads ``ALL_ATTENTION_FUNCTIO
 where ``rm.wire`` swaps in the CP function; ``_supports_attention_backend`` is not reliable in
 transformers 5.24: bamba, jamba, biogpt dispatch without it), (2) no layer carries state along
 the sequence (:mod:`.classify` fails closed), and (3) nothing else depends on where a token
-sits in the *local* shard: convolutions over the sequence, per-sequence MoE statistics, dropout
-(:func:`cp_hazards`). Learned absolute position tables are numbered from the full row by the
+sits in the *local* shard: convolutions over the sequence, per-sequence MoE statistics, random
+draws shared along the sequence (:func:`cp_hazards`; per-element dropout is forked per rank). Learned absolute position tables are numbered from the full row by the
 model's own rule, which ``rm.wire`` finds with a probe (:mod:`.positions`). The spec (attention classes, the
 config's head attributes) is derived from the model itself.
 
@@ -115,18 +115,78 @@ def get_architecture(model_or_config) -> ArchitectureSpec:
     raise unknown_family(model_or_config)
 
 
-_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate|jitter_noise)")
+# Dropout under CP: each rank's forward draws from its own forked random state (ringmaster.sharding.rng), so a
+# per-element draw (nn.Dropout, F.dropout on activations, router jitter, Ulysses' attention-probability dropout)
+# is the single-device distribution of masks and is not refused. What a fork cannot make right is a draw shared
+# along the sequence: one decision per layer (LayerDrop) or per sample (drop path, stochastic depth) or per
+# channel (feature dropout), which every rank would make alone for its shard of the same sequence.
+_DROPOUT = re.compile(r"(dropout|pdrop|drop_rate|jitter_noise|layerdrop|layer_drop|drop_path|stochastic_depth)")
+_SHARED_DRAW = re.compile(r"(layerdrop|layer_drop|drop_path|stochastic_depth)")
+_DROP_PATH_CLASS = re.compile(r"(DropPath|StochasticDepth)")
+_FEATURE_DROPOUT = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout)
 
 
-def _dropout_hazards(config) -> list[str]:
+@lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and of its bases that hold model code (not torch's, not transformers' shared
+    machinery outside ``transformers.models``: PreTrainedModel, GenerationMixin); '' when unreadable."""
+    parts = []
+    for klass in cls.__mro__:
+        module = klass.__module__ or ""
+        if (klass is object or module.startswith("torch.") or module == "torch"
+                or (module.startswith("transformers.") and not module.startswith("transformers.models."))):
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(parts)
+
+
+def read_config_fields(model, config, pattern: re.Pattern = _DROPOUT) -> list[tuple[str, float]]:
+    """The config fields matching ``pattern`` with a positive value that the model's code reads: the field's
+    name appears in the source of a class of which ``model`` holds an instance (a field only a sequence-
+    classification or multiple-choice head reads, gpt2's ``summary_first_dropout`` or gpt_neox's
+    ``classifier_dropout``, is never read by the causal LM and is left alone)."""
+    source = "\n".join(_class_source(cls) for cls in {type(m) for m in model.modules()})
     out = []
     for name, value in sorted(vars(config).items()):
-        if _DROPOUT.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            out.append(
-                f"config.{name}={value}: dropout (or router jitter) under CP draws each rank's mask from the same random stream, so "
-                "the shards reuse one mask pattern for different positions (and heads, under Ulysses) and training "
-                f"is not the single-device run. Set {name}=0.0 for CP training (seed_oss ships residual_dropout="
-                "0.1: its whole-gradient error was 0.56 at P=2 until refused)")
+        if (pattern.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                and re.search(rf"\b{re.escape(name)}\b", source)):
+            out.append((name, value))
+    return out
+
+
+def _shared_draw_hazards(model, config, skip: tuple[str, ...] = ()) -> list[str]:
+    """Draws a per-rank fork cannot make right: LayerDrop / drop path fields the model reads, feature dropout
+    and drop-path modules (outside ``skip``: a VLM's vision tower runs whole on every rank, unforked)."""
+    out = [f"config.{name}={value}: the model draws one decision per layer or per sample from it (LayerDrop, drop "
+           "path), shared along the sequence; under CP each rank draws from its own forked random state, so the "
+           "ranks would skip different layers (or samples) of one sequence, and Ring/Ulysses collectives would "
+           f"pair different layers. Set {name}=0.0 for CP training"
+           for name, value in read_config_fields(model, config, _SHARED_DRAW)]
+    for path, module in model.named_modules():
+        if any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        cls = type(module).__name__
+        p = getattr(module, "p", None) if isinstance(module, _FEATURE_DROPOUT) else None
+        if p:
+            out.append(f"layer {path!r} ({cls}) drops whole channels with p={p}: one draw shared along the sequence, "
+                       "which each CP rank would make alone for its shard; set its dropout to 0.0 for CP training")
+        elif _DROP_PATH_CLASS.search(cls) and (getattr(module, "drop_prob", None) or getattr(module, "p", None)):
+            out.append(f"layer {path!r} ({cls}) drops whole samples (drop path): one draw per sample shared along the "
+                       "sequence, which each CP rank would make alone for its shard; set its drop probability to 0.0 "
+                       "for CP training")
+    return out
+
+
+def unforked_dropout(model) -> list[str]:
+    """Dropout a model reached through ``rm.setup`` (not ``rm.wire``) would apply unforked: every rank of the CP
+    group would draw the same masks. ``nn.Dropout`` modules with ``p > 0`` and dropout config fields the model's
+    code reads (:func:`read_config_fields`)."""
+    out = [f"layer {path!r} ({type(m).__name__}) drops with p={m.p}"
+           for path, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    out += [f"config.{name}={value}" for name, value in read_config_fields(model, text_config(model.config))]
     return out
 
 
@@ -148,12 +208,14 @@ def _config_hazards(config) -> list[str]:
 
 def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
     """What would make the wired model silently wrong beyond its attention: convolutions over the
-    sequence outside declared recurrent layers, per-sequence MoE statistics, dropout (each rank draws
-    the same mask stream). Learned/absolute position tables are not a hazard here: ``rm.wire`` probes
+    sequence outside declared recurrent layers, per-sequence MoE statistics, random draws shared along the
+    sequence (LayerDrop, drop path, feature dropout: :func:`_shared_draw_hazards`; per-element dropout runs
+    under a per-rank forked random state, :mod:`ringmaster.sharding.rng`). Learned/absolute position tables are not a hazard here: ``rm.wire`` probes
     how the model numbers them and numbers each shard the same way, or refuses naming the table
     (:mod:`.positions`). Registered families are vouched for by their parity tests (only the MoE
-    config check applies to them); the generic path gets every check."""
+    config and shared-draw checks apply to them); the generic path gets every check."""
     out = _config_hazards(text_config(model.config))
+    out += _shared_draw_hazards(model, text_config(model.config), tuple(spec.vision_modules))
     if registered_architecture(model) is spec:
         return out
     skip = tuple(spec.vision_modules) + tuple(recurrent_paths)
@@ -167,16 +229,12 @@ def cp_hazards(model, spec: ArchitectureSpec, recurrent_paths=()) -> list[str]:
                 "interface (a compressor of consecutive tokens, a top-k indexer): under CP it would see only the "
                 "rank's shard, so its entries (and the keys they add to attention) are not the single-device ones. "
                 "Use layers without it (deepseek_v4: layer_types all 'sliding_attention') or a CP size of 1")
-        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            out.append(
-                f"layer {path!r} ({cls}) drops with p={module.p}: each CP rank draws its mask from the same random "
-                "stream, so the shards reuse one mask pattern; set the model's dropout to 0.0 for CP training")
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
             out.append(
                 f"layer {path!r} ({cls}) convolves along the sequence outside attention: each rank would miss "
                 "the neighbouring shard's tokens. Declare the layer as recurrent (a conv halo) in an "
                 "ArchitectureSpec or use a CP size of 1")
-    return out + _dropout_hazards(text_config(model.config))  # last: the structural reason names a layer
+    return out
 
 
 def refuse_if_unsafe(model, spec: ArchitectureSpec, recurrent_paths=()) -> None:

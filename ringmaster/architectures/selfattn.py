@@ -70,7 +70,8 @@ def _mpt_slopes(module):
 
 
 _NO_CACHE = ("layer_past", "cache", "output_attentions")
-_DROP = "attention/hidden dropout: each CP rank would draw the same mask stream; set it to 0.0"
+# dropout: the sites' own dropout is refused by attention/selfattn.bypassed_dropout (read from the replaced code);
+# dropout outside the sites runs under each rank's forked random state (sharding/rng.py)
 
 # bloom: fused query_key_value laid out [.., H, 3, D], scores inv_norm_factor * q.k + alibi, dense, + residual
 BLOOM = register_architecture(ArchitectureSpec(
@@ -81,7 +82,7 @@ BLOOM = register_architecture(ArchitectureSpec(
                                 "output_attentions"),
         qkv="query_key_value", qkv_layout="per_head", out="dense", heads_attr="num_heads",
         residual_arg="residual", scale_attr="inv_norm_factor", alibi_slopes=_bloom_slopes,
-        refuse_kwargs=_NO_CACHE, refuse_config=(("hidden_dropout", _DROP),))},
+        refuse_kwargs=_NO_CACHE)},
     notes="fused_qkv site with ALiBi from global positions (slopes sliced to each rank's heads under Ulysses)",
 ))
 
@@ -92,8 +93,7 @@ MPT = register_architecture(ArchitectureSpec(
     self_attention={"MptAttention": SelfAttentionSite(
         kind="fused_qkv", args=("hidden_states", "position_bias", "cache", "attention_mask"),
         qkv="Wqkv", qkv_layout="chunked", out="out_proj", heads_attr="n_heads", clip_attr="clip_qkv",
-        scale_attr="softmax_scale", alibi_slopes=_mpt_slopes, refuse_kwargs=_NO_CACHE,
-        refuse_config=(("attn_dropout_p", _DROP),))},
+        scale_attr="softmax_scale", alibi_slopes=_mpt_slopes, refuse_kwargs=_NO_CACHE)},
     notes="fused_qkv site with ALiBi from global positions (slopes sliced to each rank's heads under Ulysses)",
 ))
 # BERT-style decoders: separate query/key/value Linears, context returned unprojected (the output Linear is in
@@ -133,9 +133,8 @@ TROCR = register_architecture(ArchitectureSpec(
         qkv=("q_proj", "k_proj", "v_proj"), out="out_proj", heads_attr="num_heads",
         cross_arg="key_value_states", refuse_kwargs=_NO_CACHE, position_table="embed_positions",
         cross_modules=("encoder_attn",), mean_loss=".",
-        refuse_config=(("dropout", _DROP), ("config.dropout", _DROP), ("config.activation_dropout", _DROP),
-                       ("config.decoder_layerdrop", "decoder layerdrop skips layers at random per rank; set it "
-                                                    "to 0.0")))},
+        refuse_config=(("config.decoder_layerdrop", "decoder layerdrop skips layers at random per rank; set it "
+                                                    "to 0.0"),))},
     notes="fused_qkv site (separate q/k/v); learned position table given the shard's global positions",
 ))
 
@@ -199,7 +198,6 @@ XLM = register_architecture(ArchitectureSpec(
         qkv=("q_lin", "k_lin", "v_lin"), out="out_lin", heads_attr="n_heads", causal_config="causal",
         cross_arg="kv", empty_cache_arg="cache", refuse_kwargs=("output_attentions",), batch_rule=_xlm_batch,
         mean_loss="pred_layer", refuse_config=(
-            ("dropout", _DROP), ("config.dropout", _DROP),
-            ("config.asm", "an adaptive softmax head's loss is a mean over the local shard; use asm=False")))},
+            ("config.asm", "an adaptive softmax head's loss is a mean over the local shard; use asm=False"),))},
     notes="fused_qkv site (separate q/k/v); causal per config; right-padded rows only (batch rule)",
 ))

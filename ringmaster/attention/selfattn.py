@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Callable
 
 import torch
@@ -472,10 +473,33 @@ def _drop(module, names) -> None:
         module.__dict__.pop(name, None)
 
 
+def bypassed_dropout(module, site) -> list[str]:
+    """Dropout the module applies inside the code its site replaces, which the CP attention call never applies:
+    a dropout child (``p > 0``) or a dropout probability attribute (``*drop*``, ``> 0``) that the replaced method
+    (``kind="method"``) or forward (``kind="fused_qkv"``) reads as ``self.<name>``. An ``"sdpa"`` site keeps the
+    module's forward and passes its ``dropout_p`` to the CP function (Ulysses applies it under each rank's forked
+    random state; Ring refuses it). Unreadable source: every such child and attribute counts (fail closed)."""
+    if site.kind == "sdpa":
+        return []
+    fn = getattr(type(module), site.method if site.kind == "method" else "forward", None)
+    try:
+        names = set(re.findall(r"self\.(\w+)", inspect.getsource(fn)))
+    except (OSError, TypeError):
+        names = set(vars(module)) | set(dict(module.named_children()))
+    out = []
+    for name in sorted(names):
+        value = getattr(module, name, None)
+        if isinstance(value, nn.modules.dropout._DropoutNd) and value.p > 0:
+            out.append(f"{name} (p={value.p})")
+        elif "drop" in name and isinstance(value, float) and value > 0:
+            out.append(f"{name}={value}")
+    return out
+
+
 def check_sites(model, spec, paths) -> None:
-    """Validate every site of the model (wire calls it before changing anything). A family with sites is
-    registered, so the generic path's hazard checks do not run for it; dropout is checked here (each CP
-    rank would draw the same mask stream for different tokens)."""
+    """Validate every site of the model (wire calls it before changing anything). Dropout elsewhere runs under
+    each rank's forked random state (:mod:`ringmaster.sharding.rng`); dropout inside the code a site replaces
+    would be skipped, so it is refused here (:func:`bypassed_dropout`)."""
     if not spec.self_attention:
         return
     modules = dict(model.named_modules())
@@ -492,9 +516,13 @@ def check_sites(model, spec, paths) -> None:
                 position_table(model, site)
             if site.mean_loss and site.mean_loss != ".":
                 _one(model, site.mean_loss, "loss module")
-    for path, module in modules.items():
-        if isinstance(module, nn.Dropout) and module.p > 0:
+    for path in paths:
+        module = modules[path]
+        site = spec.self_attention.get(type(module).__name__)
+        bypassed = bypassed_dropout(module, site) if site is not None else []
+        if bypassed:
+            what = f"its method {site.method!r}" if site.kind == "method" else "its forward"
             raise UnsupportedLayerError(
-                f"layer {path!r} ({type(module).__name__}) drops with p={module.p}: each CP rank draws its mask "
-                "from the same random stream, so the shards reuse one mask pattern; set the model's dropout "
-                "to 0.0 for CP training")
+                f"{_where(path, module)}: {', '.join(bypassed)} is applied inside {what}, which its CP site replaces "
+                "with an attention call that applies no dropout (the CP model would train without it); set that "
+                "dropout to 0.0 for CP training")

@@ -46,6 +46,7 @@ class StepCarrier:
 
     def __init__(self, model=None):
         self.current: CPBatch | None = None
+        self.forks = 0   # forwards of this step run under a forked random state (sharding.rng): their index
         self._model = weakref.ref(model) if model is not None else None
 
     def batch(self, kwargs: dict | None = None, pop: bool = False) -> CPBatch | None:
@@ -64,6 +65,7 @@ class StepCarrier:
         if model is not None and torch.is_grad_enabled():
             checkpointing.arm(model, self)
         previous, self.current = self.current, batch
+        self.forks = 0
         return previous
 
     def clear(self, previous: CPBatch | None = None) -> None:

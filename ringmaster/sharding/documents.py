@@ -215,6 +215,9 @@ class CPBatch:
         # the full rows' input_ids / attention_mask when the batch brought no position_ids: what an
         # absolute position rule needs (sharding.positions); None otherwise
         self.rows = rows
+        # the step's base seed for dropout: drawn by the shard step (sharding.rng.step_seed), each rank's
+        # forward forks its random state from it and the CP rank (sharding.rng); None: drawn at the forward
+        self.rng_seed: int | None = None
         self._cache: dict = {}
 
     @classmethod
@@ -232,6 +235,7 @@ class CPBatch:
             docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
             runs = (self.runs or Runs.whole(self.seq_len)).chunked(chunk)
             self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows, runs)
+            self._cache[key].rng_seed = self.rng_seed
         return self._cache[key]
 
     @property
