@@ -88,7 +88,7 @@ class MixingProbe:
         self.module_handles: list = []    # the candidates' hooks, during a first CP forward only
         self.stance = None
         self._inside = False
-        self._started = 0.0
+        self._spent = 0.0                 # seconds inside the probe's re-runs, this forward
 
     # ---- per candidate, inside its own forward
     def check(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -100,6 +100,7 @@ class MixingProbe:
         tokens = min(TOKENS, length)
         if tokens <= SPLIT:
             return
+        started = time.perf_counter()
         modes = [(m, m.training) for m in module.modules()]
         module.eval()
         self._inside = True
@@ -116,6 +117,7 @@ class MixingProbe:
             self._inside = False
             for m, mode in modes:
                 m.training = mode
+            self._spent += time.perf_counter() - started
 
     def problems(self, paths: list[str]) -> list[str]:
         out = []
@@ -144,7 +146,7 @@ class MixingProbe:
             return   # a forward without CP: the probe waits for the first CP one
         self.length = batch.seq_len // batch.size
         self.results.clear()
-        self._started = time.perf_counter()
+        self._spent = 0.0
         if self.stance is None:
             self.stance = compat.run_eagerly(model)
         if not self.module_handles:   # the candidates are hooked for this forward only
@@ -185,7 +187,7 @@ class MixingProbe:
         probed = len(self.results)
         if self.report is not None:
             self.report.token_probe = (f"{probed} of {len(paths)} unrouted modules shown per-token on {TOKENS} tokens "
-                                       f"in {1e3 * (time.perf_counter() - self._started):.0f} ms")
+                                       f"in {1e3 * self._spent:.0f} ms")
         self.disarm()
 
     def compile_again(self) -> None:
