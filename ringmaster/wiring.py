@@ -253,8 +253,10 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         undo.append(detach)
         # dropout: each rank's CP forward draws from its own forked random state (sharding/rng.py); a VLM's
         # vision tower runs replicated on every rank before its language model, so it keeps the shared stream
+        # (only a model that applies dropout: nothing else draws, and the random stream is left alone)
         forked = model.get_submodule(spec.language_model) if spec.multimodal else model
-        undo.extend(handle.remove for handle in rng.install(forked, carrier))
+        if unforked_dropout(forked):
+            undo.extend(handle.remove for handle in rng.install(forked, carrier))
         switched = _switch_off_cache(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..comm import all_gather, all_reduce_sum
 from ..runtime import Runtime, active, check_setup_path, runtime_of
 from ..validation import validate_batch
-from . import balancers, rng
+from . import balancers
 from .carrier import carrier_of
 from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
 from .positions import row_inputs
@@ -170,11 +170,10 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str |
 
 def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
     """The ``ringmaster_batch`` kwarg for a shard's metadata: the only way the per-step layout and
-    document structure reach the CP layers (nothing reads them from a process global). It also carries the
-    step's dropout seed, drawn here, once per batch on the host (:mod:`.rng`)."""
-    batch = CPBatch.from_meta(meta)
-    batch.rng_seed = rng.step_seed()
-    return batch
+    document structure reach the CP layers (nothing reads them from a process global). The step's dropout
+    seed is drawn from it by the first forward that trains (:mod:`.rng`), not here: a step that draws nothing
+    leaves the random stream alone."""
+    return CPBatch.from_meta(meta)
 
 
 def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:

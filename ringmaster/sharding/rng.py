@@ -6,9 +6,10 @@ Ulysses, on other heads): the shards reuse one pattern and the step is not a sam
 single-device step. Megatron keeps a model-parallel RNG tracker for the same reason; ringmaster forks
 per forward, from the step:
 
-- the **shard step** draws one 63-bit seed from the default CPU generator (``CPBatch.rng_seed``:
-  :func:`step_seed`, the shard step's only random draw; it advances the main stream identically on
-  every rank, so consecutive steps differ and ``torch.manual_seed(s)`` reproduces them);
+- the step's first forward in training mode draws one 63-bit seed from the default CPU generator
+  (``CPBatch.rng_seed``, kept for the step's other forwards: :func:`step_seed`; it advances the main stream
+  identically on every rank, so consecutive steps differ and ``torch.manual_seed(s)`` reproduces them; a
+  step that only evaluates draws nothing);
 - the wired model's forward (the language model's, for a VLM: its vision tower runs replicated on every
   rank and keeps the shared stream) runs under a state seeded by :func:`fork_seed` of (that seed, the CP
   rank, the index of this forward within the step), on the CPU and on every accelerator the forward's
@@ -119,7 +120,7 @@ class RankFork:
             self._open.append(None)   # not a CP forward, or nothing draws (eval): the shared stream
             return None
         base = getattr(batch, "rng_seed", None)
-        if base is None:   # a step context built by hand: its seed is drawn now (a host read, not the shard's)
+        if base is None:   # the step's first training forward draws the step's seed (a CPU read, no device sync)
             base = batch.rng_seed = step_seed()
         index = self.carrier.forks
         self.carrier.forks += 1
