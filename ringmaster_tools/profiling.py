@@ -22,6 +22,10 @@ entry through ``/proc/self/clear_refs``; elsewhere it is the process lifetime pe
 ``count_collectives()`` counts bytes of *any* code's collectives at the c10d op level (a dispatch
 mode over the ``c10d`` and ``_c10d_functional`` ops), so other libraries, DTensor and functional
 collectives are measured with the same convention as ringmaster's own records.
+
+``record_collectives()`` keeps each rank's collectives in the order it issued them (op, phase, group,
+shapes, dtype, peer, splits, tag) and ``check_order(logs)`` says whether a group's sequences match one to one
+(every rank issues the same collectives in the same order; each send meets its receive).
 """
 
 from __future__ import annotations
@@ -686,6 +690,221 @@ def count_collectives(tag: str = "c10d", include_zero: bool = False):
 
     with _Counter():
         yield prof
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the order of collectives: each rank's sequence, and whether the group's sequences match
+
+
+# ops that issue nothing another rank must match (a wait completes an op already recorded; the functional
+# collectives' autograd wrapper only wraps the result of the one it follows)
+_UNORDERED_OPS = ("wait_tensor", "check_for_nan", "_wrap_tensor_autograd")
+_P2P_OPS = {"send": "send", "isend": "send", "recv_": "recv", "irecv": "recv", "recv_any_source_": "recv"}
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective as this rank issued it (see :func:`record_collectives`).
+
+    ``op``: the dispatcher op (``allgather_``, ``alltoall_base_``, ``all_to_all_single``, ``send`` ...);
+    ``phase``: ``forward`` / ``backward`` (a checkpoint's recomputation runs in ``backward``); ``group``: the
+    global ranks of its process group; ``shapes``: its input tensors' shapes; ``dtype``; ``peer``: the global
+    rank of a send's destination / a receive's source (else None); ``splits``: an all-to-all's
+    ``(input splits, output splits)`` when it has them (messages of different sizes per peer: the ring's and
+    distflash's hops); ``tag``: the c10d tag of a p2p op, or the ringmaster tag (``conv_halo``,
+    ``ulysses_qkv`` ...) of the collective it belongs to."""
+
+    op: str
+    phase: str
+    group: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    peer: int | None = None
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    tag: str = ""
+
+    def signature(self) -> tuple:
+        """What every member of the group must issue at the same point (for p2p: the peer, direction aside)."""
+        if self.peer is not None:
+            return ("p2p", self.phase, self.shapes, self.dtype, self.tag)
+        shapes = () if self.splits is not None else self.shapes   # an all-to-all's sizes are per rank: see splits
+        return (self.op, self.phase, self.group, shapes, self.dtype, self.tag)
+
+    def describe(self) -> str:
+        where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
+        size = f" splits {list(self.splits[0])}->{list(self.splits[1])}" if self.splits is not None else \
+            f" {[list(s) for s in self.shapes]}"
+        return f"{self.phase} {self.op}{where}{size} {self.dtype}{f' [{self.tag}]' if self.tag else ''}"
+
+
+def _group_ranks(pg) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    if isinstance(pg, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(pg)
+    elif isinstance(pg, torch.ScriptObject):
+        from torch.distributed import ProcessGroup
+
+        pg = ProcessGroup.unbox(pg)
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+def _shapes(x) -> tuple[tuple[int, ...], ...]:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape),)
+    if isinstance(x, (list, tuple)):
+        return tuple(s for t in x for s in _shapes(t))
+    return ()
+
+
+def _dtype(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).removeprefix("torch.")
+    if isinstance(x, (list, tuple)):
+        for t in x:
+            d = _dtype(t)
+            if d:
+                return d
+    return ""
+
+
+def _event(op: str, a: tuple, phase: str) -> CollectiveEvent:
+    """The event of one c10d / functional-collective op from its arguments in schema order."""
+    if op in ("send", "recv_", "recv_any_source_"):   # c10d: (tensors, pg, peer (group rank), tag)
+        group = _group_ranks(a[1])
+        peer = group[a[2]] if op != "recv_any_source_" else -1
+        return CollectiveEvent(op, phase, group, _shapes(a[0]), _dtype(a[0]), peer, tag=str(a[3]))
+    if op in ("isend", "irecv"):   # functional: (tensor|shape..., peer, tag, group_name)
+        group = _group_ranks(a[-1])
+        return CollectiveEvent(op, phase, group, _shapes(a[0]), _dtype(a[0]), group[a[-3]], tag=str(a[-2]))
+    pg = next((x for x in a if isinstance(x, (torch.ScriptObject, str))), None)
+    group = _group_ranks(pg) if pg is not None else ()
+    if op == "alltoall_base_":   # (output, input, pg, output_split_sizes, input_split_sizes, ...)
+        splits = (tuple(a[4]), tuple(a[3])) if a[3] or a[4] else None
+        return CollectiveEvent(op, phase, group, _shapes(a[1]), _dtype(a[1]), splits=splits)
+    if op == "all_to_all_single":   # functional: (input, output_split_sizes, input_split_sizes, group_name)
+        return CollectiveEvent(op, phase, group, _shapes(a[0]), _dtype(a[0]), splits=(tuple(a[2]), tuple(a[1])))
+    # in-place c10d ops take (outputs, inputs, pg, ...) or (tensors, pg, ...); functional ones (input(s), ...)
+    inputs = a[1] if len(a) > 2 and isinstance(a[2], torch.ScriptObject) else a[0]
+    return CollectiveEvent(op, phase, group, _shapes(inputs), _dtype(inputs))
+
+
+@dataclass
+class CollectiveLog:
+    """One rank's collectives, in the order it issued them (:func:`record_collectives`)."""
+
+    events: list[CollectiveEvent] = field(default_factory=list)
+    rank: int | None = None
+
+    def gather(self, group=None) -> list["CollectiveLog"]:
+        """Every rank's log (collective over ``group``; call it on every rank of the group, outside the block)."""
+        return gather_profiles(self, group)
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Record every collective this rank issues inside the block, in issue order, forward and backward.
+
+    The same dispatch mode as :func:`count_collectives` (the ``c10d`` / ``_c10d_functional`` ops, whoever
+    issues them), but it keeps the order and what each rank must match: op, phase, group, input shapes,
+    dtype, peer of a p2p op, an all-to-all's splits and a tag (:class:`CollectiveEvent`). ringmaster's own tag
+    (``conv_halo``, ``state_passing``, ``ulysses_qkv`` ...) is taken from its timing hook, which reports each
+    collective right after the one c10d op it timed (it replaces a p2p op's c10d tag); functional exchanges (the
+    ring's hops) keep none. Waits are
+    left out: what matters is the order the ranks *issue* collectives in. :func:`check_order` compares the
+    logs of a group."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    log = CollectiveLog(rank=_dist_rank())
+    untagged: list[int] = []   # events since ringmaster's last record
+
+    def sink(kind, phase, bytes_sent, seconds, tag):
+        # ringmaster's hook times one c10d call and reports right after it: the last op recorded since
+        if untagged and tag:
+            e = log.events[untagged[-1]]
+            log.events[untagged[-1]] = CollectiveEvent(e.op, e.phase, e.group, e.shapes, e.dtype, e.peer, e.splits,
+                                                       tag)
+        untagged.clear()
+
+    try:
+        from torch.distributed.tensor import DTensor as dtensor
+    except ImportError:  # pragma: no cover
+        dtensor = None
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if dtensor is not None and any(issubclass(t, dtensor) for t in types):
+                return NotImplemented
+            if func.namespace in COLLECTIVE_NAMESPACES:
+                op = func._schema.name.split("::", 1)[1]
+                if op not in _UNORDERED_OPS:
+                    untagged.append(len(log.events))
+                    log.events.append(_event(op, _normalize(args, kwargs, func._schema), _phase_now()))
+            return func(*args, **(kwargs or {}))
+
+    with recording(sink, sync_cuda=False), _Recorder():
+        yield log
+
+
+def check_order(logs: list) -> list[str]:
+    """Whether the ranks' collective sequences can all complete, matched one to one; ``[]`` when they can, else
+    what blocks (each stuck rank's next collective).
+
+    ``logs``: one :class:`CollectiveLog` (or list of events) per global rank, index = rank. A collective
+    matches when every member of its group issues one with the same signature (op, phase, group, shapes,
+    dtype, tag) as its next collective on that group, an all-to-all's splits agreeing (what rank ``i`` sends
+    ``j`` is what ``j`` receives from ``i``); a send matches its peer's receive of the same shape, dtype and
+    tag. The check replays the logs with every collective blocking until its partners reach it (the
+    strictest case, so a schedule that passes cannot deadlock or pair a collective with another one): for
+    group collectives alone it says the sequences are identical on every rank of the group."""
+    seqs = [list(getattr(log, "events", log)) for log in logs]
+    pos = [0] * len(seqs)
+
+    def head(r):
+        return seqs[r][pos[r]] if pos[r] < len(seqs[r]) else None
+
+    def matched(r) -> list[int] | None:
+        e = head(r)
+        if e is None:
+            return None
+        if e.peer is not None:
+            peer = e.peer
+            if not 0 <= peer < len(seqs):
+                return None
+            f = head(peer)
+            sending = e.op in ("send", "isend")
+            if (f is None or f.peer != r or (f.op in ("send", "isend")) == sending
+                    or f.signature() != e.signature()):
+                return None
+            return [r, peer]
+        members = list(e.group) or list(range(len(seqs)))
+        heads = {m: head(m) if 0 <= m < len(seqs) else None for m in members}
+        if any(h is None or h.peer is not None or h.signature() != e.signature() for h in heads.values()):
+            return None
+        if e.splits is not None:
+            for i, m in enumerate(members):
+                for j, n in enumerate(members):
+                    if heads[m].splits is None or heads[n].splits is None or \
+                            heads[m].splits[0][j] != heads[n].splits[1][i]:
+                        return None
+        return members
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(len(seqs)):
+            ranks = matched(r)
+            if ranks:
+                for m in ranks:
+                    pos[m] += 1
+                progress = True
+    stuck = [r for r in range(len(seqs)) if pos[r] < len(seqs[r])]
+    if not stuck:
+        return []
+    return [f"rank {r} stuck at collective #{pos[r]} of {len(seqs[r])}: {head(r).describe()}" for r in stuck]
 
 
 # aten ops that make the host wait for the device on a GPU: a scalar read, or an output whose size
