@@ -168,7 +168,8 @@ class MixingProbe:
             return
         self.length = None
         paths = list(self.candidates)
-        flags = torch.tensor([1 if p in set(self.failed()) else 0 for p in paths], dtype=torch.int32)
+        failed = set(self.failed())
+        flags = torch.tensor([1 if p in failed else 0 for p in paths], dtype=torch.int32)
         if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1 and paths:
             flags = flags.to(collective_device(self.group))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # every rank refuses alike
