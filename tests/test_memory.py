@@ -38,9 +38,7 @@ for rotate in ("alltoall", "allgather"):
     for kind in ("causal", "window", "packed", "padded", "sinks"):
         ROWS.append((f"ring-{rotate}-{kind}", "ring", 2, kind, dict(rotate_method=rotate), "sdpa", True, SIZES))
 for kind in ("causal", "window", "packed", "padded"):  # the hub flash path (CPU stand-in: tiled like the kernel)
-    # padded rows: every pad token is a document of its own, one stand-in call each: the smaller sizes
-    ROWS.append((f"ulysses-hubflash-{kind}", "ulysses", 2, kind, {}, "kernels-community/flash-attn2", True,
-                 FLEX_SIZES if kind == "padded" else SIZES))
+    ROWS.append((f"ulysses-hubflash-{kind}", "ulysses", 2, kind, {}, "kernels-community/flash-attn2", True, SIZES))
 for kind in ("causal", "packed", "padded"):  # distflash refuses windows
     ROWS.append((f"ring-distflash-{kind}", "ring", 2, kind, dict(load_balance="distflash"), "sdpa", True, SIZES))
 for kind in ("causal", "window", "packed", "padded", "sinks"):  # u=2 x r=2 needs the pool's 4 ranks
