@@ -61,6 +61,7 @@ class LoadBalance(_StrEnum):
     NONE = "none"
     HEAD_TAIL = "head_tail"
     DISTFLASH = "distflash"
+    DOCUMENTS = "documents"   # length-aware: short documents whole on one rank, long ones split (per batch)
 
 
 class RingImpl(_StrEnum):
@@ -136,8 +137,17 @@ def _degree(value: Any, name: str):
     return value
 
 
+def _threshold(value: Any):
+    if value is AUTO or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"RingmasterConfig.documents_threshold={value!r} must be a positive int (tokens), None or "
+                         "rm.AUTO")
+    return value
+
+
 _FIELDS = ("size", "backend", "ulysses_size", "ring_size", "rotate_method", "load_balance", "ring_impl", "recurrent",
-           "ranks_per_node", "validate_inputs")
+           "ranks_per_node", "validate_inputs", "documents_threshold")
 
 
 def _as_dict(obj) -> dict[str, Any]:
@@ -169,6 +179,7 @@ class RingmasterPlan:
     recurrent: str
     ranks_per_node: int | _AutoType
     validate_inputs: bool
+    documents_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend is Backend.AUTO or self.load_balance is LoadBalance.AUTO or self.recurrent == "auto" \
@@ -216,6 +227,9 @@ class RingmasterConfig:
     recurrent: str = "auto"
     ranks_per_node: int | _AutoType = AUTO
     validate_inputs: bool = True
+    # load_balance="documents": documents longer than this many tokens are split over the group, the rest stay
+    # whole on one rank; None (or AUTO): per batch, the threshold the cost model predicts fastest
+    documents_threshold: int | None = None
     _normalized: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -237,7 +251,8 @@ class RingmasterConfig:
                     load_balance=_coerce(LoadBalance, self.load_balance, "load_balance"),
                     ring_impl=_coerce(RingImpl, self.ring_impl, "ring_impl"), recurrent=self.recurrent,
                     ranks_per_node=_degree(self.ranks_per_node, "ranks_per_node"),
-                    validate_inputs=bool(self.validate_inputs))
+                    validate_inputs=bool(self.validate_inputs),
+                    documents_threshold=_threshold(self.documents_threshold))
 
     @property
     def normalized(self) -> bool:

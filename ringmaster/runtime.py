@@ -48,13 +48,17 @@ class Runtime:
     # the step carriers (sharding.carrier.StepCarrier) of the models wired against this runtime: what
     # context_parallel_region(batch, runtime=...) sets for its step when it is not given the model
     carriers: list = field(default_factory=list, repr=False)
+    cost: Any = None                   # rm.wire's sharding.assignment.Cost for the model (load_balance="documents")
     undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property
     def shard_load_balance(self) -> str:
         """The shard layout batch tensors use: ``"contiguous"`` or ``"head_tail"`` (``distflash`` cuts
-        contiguously: it balances the work by its schedule, not by the cut)."""
+        contiguously: it balances the work by its schedule, not by the cut), or ``"documents"`` (a per-batch
+        assignment: :func:`ringmaster.sharding.assignment.policy_of`)."""
         lb = self.config.load_balance
+        if lb is LoadBalance.DOCUMENTS:
+            return "documents"
         return "head_tail" if lb is LoadBalance.HEAD_TAIL else "contiguous"
 
     @property

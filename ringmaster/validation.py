@@ -20,7 +20,7 @@ from .comm import collective_device, diagnosed
 from .compat import all_gather_single
 
 FIELDS = ("seq_len", "batch", "layout", "cp_size", "backend", "ulysses", "ring", "dtype", "documents", "tokens")
-_LAYOUTS = {"contiguous": 0, "head_tail": 1}
+_LAYOUTS = {"contiguous": 0, "head_tail": 1, "documents": 2}
 _BACKENDS = {"ulysses": 0, "ring": 1, "usp": 2, "auto": 3}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 

@@ -445,14 +445,17 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     P = runtime.cp_size
     try:
         with rm.profile_comms() as comms, rm.profile_memory() as mem:
+            assignment = None
             if via == "region":
                 with context_parallel_region(batch) as shard:
+                    assignment = shard["ringmaster_batch"].assignment   # load_balance="documents" (else None)
                     out = model(**shard)
             elif via == "hooks":
                 manager = rm.ContextParallelContextManager([model], group, load_balance=runtime.shard_load_balance)
                 handles = manager.install()
                 try:
                     out = model(**batch)
+                    assignment = manager.assignment_of(model)
                 finally:
                     for handle in handles:
                         handle.remove()
@@ -462,7 +465,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
         loss = loss / P
-        logits = rm.gather_sequence(out.logits.detach(), dim=1)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1, assignment=assignment)
         grad_errs, missing, grad_err_total = group_mean_grad_errors(model, reference, group, P)
     finally:
         rm.unwire(model)
@@ -472,10 +475,11 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "cp_size": P,
         "backend": runtime.config.backend.value,
         "layout": runtime.shard_load_balance,
+        "split_fraction": assignment.split_fraction if assignment is not None else 1.0,
         "loss_ref": ref_out.loss.item(),
         "loss_cp": loss.item(),
         "loss_err": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
-        "logits_err": rel_err(logits, ref_out.logits),
+        "logits_err": rel_err(logits, ref_out.logits) if logits.shape == ref_out.logits.shape else float("inf"),
         "grad_err": grad_errs[worst],
         "worst_param": worst,
         "grad_errs": grad_errs,

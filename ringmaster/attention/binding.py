@@ -26,7 +26,9 @@ class AttentionBinding:
 
     def layouts(self) -> tuple[str, ...]:
         """Shard layouts this attention is exact for: the Ring loop plans with any layout the batch
-        was cut with; the distflash schedule and Ulysses (and USP's Ulysses stage) need contiguous spans."""
+        was cut with; the distflash schedule and Ulysses (and USP's Ulysses stage) need contiguous spans.
+        A ``documents`` batch (length-aware) runs its split documents in one of these and its whole ones
+        locally: every backend takes it."""
         if self.backend == "ring" and self.schedule != "distflash":
-            return ("contiguous", "head_tail")
-        return ("contiguous",)
+            return ("contiguous", "head_tail", "documents")
+        return ("contiguous", "documents")

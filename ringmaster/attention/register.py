@@ -11,10 +11,13 @@ from __future__ import annotations
 import re
 from functools import partial
 
+import torch
+
 from ..comm import with_layer_context
 from ..compat import has_module
 from ..sharding.documents import BATCH_KWARG, CPBatch
-from . import layer_rules, local, ulysses, usp
+from . import layer_rules, local, relbias, ulysses, usp
+from .token_sinks import KWARG as TOKEN_SINKS
 from .binding import AttentionBinding
 from .ring import hf as ring_hf
 
@@ -62,8 +65,45 @@ def _call(fn, binding: AttentionBinding, module, query, key, value, attention_ma
     if ledger is not None and ledger.armed:  # the first CP forward only (attention.accounting)
         ledger.record(module, attention_mask)
     cpb = require_batch(kwargs, binding, module)
+    if cpb.assignment is not None:   # load_balance="documents": the split documents over the group, the rest here
+        return _documents(fn, binding, module, query, key, value, cpb, kwargs)
     cpb, query = layer_rules.apply(module, query, key, cpb, kwargs)  # chunks, temperature, refusals
     return fn(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
+
+
+def _documents(fn, binding: AttentionBinding, module, query, key, value, cpb: CPBatch, kwargs: dict):
+    """A documents batch's attention: the shard's first ``split_share`` tokens are its piece of the long
+    documents, run by the backend over the group (only they travel); the rest are this rank's whole
+    documents, run by the model's own kernel here with no collective (Ulysses' path at one rank). Both
+    parts mask by their own documents; their outputs are concatenated in the shard's order."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ulysses.LOCAL_ONLY_KWARGS}   # each part masks by cpb
+    for name in _PER_TOKEN_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__}: load_balance='documents' runs each document's attention in one of two "
+                f"parts, and this call brings per-token {name!r} ringmaster does not cut yet; use "
+                "load_balance='auto' for this model")
+    n = cpb.split_share
+    outs = []
+    split, whole = cpb.split_part(), cpb.whole_part()
+    if split is not None:
+        if split.layout not in binding.layouts():
+            raise RuntimeError(f"the split documents were cut {split.layout!r}, but {binding.backend} attention "
+                               f"({binding.name}) needs {' or '.join(binding.layouts())}")
+        kw = dict(kwargs)
+        part, q = layer_rules.apply(module, query[:, :, :n], key[:, :, :n], split, kw)
+        outs.append(fn(module, q, key[:, :, :n], value[:, :, :n], binding=binding, cpb=part, **kw)[0])
+    if whole is not None:
+        kw = dict(kwargs)
+        part, q = layer_rules.apply(module, query[:, :, n:], key[:, :, n:], whole, kw)
+        outs.append(ulysses.local_attention(module, q, key[:, :, n:], value[:, :, n:], binding=binding, cpb=part,
+                                            **kw)[0])
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+# per-token attention inputs a documents batch would have to cut per part (Inkling's relative-bias states,
+# Inkling2's per-token sinks): refused under load_balance="documents"
+_PER_TOKEN_KWARGS = (relbias.KWARG, TOKEN_SINKS)
 
 
 def cp_attention(binding: AttentionBinding):

@@ -22,7 +22,7 @@ _SERIAL = itertools.count(1)
 
 def _check_layout_for_backend(cfg: RingmasterPlan) -> bool:
     ulysses_only = cfg.backend is Backend.ULYSSES or (cfg.backend is Backend.USP and cfg.ring_size == 1)
-    if ulysses_only and cfg.load_balance is not LoadBalance.NONE:
+    if ulysses_only and cfg.load_balance not in (LoadBalance.NONE, LoadBalance.DOCUMENTS):
         raise ValueError(
             f"load_balance={cfg.load_balance.value!r} only helps Ring; Ulysses computes the whole sequence "
             "on every rank, so use load_balance='none' (or 'auto')"

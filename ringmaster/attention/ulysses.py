@@ -24,7 +24,7 @@ from .token_sinks import KWARG as TOKEN_SINKS
 from .flex import block_mask as flex_block_mask
 
 # kwargs that describe the local shard only: the inner kernel must not see them
-_LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+LOCAL_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -84,8 +84,15 @@ def inner_attention(inner: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[inner]
 
 
+def _size_rank(group) -> tuple[int, int]:
+    """``(P, rank)`` of a Ulysses group; ``None`` is one rank (a documents batch's whole documents: no collective)."""
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
 def seq_to_head(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """``[B, H_i, S/P, D]`` each -> ``[B, H_i/P, S, D]`` each, in one fused all-to-all."""
+    """``[B, H_i, S/P, D]`` each -> ``[B, H_i/P, S, D]`` each, in one fused all-to-all (none for ``group=None``)."""
+    if group is None:
+        return list(tensors)
     P = dist.get_world_size(group)
     B, _, S, D = tensors[0].shape
     if any(t.shape[-1] != D for t in tensors):  # different head dims cannot share one buffer
@@ -100,6 +107,8 @@ def seq_to_head(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 def head_to_seq(out: torch.Tensor, group) -> torch.Tensor:
     """``[B, S, H/P, D]`` -> ``[B, S/P, H, D]``, contiguous as HF's kernels return it: with one head
     per rank the reshape is a strided view, and a model that ``.view``s the output (afmoe) breaks."""
+    if group is None:
+        return out.contiguous()
     P = dist.get_world_size(group)
     B, S_full, h, D = out.shape
     S = S_full // P
@@ -145,8 +154,19 @@ def relative_bias_mask(cpb, causal: bool, window, rel: relbias.RelativeBias, q: 
     return bias.masked_fill(~mask, torch.finfo(q.dtype).min)
 
 
-def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
-    """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards)."""
+_BOUND = object()   # the binding's Ulysses group
+
+
+def local_attention(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
+    """The model's own kernel on this rank's tokens alone, masked by ``cpb`` (a batch of one rank): a
+    documents batch's whole documents. Ulysses' path with no group: no collective."""
+    return ulysses_attention(module, query, key, value, binding=binding, cpb=cpb, group=None, **kwargs)
+
+
+def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, cpb, group=_BOUND, **kwargs):
+    """q ``[B, Hq, S/P, D]``, k/v ``[B, Hkv, S/P, D]`` -> ``[B, S/P, Hq, D]`` (contiguous shards).
+    ``group=None``: one rank (:func:`local_attention`)."""
+    group = binding.ulysses_group if group is _BOUND else group
     inner = binding.inner
     rel = kwargs.pop(relbias.KWARG, None)
     token_sinks = kwargs.pop(TOKEN_SINKS, None)
@@ -155,14 +175,12 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
         # per-token sinks are a kwarg of its own eager kernel: so does CP
         inner = "eager"
     elif binding.inner_kernel is not None:
-        return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, **kwargs)
+        return flash_ulysses(module, query, key, value, binding=binding, cpb=cpb, group=group, **kwargs)
     if inner == "sdpa" and kwargs.get("softcap") is not None:  # HF's sdpa raises too, but after the all-to-all
         raise NotImplementedError(
             f"{type(module).__name__}: the model caps attention logits (softcap={kwargs['softcap']}) and sdpa has "
             "no softcap; load it with attn_implementation='eager' (or 'flex_attention', or a flash kernel)")
-    group = binding.ulysses_group
-    P = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    P, rank = _size_rank(group)
     num_heads, num_kv = query.shape[1], key.shape[1]
     rep = kv_replication(num_heads, num_kv, P)
     if rep > 1:
@@ -184,7 +202,7 @@ def ulysses_attention(module, query, key, value, *, binding: AttentionBinding, c
     if isinstance(s_aux, torch.Tensor) and s_aux.shape[0] == num_heads:
         kwargs["s_aux"] = s_aux[heads]
     alibi = kwargs.pop("alibi_slopes", None)
-    for name in _LOCAL_ONLY_KWARGS:
+    for name in LOCAL_ONLY_KWARGS:
         kwargs.pop(name, None)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     window = kwargs.get("sliding_window")
@@ -210,7 +228,7 @@ def local_heads(per_head: torch.Tensor, rank: int, count: int) -> torch.Tensor:
     return per_head[rank * count:(rank + 1) * count]
 
 
-def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, **kwargs):
+def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, group=_BOUND, **kwargs):
     """Ulysses around a flash kernel (``flash_attention_2/3/4`` or a hub repo), called directly.
 
     transformers' flash path cannot be used under CP: it looks the library up from
@@ -223,8 +241,8 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
     not yet run on a GPU.
     """
     kernel = binding.inner_kernel
-    group = binding.ulysses_group
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    group = binding.ulysses_group if group is _BOUND else group
+    P, rank = _size_rank(group)
     num_heads = query.shape[1]
     rep = kv_replication(num_heads, key.shape[1], P)
     causal = kwargs.get("is_causal")

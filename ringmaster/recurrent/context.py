@@ -70,6 +70,12 @@ class LayerContext:
                     "ContextParallelContextManager"
                 )
             return self.group, size, "contiguous", "sequential"
+        if batch.assignment is not None:   # a documents batch: by_parts runs its two parts, never the whole
+            raise NotImplementedError(
+                f"{self.path}: load_balance='documents' is not wired for this recurrent layer's kernel yet; use "
+                "load_balance='auto'")
+        if batch.size == 1 and batch.origin is not None:   # a documents batch's whole documents: no collective
+            return None, 1, "contiguous", "sequential"
         if batch.size != size or (size > 1 and batch.rank != dist.get_rank(self.group)):
             raise RuntimeError(
                 f"{self.path}: the batch was cut for rank {batch.rank} of {batch.size}, but this layer is wired "

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..comm import all_gather
 from .context import LayerContext, check_call_kwargs
-from .documents import global_documents
+from ..sharding.documents import BATCH_KWARG
+from .documents import by_parts, global_documents
 from .scan import chunk_ids, split_local, tie
 
 
@@ -165,6 +166,9 @@ def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
         batch = ctx.take_batch(kwargs)
         if ctx.probe is not None:
             return probe_conv(ctx, kernel, x, weight, bias, activation, **kwargs)
+        if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, whole part
+            return by_parts(batch, lambda part, x_: conv(x_, weight, bias, activation, **{**kwargs, BATCH_KWARG: part}),
+                            (x,), (-1,), -1)
         group, size, layout, _ = ctx.resolve(batch)
         if size > 1:
             check_call_kwargs(ctx.path, kwargs)

@@ -212,3 +212,22 @@ def _device(seg) -> torch.device:
     return seg.state_meta()[2]
 
 
+def by_parts(batch, call, tensors: Sequence[torch.Tensor | None], dims: Sequence[int], out_dim: int):
+    """A documents batch (``load_balance="documents"``) through a recurrent kernel: ``call(part, *cut)`` once
+    for the split documents (the shard's first ``split_share`` tokens, over the group: the state passing and
+    halos of today) and once for this rank's whole documents (the rest, a batch of one rank: no collective),
+    each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first element is
+    the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part first, so
+    the collectives line up."""
+    n = batch.split_share
+    outs = []
+    for part, lo in ((batch.split_part(), 0), (batch.whole_part(), n)):
+        if part is None:
+            continue
+        cut = [None if t is None else t.narrow(d, lo, (n if lo == 0 else t.shape[d] - n)) for t, d in zip(tensors, dims)]
+        outs.append(call(part, *cut))
+    first = [_out(o) for o in outs]
+    out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
+    if isinstance(outs[0], tuple):
+        return (out, *[None] * (len(outs[0]) - 1))
+    return out

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
-from .documents import global_documents, host_runs, local_documents, with_documents
+from ..sharding.documents import BATCH_KWARG
+from .documents import by_parts, global_documents, host_runs, local_documents, with_documents
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
@@ -116,6 +117,10 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, q, k, v, g_, b_: cp_chunk_gated_delta_rule(
+            kernel, ctx, q, k, v, g_, b_, initial_state, output_final_state, **{**kwargs, BATCH_KWARG: part}),
+            (query, key, value, g, beta), (1,) * 5, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
-from .documents import local_documents, with_documents
+from ..sharding.documents import BATCH_KWARG
+from .documents import by_parts, local_documents, with_documents
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -115,6 +116,10 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
         kwargs.pop("z", None)
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, x, dt_, b_, c_: cp_mamba2_chunk_scan(
+            kernel, ctx, x, dt_, A, b_, c_, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_limit,
+            return_final_states, **{**kwargs, BATCH_KWARG: part}), (hidden_states, dt, B, C), (1,) * 4, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:

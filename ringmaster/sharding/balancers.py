@@ -24,13 +24,18 @@ def check_layout(layout: str) -> str:
     """The shard layout a name cuts batches in; ``distflash`` cuts contiguously (its balance is a schedule)."""
     aliases = {"none": "contiguous", "zigzag": "head_tail", "distflash": "contiguous"}
     layout = aliases.get(layout, layout)
+    if layout == "documents":   # length-aware: a per-batch assignment (sharding.assignment), not a fixed cut
+        return layout
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown shard layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+        raise ValueError(f"unknown shard layout {layout!r}; use one of {', '.join(LAYOUTS)} or 'documents'")
     return layout
 
 
 def chunks_per_rank(layout: str) -> int:
-    return 2 if check_layout(layout) == "head_tail" else 1
+    layout = check_layout(layout)
+    if layout == "documents":
+        raise ValueError("a documents batch has no fixed cut: read its assignment (sharding.assignment)")
+    return 2 if layout == "head_tail" else 1
 
 
 def check_divisible(seq_len: int, size: int, layout: str) -> None:

@@ -16,7 +16,8 @@ from ..runtime import Runtime, active, check_setup_path, runtime_of
 from ..validation import validate_batch
 from . import balancers
 from .carrier import carrier_of
-from .documents import BATCH_KWARG, CPBatch, batch_documents, positions_from_doc_ids
+from .assignment import DOCUMENTS, Assignment, DocumentPolicy, plan_documents, policy_of
+from .documents import BATCH_KWARG, CPBatch, Runs, batch_documents, positions_from_doc_ids
 from .positions import row_inputs
 
 CP_SHARD_KEY = "_cp_shard"
@@ -86,7 +87,8 @@ def refuse_bidirectional_spans(batch: Mapping[str, Any]) -> None:
 
 
 def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
-                         load_balance: str = "contiguous", multimodal: bool = False) -> dict[str, Any]:
+                         load_balance: str = "contiguous", multimodal: bool = False,
+                         documents: DocumentPolicy | None = None) -> dict[str, Any]:
     """Return this rank's shard of a full collated batch (no collective runs here).
 
     Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
@@ -104,6 +106,11 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     ``ContextParallelContextManager`` pass it from the model's runtime) only the labels are cut here: input_ids, pixel values and the attention mask stay whole
     because the model builds the fused sequence (and its mrope positions) from them, and the
     language model's pre-hook cuts the fused sequence.
+
+    ``load_balance="documents"`` (``documents``: the runtime's :class:`DocumentPolicy`) assigns short
+    documents whole to single ranks and splits the long ones (:mod:`.assignment`): each rank's shard is its
+    piece of the long documents followed by its whole documents, and ``_cp_shard`` carries the assignment.
+    A batch whose documents all end up split (one long document) is cut as the policy's static layout cuts it.
     """
     layout = balancers.check_layout(load_balance)
     if not (0 <= cp_rank < cp_size):
@@ -111,10 +118,19 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     if CP_SHARD_KEY in batch:
         raise ValueError("this batch is already a CP shard (it carries _cp_shard); shard the full batch once")
     seq_len = sequence_length(batch)
-    balancers.check_divisible(seq_len, cp_size, layout)
+    policy = (documents or DocumentPolicy()) if layout == DOCUMENTS else None
+    balancers.check_divisible(seq_len, cp_size, policy.split_layout if policy is not None else layout)
     doc_ids = batch_documents(batch, seq_len)
     if multimodal:
         refuse_bidirectional_spans(batch)
+    runs = assignment = None
+    if policy is not None:
+        if multimodal:
+            raise NotImplementedError("load_balance='documents' cuts text rows; a VLM's fused sequence is cut by its "
+                                      "language model, so use load_balance='auto' for this model")
+        runs = Runs.from_doc_ids(doc_ids) if doc_ids is not None else None   # the one host read of the documents
+        assignment = plan_documents(runs, seq_len, cp_size, policy.split_layout, policy.threshold, policy.cost)
+    index = None if assignment is None else assignment.local_index(cp_rank)
 
     rows = None if multimodal else row_inputs(batch, seq_len)   # for absolute position rules (positions.py)
     keep_whole = ("attention_mask",) if multimodal else ()
@@ -136,35 +152,68 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                 raise ValueError(
                     f"batch[{key!r}] has length {value.shape[dim]} along dim {dim} but the sequence is {seq_len}"
                 )
-            out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout).contiguous()
+            if index is not None:
+                out[key] = value.index_select(dim % value.dim(), index.to(value.device)).contiguous()
+            else:
+                out[key] = shard_tensor(value, dim, cp_rank, cp_size, layout).contiguous()
         else:
             out[key] = value
-    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": layout, "seq_len": seq_len, "doc_ids": doc_ids,
-                         "rows": rows}
+    out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": DOCUMENTS if assignment is not None else layout,
+                         "seq_len": seq_len, "doc_ids": doc_ids, "rows": rows}
+    if assignment is not None:
+        out[CP_SHARD_KEY].update(assignment=assignment, runs=runs)
     return out
 
 
 def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str | None = None,
-                    runtime: Runtime | None = None) -> torch.Tensor:
+                    runtime: Runtime | None = None, assignment: Assignment | None = None) -> torch.Tensor:
     """Undo the shard: all-gather ``local`` along ``dim`` over the CP group and restore sequence order.
 
     Differentiable (backward reduce-scatters). ``group``/``layout`` default to ``runtime``'s (the
     one ``rm.wire`` returned), else to the current runtime's (the last ``rm.setup``/``rm.wire``).
+    A batch cut with ``load_balance="documents"`` needs its ``assignment`` (``shard["_cp_shard"]
+    ["assignment"]``, or the ``ringmaster_batch`` kwarg's): the shards differ in length and order.
     """
+    if assignment is not None:
+        layout = DOCUMENTS
     if group is None or layout is None:
         rt = runtime if runtime is not None else active()
         group = rt.cp_group if group is None else group
         layout = rt.shard_load_balance if layout is None else layout
     layout = balancers.check_layout(layout)
+    dim = dim % local.dim()
+    if layout == DOCUMENTS:
+        if assignment is None:
+            raise ValueError("this batch was cut with load_balance='documents': its shards differ in length and "
+                             "order, so gather_sequence needs the batch's assignment; pass assignment="
+                             "shard['_cp_shard']['assignment'] (or ringmaster_batch.assignment)")
+        return _gather_documents(local, dim, group, assignment)
     stacked = all_gather(local, group, tag="gather_sequence")  # [P, ..., S/P, ...]
     P = stacked.shape[0]
-    dim = dim % local.dim()
     full = torch.cat(stacked.unbind(0), dim=dim)
     if layout == "contiguous":
         return full
     order = balancers.gathered_positions(full.shape[dim], P, layout, device=full.device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
+    return full.index_select(dim, inverse)
+
+
+def _gather_documents(local: torch.Tensor, dim: int, group, a: Assignment) -> torch.Tensor:
+    """:func:`gather_sequence` for a documents batch: shards padded to the longest, all-gathered, cut back
+    to each rank's length (known on the host) and put in row order."""
+    rank = dist.get_rank(group)
+    if local.shape[dim] != a.local_len(rank):
+        raise ValueError(f"gather_sequence: this rank's tensor has {local.shape[dim]} tokens along dim {dim}, but its "
+                         f"shard of the documents batch has {a.local_len(rank)}")
+    pad = a.max_local_len - local.shape[dim]
+    if pad:
+        shape = list(local.shape)
+        shape[dim] = pad
+        local = torch.cat([local, local.new_zeros(shape)], dim=dim)
+    stacked = all_gather(local, group, tag="gather_sequence")
+    full = torch.cat([stacked[r].narrow(dim, 0, a.local_len(r)) for r in range(a.size)], dim=dim)
+    inverse = torch.argsort(a.gathered).to(full.device)
     return full.index_select(dim, inverse)
 
 
@@ -251,6 +300,7 @@ class ContextParallelContextManager:
         self.load_balance = None if load_balance in (None, "auto") else balancers.check_layout(load_balance)
         self._local_valid: torch.Tensor | None = None
         self._layouts: dict[int, str] = {}
+        self._assignments: dict[int, Assignment | None] = {}   # load_balance="documents": each model's last batch
 
     def _layout(self, runtime: Runtime | None) -> str:
         """The layout a full batch is cut in: the manager's, else the model's own runtime's."""
@@ -269,14 +319,13 @@ class ContextParallelContextManager:
             meta = kwargs.pop(CP_SHARD_KEY, None)   # a batch the collator already cut
             layout = meta["layout"] if meta is not None else self._layout(runtime)
             runtime = check_shard_target(module, runtime, layout, self.cp_size)   # before any collective
-            self._layouts[id(module)] = layout
             full_batch = None
             if meta is None:
                 full_batch = dict(kwargs)
                 tensors = {k: v for k, v in kwargs.items()
                            if (k in SEQUENCE_KEYS or k in LOCAL_ONLY_KEYS) and v is not None}
                 shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, layout,
-                                             multimodal=runtime.multimodal is not None)
+                                             multimodal=runtime.multimodal is not None, documents=policy_of(runtime))
                 meta = shard.pop(CP_SHARD_KEY)
                 for key in tensors:
                     kwargs.pop(key)
@@ -295,6 +344,8 @@ class ContextParallelContextManager:
             if kwargs.get("num_items_in_batch") is None and full_count is not None:
                 kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
             kwargs[BATCH_KWARG] = batch_kwarg(meta)
+            self._layouts[id(module)] = meta["layout"]
+            self._assignments[id(module)] = meta.get("assignment")
             apply_positions(runtime, kwargs)
             kwargs["use_cache"] = False
             carrier = carrier_of(module)
@@ -311,8 +362,14 @@ class ContextParallelContextManager:
         logits = getattr(output, "logits", None)
         if self.gather_outputs and isinstance(logits, torch.Tensor):
             layout = self._layouts.get(id(module), self.load_balance or "contiguous")
-            output.logits = gather_sequence(logits, dim=1, group=self.cp_group, layout=layout)
+            output.logits = gather_sequence(logits, dim=1, group=self.cp_group, layout=layout,
+                                            assignment=self._assignments.get(id(module)))
         return output
+
+    def assignment_of(self, model):
+        """The documents assignment of ``model``'s last batch (``load_balance="documents"``; else None): what
+        :func:`gather_sequence` needs to put its outputs back in row order."""
+        return self._assignments.get(id(model))
 
     def install(self) -> list:
         """Register the hooks on every model; returns the handles (``handle.remove()`` undoes)."""

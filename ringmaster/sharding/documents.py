@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from . import balancers
+from .assignment import DOCUMENTS
 
 BATCH_KWARG = "ringmaster_batch"
 
@@ -207,8 +208,15 @@ class CPBatch:
     """What every CP layer needs to know about the whole batch, for one forward pass."""
 
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
-                 rows: Mapping[str, Any] | None = None, runs: Runs | None = None):
-        self.rank, self.size, self.layout, self.seq_len = rank, size, balancers.check_layout(layout), seq_len
+                 rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
+                 origin: torch.Tensor | None = None):
+        self.rank, self.size, self.seq_len = rank, size, seq_len
+        # load_balance="documents": the batch's Assignment (sharding.assignment); its layers run two parts,
+        # split_part() over the group and whole_part() locally. None: a static layout
+        self.assignment = assignment
+        self.layout = DOCUMENTS if assignment is not None else balancers.check_layout(layout)
+        # a part of a documents batch: the row position of each token of its (sub-)row, host int64
+        self.origin = origin
         self.doc_ids = doc_ids
         # the host copy of the documents: built here, in the shard step (the only read of doc_ids' values)
         self.runs = runs if runs is not None or doc_ids is None else Runs.from_doc_ids(doc_ids)
@@ -223,7 +231,66 @@ class CPBatch:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
-                   meta.get("runs"))
+                   meta.get("runs"), meta.get("assignment"))
+
+    # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
+    @property
+    def split_share(self) -> int:
+        """Tokens of this rank's shard that belong to the split sub-row (the first ones): all of them in a
+        static layout."""
+        a = self.assignment
+        return a.split_share if a is not None else self.seq_len // self.size
+
+    def split_part(self) -> "CPBatch | None":
+        """Under ``load_balance="documents"``: the split sub-row (the long documents) as a batch of its own,
+        cut over the group in the backend's static layout; None when nothing is split. Built once per batch."""
+        a = self.assignment
+        if a is None or not a.split_len:
+            return None
+        if "split" not in self._cache:
+            runs = Runs(a.split_len, (a.split_starts(),))
+            part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
+                           origin=a.sub_row)
+            part.rng_seed = self.rng_seed
+            self._cache["split"] = part
+        return self._cache["split"]
+
+    def whole_part(self) -> "CPBatch | None":
+        """Under ``load_balance="documents"``: this rank's whole documents as a batch of one rank (rank 0 of
+        1: its layers run with no collective); None when the rank holds none. Built once per batch."""
+        a = self.assignment
+        if a is None or not a.whole_len(self.rank):
+            return None
+        if "whole" not in self._cache:
+            runs = Runs(a.whole_len(self.rank), (a.whole_starts(self.rank),))
+            part = CPBatch(0, 1, "contiguous", runs.seq_len, self._part_ids(runs), runs=runs,
+                           origin=a.local_index(self.rank)[a.split_share:])
+            part.rng_seed = self.rng_seed
+            self._cache["whole"] = part
+        return self._cache["whole"]
+
+    def _part_ids(self, runs: Runs) -> torch.Tensor:
+        """``[1, L]`` document ids of a part, from its host runs (no device read)."""
+        ends = (*runs.row(0)[1:], runs.seq_len)
+        lengths = torch.tensor([e - s for s, e in zip(runs.row(0), ends)], dtype=torch.long)
+        ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).unsqueeze(0)
+        device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
+        return _on(device, ids, torch.long)
+
+    def local_positions(self, device=None) -> torch.Tensor:
+        """The row position of each token of this rank's shard, in the order the shard stores them: what a
+        per-token rule of the row (a position table, a temperature) reads. For a part of a documents batch,
+        the positions in the original row."""
+        key = ("positions", str(device))
+        if key not in self._cache:
+            if self.assignment is not None:
+                pos = self.assignment.local_index(self.rank)
+            else:
+                pos = balancers.shard_positions(self.seq_len, self.size, self.rank, self.layout)
+                if self.origin is not None:
+                    pos = self.origin[pos]
+            self._cache[key] = _on(device or "cpu", pos, torch.long)
+        return self._cache[key]
 
     def chunked(self, chunk: int) -> "CPBatch":
         """This batch as chunked-attention layers see it: the same rank, layout and length, with
@@ -234,7 +301,8 @@ class CPBatch:
         if key not in self._cache:
             docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
             runs = (self.runs or Runs.whole(self.seq_len)).chunked(chunk)
-            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows, runs)
+            self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows, runs,
+                                       origin=self.origin)
             self._cache[key].rng_seed = self.rng_seed
         return self._cache[key]
 
@@ -297,9 +365,9 @@ class CPBatch:
         return self._cache[key]
 
 
-def _on(device, values: list[int], dtype) -> torch.Tensor:
+def _on(device, values, dtype) -> torch.Tensor:
     """A small host-built tensor on ``device``: built in host memory, copied without waiting."""
-    t = torch.tensor(values, dtype=dtype)
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -245,7 +245,8 @@ def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None,
     outs = [lp] + ([ent] if entropy else [])
     outs = [v.new_zeros(B * N).index_copy(0, keep, v).view(B, N) for v in outs]
     if cp:
-        outs = [gather_sequence(v, dim=1, group=cp_group, layout=cpb.layout) for v in outs]
+        documents = {"assignment": cpb.assignment} if cpb.assignment is not None else {}   # load_balance="documents"
+        outs = [gather_sequence(v, dim=1, group=cp_group, layout=cpb.layout, **documents) for v in outs]
     return (outs[0], outs[1]) if entropy else outs[0]
 
 

@@ -1,0 +1,143 @@
+"""load_balance="documents" (length-aware CP): short documents whole on one rank, long ones split.
+
+Host: the assignment covers every token once, keeps each short document whole, cuts the split sub-row evenly,
+balances the work, and is the same on every rank. Model level: a packed row under Ulysses, Ring and USP (llama)
+and through a gated-DeltaNet hybrid and a Mamba2 hybrid (fp64, per parameter) against every document run
+alone: loss, gathered logits, every gradient. Mutations: a whole document on two ranks, a split document's
+state not passed, the local attention across documents.
+"""
+
+import jobs_documents as jd
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from test_hybrid_parity import FP64_PARAM_TOL, FP64_TOL
+from test_ulysses_parity import TOL
+
+from ringmaster.sharding.assignment import Cost, assign, plan_documents
+from ringmaster.sharding.documents import Runs
+
+# S=96, threshold 16: a long mix (one 67-token document split, the rest whole), all short, every one long,
+# one exactly at the threshold (kept whole), and a mix whose long documents do not cut evenly (fixed by short ones)
+MIXES = {
+    "one-long": [5, 67, 10, 14],
+    "all-short": [12, 16, 9, 11, 14, 10, 8, 16],
+    "all-long": [30, 66],
+    "at-threshold": [16, 45, 3, 16, 16],
+    "uneven": [7, 41, 9, 13, 4, 22],
+}
+THRESHOLD = 16
+
+
+def _docs(lens):
+    out, t = [], 0
+    for n in lens:
+        out.append((t, t + n))
+        t += n
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 60), min_size=1, max_size=20), P=st.sampled_from([2, 4]),
+       layout=st.sampled_from(["contiguous", "head_tail"]), threshold=st.integers(1, 64))
+def test_assignment_covers_every_token_once_and_keeps_short_documents_whole(lens, P, layout, threshold):
+    m = P * (2 if layout == "head_tail" else 1)
+    lens = lens + [1] * (-sum(lens) % m)           # the row cuts evenly (a padded batch)
+    S = sum(lens)
+    a = assign(_docs(lens), S, P, layout, threshold)
+    seen = torch.cat([a.local_index(r) for r in range(P)])
+    assert sorted(seen.tolist()) == list(range(S))
+    assert a.split_len % m == 0
+    for s, e in _docs(lens):
+        owners = [r for r in range(P) if (s, e) in a.whole[r]]
+        if e - s > threshold:
+            assert (s, e) in a.split and not owners
+        else:
+            assert len(owners) == 1 or (s, e) in a.split   # whole on one rank, or a filler of the split sub-row
+    fillers = [d for d in a.split if d[1] - d[0] <= threshold]
+    if fillers:   # short documents join the split sub-row only when the long ones do not cut evenly
+        assert sum(e - s for s, e in a.split if e - s > threshold) % m != 0
+    assert torch.equal(a.gathered.sort().values, torch.arange(S))
+
+
+def test_lognormal_mix_is_balanced_and_moves_only_the_long_documents():
+    g = torch.Generator().manual_seed(0)
+    lens = (torch.empty(400).log_normal_(6.0, 1.0, generator=g).clamp(16, 16384)).long().tolist()
+    lens.append(-sum(lens) % 4 or 4)
+    S = sum(lens)
+    a = plan_documents(Runs(S, (tuple(s for s, _ in _docs(lens)),)), S, 4, "contiguous", None, Cost())
+    assert a.work_max_over_mean <= 1.10, a.describe()
+    assert a.split_fraction < 0.5, a.describe()
+    assert plan_documents(Runs(S, (tuple(s for s, _ in _docs(lens)),)), S, 4, "contiguous", None, Cost()) == a
+
+
+def test_rows_with_different_documents_are_refused_before_any_collective():
+    runs = Runs(8, ((0, 4), (0, 2)))
+    with pytest.raises(ValueError, match="one row"):
+        plan_documents(runs, 8, 2, "contiguous", 2)
+
+
+def _check(results, fp64=False):
+    for rank, r in enumerate(results):
+        assert r["layout"] == "documents", r["layout"]
+        assert not r["missing_grads"], r["missing_grads"]
+        if fp64:
+            assert r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r["loss_err"], r["logits_err"])
+            worst = {k: v for k, v in r["grad_errs"].items() if v > FP64_PARAM_TOL}
+            assert not worst, (rank, worst)
+        else:
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, r["loss_err"], r["logits_err"])
+            assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
+
+
+LLAMA = dict(num_attention_heads=8, num_key_value_heads=2)
+BACKENDS = [("ulysses", 2, {}), ("ring", 2, {}), ("ulysses", 4, {}), ("ring", 4, {}),
+            ("usp", 4, dict(ulysses_size=2, ring_size=2))]
+
+
+@pytest.mark.parametrize("backend,P,cfg", BACKENDS, ids=[f"{b}-P{P}" for b, P, _ in BACKENDS])
+@pytest.mark.parametrize("mix", ["one-long", "uneven"])
+def test_llama_documents_parity(pool, mix, backend, P, cfg):
+    _check(pool.run(jd.documents_parity, P, "llama", backend, MIXES[mix], THRESHOLD, cfg, overrides=LLAMA))
+
+
+@pytest.mark.parametrize("mix", ["all-short", "all-long", "at-threshold"])
+def test_llama_documents_mixes(pool, mix):
+    results = pool.run(jd.documents_parity, 4, "llama", "ring", MIXES[mix], THRESHOLD, overrides=LLAMA)
+    if mix == "all-long":   # every document split: the static layout, exact as before
+        assert all(r["layout"] == "documents" for r in results)
+        assert all(r["split_fraction"] == 1.0 for r in results)
+    if mix == "all-short":  # nothing travels but the fillers that make the split sub-row cut evenly (none here)
+        assert all(r["split_fraction"] == 0.0 for r in results), [r["split_fraction"] for r in results]
+    _check(results)
+
+
+def test_llama_documents_through_the_trainer_hooks(pool):
+    _check(pool.run(jd.documents_parity, 2, "llama", "ulysses", MIXES["one-long"], THRESHOLD, via="hooks",
+                    overrides=LLAMA))
+
+
+HYBRIDS = [("qwen3_5_text", 2, "ulysses"), ("qwen3_5_text", 4, "ring"), ("nemotron_h", 2, "ring"),
+           ("nemotron_h", 4, "ulysses")]
+
+
+@pytest.mark.parametrize("model_type,P,backend", HYBRIDS, ids=[f"{m}-P{P}-{b}" for m, P, b in HYBRIDS])
+def test_hybrid_documents_parity_fp64(pool, model_type, P, backend):
+    _check(pool.run(jd.documents_parity, P, model_type, backend, MIXES["uneven"], THRESHOLD, fp64=True), fp64=True)
+
+
+def _fails(results, fp64=False):
+    try:
+        _check(results, fp64)
+    except AssertionError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("mutation,model_type,fp64", [("whole_on_two_ranks", "llama", False),
+                                                       ("local_attends_across_documents", "llama", False),
+                                                       ("split_state_not_passed", "qwen3_5_text", True)])
+def test_mutation_fails_parity(pool, mutation, model_type, fp64):
+    results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES["uneven"], THRESHOLD, fp64=fp64,
+                       mutation=mutation, overrides=LLAMA if model_type == "llama" else None)
+    assert _fails(results, fp64), f"{mutation}: parity still holds, the test cannot see it"
