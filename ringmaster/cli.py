@@ -66,8 +66,13 @@ def plan(args) -> int:
     if missing:
         raise SystemExit(f"ringmaster plan: {', '.join(missing)} required (or --config <config.json | dir | "
                          "model_type> for the memory plan)")
-    from ringmaster_tools.planning import plan_table
+    from ringmaster_tools.planning import document_lengths, documents_table, plan_table
 
+    if args.documents:   # load_balance="documents": what the assignment does with this length mix
+        lens = document_lengths(args.documents, args.seq)
+        print(documents_table(lens, args.world, args.heads, args.kv_heads, args.hidden, _plan_hardware(args),
+                              args.ranks_per_node, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]))
+        return 0
     print(plan_table(args.heads, args.kv_heads, args.world, args.ranks_per_node, args.seq, args.hidden, args.layers,
                      args.batch, {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype], hardware=_plan_hardware(args)))
     return 0
@@ -242,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
     p.add_argument("--inter-latency-us", type=float, default=20.0, help="inter-node latency per call, us (default 20)")
     p.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
+    p.add_argument("--documents", default=None,
+                   help="load_balance='documents' for one packed row: document lengths ('512,512,8000') or "
+                        "'lognormal:MU,SIGMA'; prints the threshold, the tokens that travel and the balance per backend")
     from ringmaster_tools.memory_plan import add_arguments as add_memory_plan_arguments
 
     add_memory_plan_arguments(p)

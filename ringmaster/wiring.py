@@ -36,6 +36,7 @@ from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime
 from .sharding import rng
+from .sharding.assignment import Cost
 from .sharding.carrier import attach
 
 __all__ = ["UnsupportedLayerError", "WireReport", "check_setup_path", "wire", "unwire"]
@@ -172,6 +173,20 @@ def _refuse_router_logits_kwarg(model, undo: list) -> None:
     undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
 
 
+def _check_documents(spec, model) -> None:
+    """``load_balance="documents"`` runs each attention and recurrent kernel in two parts (the split documents
+    over the group, the whole ones locally); what cuts per-token state of its own is refused here, before any
+    collective."""
+    found = ("its modules compute attention themselves (self-attention sites)" if spec.self_attention else
+             "a relative position bias travels with its queries" if spec.relative_bias else
+             "it is a vision-language model (its fused sequence is cut by the language model)" if spec.multimodal
+             else "")
+    if found:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__} ({spec.name}): load_balance='documents' is not supported for this family: "
+            f"{found}; use load_balance='auto'")
+
+
 def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mesh=None,
          cp_dim: str = "cp", compile: bool = False) -> Runtime:
     """Make ``model`` context parallel: look up its family, validate, set up a runtime bound to this
@@ -232,6 +247,9 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         if cfg.load_balance is LoadBalance.DISTFLASH and cfg.ulysses_size == 1:
             distflash.check_model(model, tcfg, layers.attention)
 
+    if cfg.load_balance is LoadBalance.DOCUMENTS:
+        _check_documents(spec, model)
+
     strategy = cfg.recurrent
     notes: list[str] = []
     if compile:
@@ -246,6 +264,9 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         rt = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
                    num_heads=num_heads)
         rt.multimodal = spec if spec.multimodal else None
+        # load_balance="documents": the work model its assignment balances by (sharding.assignment.Cost)
+        layers_total = getattr(tcfg, "num_hidden_layers", None) or max(len(layers.attention) + len(recurrent), 1)
+        rt.cost = Cost.for_model(getattr(tcfg, "hidden_size", None), len(layers.attention) / layers_total)
         rt.positions = positions   # the shard step numbers absolute positions by it (sharding.positions)
         undo.append(lambda: setattr(rt, "positions", None))
         # the model's step carrier, for the layers transformers calls without the ringmaster_batch kwarg

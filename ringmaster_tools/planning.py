@@ -118,3 +118,62 @@ def plan_table(heads: int, kv_heads: int, world: int, ranks_per_node: int, seq: 
                      f"{alt.kv_resident_bytes / 2**20:>16.1f} {(alt.fwd_bytes + alt.bwd_bytes) * layers / gib:>14.2f}"
                      f"{timing}{mark}{where}")
     return "\n".join(lines)
+
+
+def document_lengths(spec: str, seq: int, seed: int = 0) -> list[int]:
+    """``--documents`` of ``ringmaster plan``: ``"512,512,8000"`` (lengths; the last one padded up to ``seq``) or
+    ``"lognormal:MU,SIGMA"`` (lengths drawn until ``seq`` tokens are filled, at least 16 each)."""
+    import torch
+
+    if spec.startswith("lognormal:"):
+        mu, sigma = (float(x) for x in spec.split(":", 1)[1].split(","))
+        g = torch.Generator().manual_seed(seed)
+        out: list[int] = []
+        while True:
+            n = int(torch.empty(1).log_normal_(mu, sigma, generator=g).clamp(16, seq))
+            if sum(out) + n + 16 > seq:
+                out.append(seq - sum(out))
+                return out
+            out.append(n)
+    lens = [int(x) for x in spec.split(",") if x.strip()]
+    if sum(lens) > seq or min(lens, default=0) < 1:
+        raise ValueError(f"--documents {spec!r}: lengths must be >= 1 and add up to at most --seq {seq}")
+    if sum(lens) < seq:
+        lens.append(seq - sum(lens))
+    return lens
+
+
+def documents_table(lens: list[int], world: int, heads: int, kv_heads: int, hidden: int, hardware=None,
+                    ranks_per_node: int = 8, dtype_bytes: int = 2) -> str:
+    """What ``load_balance="documents"`` does with one packed row of documents ``lens`` at ``world`` ranks, per
+    backend: the threshold the cost model chooses, the tokens that travel, the balance, and (with link figures)
+    the modelled step against the static layout (:func:`ringmaster_tools.step_model.predict_documents`)."""
+    from ringmaster.config import auto_select
+    from ringmaster.sharding.assignment import Cost, plan_documents
+    from ringmaster.sharding.documents import Runs
+    from ringmaster_tools.step_model import Shape, predict_documents
+
+    S = sum(lens)
+    starts, t = [], 0
+    for n in lens:
+        starts.append(t)
+        t += n
+    u, r = auto_select(heads, kv_heads, world, ranks_per_node)
+    splits = [("ulysses", world, 1)] if heads % world == 0 and (kv_heads % world == 0 or world % kv_heads == 0) else []
+    splits += [("ring", 1, world)] + ([(f"usp {u}x{r}", u, r)] if u > 1 and r > 1 else [])
+    lines = [f"documents: {len(lens)} in {S} tokens (longest {max(lens)}, median {sorted(lens)[len(lens) // 2]}), "
+             f"{world} ranks", "",
+             "| backend | threshold | split tokens | work max/mean | static s/layer | documents s/layer | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for name, uu, rr in splits:
+        shape = Shape(heads, kv_heads, hidden // heads, S, 1, dtype_bytes)
+        if hardware is not None:
+            static, docs, a = predict_documents(lens, hidden, shape, hardware, uu, rr)
+            times = f"{static:.4f} | {docs:.4f} | {docs / static:.2f}"
+        else:
+            layout = "head_tail" if uu == 1 and S % (2 * world) == 0 else "contiguous"
+            a = plan_documents(Runs(S, (tuple(starts),)), S, world, layout, None, Cost.for_model(hidden),
+                               heads_split=rr == 1)
+            times = "- | - | - (pass --tflops and --intra-gbps for the step model)"
+        lines.append(f"| {name} | {a.threshold} | {a.split_fraction:.0%} | {a.work_max_over_mean:.3f} | {times} |")
+    return "\n".join(lines)

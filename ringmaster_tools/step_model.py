@@ -203,3 +203,84 @@ def auto_select_modelled(shape: Shape, world: int, hw: Hardware | None = None,
     """``(ulysses_size, ring_size)``: today's rule without link figures, the fastest predicted split with."""
     return auto_select(shape.heads, shape.kv_heads, world, ranks_per_node,
                        cost=None if hw is None else step_cost(shape, hw))
+
+
+# -- load_balance="documents" ---------------------------------------------------------------------------------
+
+def _per_rank(lens: list[int], hidden: int, shape: Shape, hw: Hardware, ulysses: int, ring: int) -> list[float]:
+    """Forward + backward compute of each rank of a static layout on a packed row of documents ``lens`` (see
+    :func:`predict_documents`); per ring rank (its Ulysses group's ranks share it equally)."""
+    import torch
+
+    S, P = sum(lens), ulysses * ring
+    if S == 0:
+        return [0.0] * ring
+    k = (1 + hw.bwd_factor) / hw.flops
+    pos = torch.cat([torch.arange(n, dtype=torch.float64) for n in lens])     # position inside its document
+    attn_row = 4.0 * shape.batch * shape.heads * shape.head_dim * (pos + 1)    # a query's causal row, forward
+    linear = 24.0 * hidden * hidden * S / P
+    if ring == 1:
+        return [k * (float(attn_row.sum()) / P + linear)]
+    from ringmaster.sharding.balancers import shard_positions
+
+    layout = "head_tail" if S % (2 * ring) == 0 else "contiguous"
+    return [k * (float(attn_row[shard_positions(S, ring, r, layout)].sum()) / ulysses + linear) for r in range(ring)]
+
+
+def documents_cost(hidden: int, shape: Shape, hw: Hardware, ulysses: int, ring: int):
+    """The :class:`~ringmaster.sharding.assignment.Cost` a documents assignment balances by on ``hw``: attention's
+    quadratic weight for ``hidden`` (``4 h`` FLOPs per key against ``24 h^2`` per token), and ``comm`` = the modelled communication time of one split token (the
+    step model's collective time for the row, per token) over a token's linear-layer time (``24 h^2`` FLOPs
+    forward, ``1 + bwd_factor`` with the backward)."""
+    from ringmaster.sharding.assignment import Cost
+
+    p = predict(shape, hw, ulysses, ring)
+    per_token_comm = 0.0 if p is None else (p.total - p.compute) / (shape.seq / (ulysses * ring))
+    per_token_linear = 24.0 * hidden * hidden * (1 + hw.bwd_factor) / hw.flops
+    return Cost(quadratic=1.0 / (6 * hidden), comm=per_token_comm / per_token_linear)
+
+
+def predict_documents(lens: list[int], hidden: int, shape: Shape, hw: Hardware, ulysses: int, ring: int,
+                      threshold: int | None = None):
+    """Modelled per-layer step (forward + backward, slowest rank) of the static layout and of ``documents`` for
+    one packed row of documents ``lens`` at ``P = ulysses x ring`` ranks: ``(static s, documents s,
+    assignment)``.
+
+    Assumes: attention FLOPs only inside documents (the kernels skip masked tiles) and a transformer layer's
+    linear FLOPs ``24 h^2`` per token forward, the backward ``bwd_factor`` times the forward; the static
+    layout's per-rank compute: Ulysses a 1/P share of the row's (heads split), Ring (and USP's ring) the causal
+    rows of the queries its ``head_tail`` shard holds, the slowest rank; its communication the step model's for
+    the row (:func:`predict` on ``S`` tokens, overlap included); ``documents``: per rank its
+    share of the split documents (cut like the static layout: the same rule on the split sub-row) plus its whole
+    documents (the slowest rank), and the split sub-row's
+    communication from the same model on its ``L`` tokens. The threshold is the one the assignment chooses with
+    :func:`documents_cost` (or ``threshold``)."""
+    from ringmaster.sharding.assignment import plan_documents
+    from ringmaster.sharding.documents import Runs
+
+    P = ulysses * ring
+    S = sum(lens)
+    starts, t = [], 0
+    for n in lens:
+        starts.append(t)
+        t += n
+    k = (1 + hw.bwd_factor) / hw.flops
+    heads, d = shape.heads, shape.head_dim
+
+    def work(n: int) -> float:
+        return k * (4.0 * shape.batch * heads * d * n * (n + 1) / 2 + 24.0 * hidden * hidden * n)
+
+    row = predict(Shape(heads, shape.kv_heads, d, S, shape.batch, shape.dtype_bytes), hw, ulysses, ring)
+    static = max(_per_rank(lens, hidden, shape, hw, ulysses, ring)) + (row.total - row.compute)
+    cost = documents_cost(hidden, Shape(heads, shape.kv_heads, d, S, shape.batch, shape.dtype_bytes), hw, ulysses,
+                          ring)
+    layout = "contiguous" if ulysses > 1 or S % (2 * P) else "head_tail"
+    a = plan_documents(Runs(S, (tuple(starts),)), S, P, layout, threshold, cost, heads_split=ring == 1)
+    split = _per_rank([e - s for s, e in a.split], hidden, shape, hw, ulysses, ring)   # per ring rank
+    slowest = max(split[(r // ulysses) % len(split)] + sum(work(e - s) for s, e in a.whole[r]) for r in range(P))
+    comm = 0.0
+    if a.split_len:
+        part = predict(Shape(heads, shape.kv_heads, d, a.split_len, shape.batch, shape.dtype_bytes), hw, ulysses,
+                       ring)
+        comm = 0.0 if part is None else part.total - part.compute
+    return static, slowest + comm, a

@@ -51,7 +51,9 @@ if BaseModel is not None:
         ulysses_size: Optional[int] = Field(default=None, ge=1)
         ring_size: Optional[int] = Field(default=None, ge=1)
         rotate_method: Literal["alltoall", "allgather", "p2p"] = "alltoall"
-        load_balance: Literal["auto", "none", "head_tail", "distflash"] = "auto"
+        load_balance: Literal["auto", "none", "head_tail", "distflash", "documents"] = "auto"
+        documents_threshold: Optional[int] = Field(default=None, ge=1)
+        """load_balance: documents: documents longer than this are split over the group (None: chosen per batch)."""
         ring_impl: Literal["auto", "math", "torch_native", "hf_kernels"] = "auto"
         recurrent: Literal["auto", "scan", "sequential"] = "auto"
         gather_outputs: bool = False
@@ -105,7 +107,7 @@ def ringmaster_config(settings) -> RingmasterConfig:
         size=settings.size, backend=settings.backend,
         ulysses_size=settings.ulysses_size or AUTO, ring_size=settings.ring_size or AUTO,
         rotate_method=settings.rotate_method, load_balance=settings.load_balance, ring_impl=settings.ring_impl,
-        recurrent=settings.recurrent,
+        recurrent=settings.recurrent, documents_threshold=settings.documents_threshold,
     )
 
 

@@ -33,13 +33,14 @@ DOCUMENTS = "documents"
 class Cost:
     """The work and communication model the assignment balances by (relative units).
 
-    One token of a document of length ``n`` costs ``1 + quadratic * n / 2`` (the linear layers, and its
-    causal attention row); a split token also costs ``comm`` (its share of the collectives). Defaults:
-    ``quadratic = 1 / (12 * hidden)`` for a transformer layer (attention ``4 n h`` FLOPs per token against
-    ``24 h^2`` for the projections and MLP) scaled by the fraction of layers that attend; ``comm`` the
-    measured ratio of a token's collective time to its compute time (0: communication is free)."""
+    The token at position ``t`` of its document costs ``1 + quadratic * (t + 1)`` (the linear layers, and its
+    causal attention row), so a document of ``n`` tokens ``n + quadratic * n (n + 1) / 2``; a split token also
+    costs ``comm`` (its share of the collectives). Defaults: ``quadratic = 1 / (6 * hidden)`` for a
+    transformer layer (a causal attention row of ``t + 1`` keys is ``4 h (t + 1)`` FLOPs forward, against
+    ``24 h^2`` for the projections and MLP) scaled by the fraction of layers that attend; ``comm`` the ratio
+    of a token's collective time to its linear-layer time (0: communication is free)."""
 
-    quadratic: float = 1.0 / (12 * 4096)
+    quadratic: float = 1.0 / (6 * 4096)
     comm: float = 0.25
 
     def doc(self, n: int) -> float:
@@ -48,7 +49,7 @@ class Cost:
     @classmethod
     def for_model(cls, hidden: int | None, attention_fraction: float = 1.0, comm: float = 0.25) -> "Cost":
         h = hidden if hidden and hidden > 0 else 4096
-        return cls(quadratic=max(attention_fraction, 0.0) / (12 * h), comm=comm)
+        return cls(quadratic=max(attention_fraction, 0.0) / (6 * h), comm=comm)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class DocumentPolicy:
     split_layout: str = "contiguous"
     threshold: int | None = None
     cost: Cost = field(default_factory=Cost)
+    heads_split: bool = True   # the split documents' attention is shared by heads (Ulysses), else by position
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Assignment:
     split: tuple[tuple[int, int], ...]                  # the split sub-row's documents, in row order
     whole: tuple[tuple[tuple[int, int], ...], ...]      # per rank: its whole documents, in row order
     cost: Cost = field(default_factory=Cost)
+    heads_split: bool = True                            # Ulysses: the split attention shared by heads
 
     @property
     def split_len(self) -> int:
@@ -118,10 +121,10 @@ class Assignment:
 
     # -- the figures the benchmark and the planner report --------------------------------------------
     def work(self) -> tuple[float, ...]:
-        """Estimated compute per rank (:class:`Cost` units): its whole documents, and an equal share of
-        the split documents' work."""
-        shared = sum(self.cost.doc(e - s) for s, e in self.split) / self.size
-        return tuple(shared + sum(self.cost.doc(e - s) for s, e in self.whole[r]) for r in range(self.size))
+        """Estimated compute per rank (:class:`Cost` units): its whole documents, and its part of the split
+        documents' work (:func:`split_work`)."""
+        shared = split_work(self.split, self.size, self.split_layout, self.cost, self.heads_split)
+        return tuple(shared[r] + sum(self.cost.doc(e - s) for s, e in self.whole[r]) for r in range(self.size))
 
     @property
     def work_max_over_mean(self) -> float:
@@ -155,6 +158,21 @@ def _starts(spans) -> tuple[int, ...]:
     return tuple(out)
 
 
+def split_work(split, size: int, layout: str, cost: Cost, heads_split: bool) -> list[float]:
+    """Each rank's part of the split documents' work: an equal share when their attention is split by heads
+    (Ulysses), else the causal rows of the sub-row positions its shard holds (Ring, USP: a packed sub-row
+    is not balanced by ``head_tail`` alone)."""
+    lengths = [e - s for s, e in split]
+    L = sum(lengths)
+    if not L:
+        return [0.0] * size
+    if heads_split:
+        return [sum(cost.doc(n) for n in lengths) / size] * size
+    pos = torch.cat([torch.arange(n, dtype=torch.float64) for n in lengths])
+    row = 1.0 + cost.quadratic * (pos + 1)
+    return [float(row[balancers.shard_positions(L, size, r, layout)].sum()) for r in range(size)]
+
+
 def _fix_residue(short: list[tuple[int, int]], need: int, m: int) -> list[tuple[int, int]] | None:
     """The fewest tokens of ``short`` documents whose lengths add up to ``need`` mod ``m`` (None: none)."""
     if need % m == 0:
@@ -177,7 +195,7 @@ def _fix_residue(short: list[tuple[int, int]], need: int, m: int) -> list[tuple[
 
 
 def assign(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str, threshold: int,
-           cost: Cost | None = None) -> Assignment:
+           cost: Cost | None = None, heads_split: bool = True) -> Assignment:
     """The assignment of one row's documents ``[(start, stop), ...]`` (in row order, covering the row)."""
     cost = cost or Cost()
     split_layout = balancers.check_layout(split_layout)
@@ -196,13 +214,14 @@ def assign(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: s
         long = sorted(long + extra)
         short = [d for d in short if d not in taken]
     # whole documents: longest processing time first, onto the least-loaded rank (ties: the lowest rank)
-    loads = [0.0] * size
+    loads = split_work(long, size, split_layout, cost, heads_split)
     mine: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     for d in sorted(short, key=lambda d: (-cost.doc(d[1] - d[0]), d[0])):
         r = min(range(size), key=lambda i: (loads[i], i))
         loads[r] += cost.doc(d[1] - d[0])
         mine[r].append(d)
-    return Assignment(seq_len, size, split_layout, threshold, tuple(long), tuple(tuple(sorted(w)) for w in mine), cost)
+    return Assignment(seq_len, size, split_layout, threshold, tuple(long), tuple(tuple(sorted(w)) for w in mine), cost,
+                      heads_split)
 
 
 def predicted_time(a: Assignment) -> float:
@@ -212,7 +231,7 @@ def predicted_time(a: Assignment) -> float:
 
 
 def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str,
-                     cost: Cost | None = None) -> Assignment:
+                     cost: Cost | None = None, heads_split: bool = True) -> Assignment:
     """The assignment whose :func:`predicted_time` is smallest over the candidate thresholds: every
     distinct document length at least ``seq_len / (8 size)`` (smaller ones are never worth splitting), and
     the row length (nothing split). Ties: the larger threshold (less communication)."""
@@ -220,7 +239,7 @@ def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split
     lengths = sorted({e - s for s, e in docs if (e - s) * 8 * size >= seq_len}, reverse=True)
     best = None
     for t in [seq_len] + lengths[1:] + [max(seq_len // (8 * size), 1)] if lengths else [seq_len]:
-        a = assign(docs, seq_len, size, split_layout, max(int(t), 1), cost)
+        a = assign(docs, seq_len, size, split_layout, max(int(t), 1), cost, heads_split)
         key = predicted_time(a)
         if best is None or key < best[0] - 1e-9:
             best = (key, a)
@@ -228,7 +247,7 @@ def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split
 
 
 def plan_documents(runs, seq_len: int, size: int, split_layout: str, threshold: int | None,
-                   cost: Cost | None = None) -> Assignment:
+                   cost: Cost | None = None, heads_split: bool = True) -> Assignment:
     """The batch's assignment from its host document runs (:class:`~.documents.Runs`; None: one document),
     with a fixed ``threshold`` or, for ``None``, the one :func:`choose_threshold` predicts fastest."""
     if runs is not None and not runs.uniform:
@@ -238,8 +257,8 @@ def plan_documents(runs, seq_len: int, size: int, split_layout: str, threshold: 
             "micro_batch_size: 1) or use load_balance='auto'")
     docs = [(0, seq_len)] if runs is None else runs.bounds(0)
     if threshold is None:
-        return choose_threshold(docs, seq_len, size, split_layout, cost)
-    return assign(docs, seq_len, size, split_layout, threshold, cost)
+        return choose_threshold(docs, seq_len, size, split_layout, cost, heads_split)
+    return assign(docs, seq_len, size, split_layout, threshold, cost, heads_split)
 
 
 def policy_of(runtime) -> DocumentPolicy | None:
@@ -250,4 +269,4 @@ def policy_of(runtime) -> DocumentPolicy | None:
         return None
     plan = runtime.config
     split = "head_tail" if plan.ulysses_size == 1 and plan.ring_size > 1 else "contiguous"
-    return DocumentPolicy(split, plan.documents_threshold, runtime.cost or Cost())
+    return DocumentPolicy(split, plan.documents_threshold, runtime.cost or Cost(), heads_split=plan.ring_size == 1)

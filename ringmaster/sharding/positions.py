@@ -24,7 +24,6 @@ from typing import Any, Callable, MutableMapping
 
 import torch
 
-from . import balancers
 from .documents import BATCH_KWARG
 
 # full-row rules: (input_ids [B,S] | None, attention_mask [B,S] | None, padding_idx, (B, S), device) -> [B,S] long
@@ -106,7 +105,7 @@ class PositionConvention:
             ids, mask = rows["input_ids"], rows["attention_mask"]
             here = next((t.device for t in (ids, mask) if t is not None), device)
             full = rule_positions(self.rule, ids, mask, self.padding_idx, (rows["batch_size"], batch.seq_len), here)
-            mine = balancers.shard_positions(batch.seq_len, batch.size, batch.rank, batch.layout, device=full.device)
+            mine = batch.local_positions(full.device)   # the row positions of this shard (any layout)
             out = full.index_select(1, mine).contiguous()
             cache[key] = out if device is None else out.to(device)
         return cache[key]
