@@ -62,7 +62,9 @@ def fingerprint(meta: Mapping[str, Any], config, full_batch: Mapping[str, Any] |
         int(config.ring_size) if config is not None else -1,
         _DTYPES.get(embeds.dtype, 0) if isinstance(embeds, torch.Tensor) else 0,
         _digest(meta.get("doc_ids")),
-        _digest(full_batch.get("input_ids")) if full_batch is not None else int(ref.shape[-1]) if ref is not None else 0,
+        _digest(full_batch.get("input_ids")) if full_batch is not None else
+        # a documents batch's shards differ in length by design: its row length is what the ranks share
+        int(meta["seq_len"]) if meta.get("assignment") is not None else int(ref.shape[-1]) if ref is not None else 0,
     ]
 
 

@@ -8,20 +8,69 @@ import ringmaster as rm
 
 
 def documents_parity(ctx, P, model_type, backend, doc_lens, threshold=None, cfg_kwargs=None, fp64=False,
-                     via="region", mutation=None, overrides=None):
+                     via="region", mutation=None, overrides=None, checkpointing=False):
     """A packed row under ``load_balance="documents"`` against every document run alone (token-weighted):
     loss, gathered logits, every gradient. ``mutation``: a name from :data:`MUTATIONS`, applied while the CP
-    model runs."""
+    model runs; ``checkpointing``: every decoder layer recomputed in backward (HF gradient checkpointing)."""
     from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     from jobs_recurrent import slow_decay
 
+    def prepare(model):
+        slow_decay(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+
     cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance="documents", documents_threshold=threshold,
                               **(cfg_kwargs or {}))
     with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
-        return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=slow_decay,
+        return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=prepare,
                        batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
                        reference_forward=per_document_forward, fp64=fp64, via=via, **(overrides or {}))
+
+
+def logprobs_parity(ctx, P, backend, doc_lens, threshold):
+    """``rm.token_logprobs`` (with entropy) on a documents shard of an fp64 llama against every document run alone:
+    the gathered values in row order, and the gradient of a fixed weighted sum of them."""
+    import copy
+
+    import torch
+
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.sharding.batch import shift_labels
+    from ringmaster_tools.parity import group_mean_grad_errors, keep_fp64, packed_batch, per_document_forward, tiny_model
+
+    with keep_fp64():
+        model = tiny_model("llama", dtype=torch.float64, num_attention_heads=8, num_key_value_heads=2)
+        reference = copy.deepcopy(model)
+        batch = packed_batch(model.config.vocab_size, list(doc_lens))
+        labels = shift_labels(batch["labels"])
+        logits = per_document_forward(reference, batch).logits.double()
+        logp = logits.log_softmax(-1)
+        ref_lp = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1).masked_fill(labels == -100, 0.0)
+        ref_ent = -(logp.exp() * logp).sum(-1).masked_fill(labels == -100, 0.0)
+        g = torch.Generator().manual_seed(11)
+        w1, w2 = (torch.randn(labels.shape, generator=g, dtype=torch.float64) for _ in range(2))
+        ((ref_lp * w1).sum() + (ref_ent * w2).sum()).backward()
+        cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance="documents", documents_threshold=threshold)
+        runtime = rm.wire(model, cfg, device_mesh=ctx.mesh(P))
+        try:
+            with context_parallel_region(batch, runtime=runtime) as shard:
+                local_labels = shard.pop("shift_labels")
+                for key in ("labels", "num_items_in_batch"):
+                    shard.pop(key)
+                hidden = model(**shard, output_hidden_states=True, logits_to_keep=1)
+                lp, ent = rm.token_logprobs(hidden, local_labels, model=model, batch=shard, entropy=True, chunk_size=7)
+            ((lp * w1).sum() + (ent * w2).sum()).backward()
+            errs, missing, _ = group_mean_grad_errors(model, reference, runtime.cp_group, P)
+        finally:
+            rm.unwire(model)
+            rm.teardown()
+    scale = ref_lp.abs().max()
+    return {"lp_err": float((lp.detach() - ref_lp).abs().max() / scale),
+            "ent_err": float((ent.detach() - ref_ent).abs().max() / ref_ent.abs().max()),
+            "grad_err": max(errs.values()), "missing": missing}
 
 
 @contextlib.contextmanager

@@ -117,6 +117,18 @@ def test_llama_documents_through_the_trainer_hooks(pool):
                     overrides=LLAMA))
 
 
+def test_token_logprobs_in_row_order(pool):
+    for r in pool.run(jd.logprobs_parity, 2, "ring", MIXES["uneven"], THRESHOLD):
+        assert r["lp_err"] <= 1e-10 and r["ent_err"] <= 1e-10, r
+        assert r["grad_err"] <= 1e-8 and not r["missing"], r
+
+
+@pytest.mark.parametrize("model_type,backend", [("llama", "ring"), ("qwen3_5_text", "ulysses")])
+def test_activation_checkpointing(pool, model_type, backend):
+    _check(pool.run(jd.documents_parity, 2, model_type, backend, MIXES["uneven"], THRESHOLD, checkpointing=True,
+                    overrides=LLAMA if model_type == "llama" else None))
+
+
 HYBRIDS = [("qwen3_5_text", 2, "ulysses"), ("qwen3_5_text", 4, "ring"), ("nemotron_h", 2, "ring"),
            ("nemotron_h", 4, "ulysses")]
 
