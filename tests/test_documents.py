@@ -112,6 +112,14 @@ def test_llama_documents_mixes(pool, mix):
     _check(results)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(3, 40), min_size=2, max_size=9), threshold=st.integers(4, 40),
+       backend=st.sampled_from(["ring", "ulysses"]))
+def test_random_mixes_are_exact(pool, lens, threshold, backend):
+    lens = lens + [1] * (-sum(lens) % 4)          # the row cuts evenly (padding tokens, each a document)
+    _check(pool.run(jd.documents_parity, 2, "llama", backend, lens, threshold, overrides=LLAMA))
+
+
 def test_llama_documents_through_the_trainer_hooks(pool):
     _check(pool.run(jd.documents_parity, 2, "llama", "ulysses", MIXES["one-long"], THRESHOLD, via="hooks",
                     overrides=LLAMA))
