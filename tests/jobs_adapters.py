@@ -83,7 +83,7 @@ def _reset_accelerate():
 
 
 def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, overrides=None, ours=False,
-                        with_ref=False, cp=None, attn="sdpa"):
+                        with_ref=False, cp=None, attn="sdpa", lens=None):
     """axolotl's ContextParallelPlugin on a HF Trainer: pre_model_load, post_trainer_create, one
     training_step through the Trainer, post_train_unload.
 
@@ -112,8 +112,8 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
 
         as_flash_model(model, attn)
     tok = tiny_tokenizer()
-    mbs = 2 if model_type == "llama" else 1
-    rows = features([64, 45][:mbs])
+    mbs = 1 if lens else 2 if model_type == "llama" else 1
+    rows = features(lens or [64, 45][:mbs])
     cfg = DictDefault({
         "context_parallel": {"size": P, "backend": "ulysses", "shard_in_collator": shard_in_collator, **(cp or {})},
         "model_config_type": model.config.model_type, "micro_batch_size": mbs, "gradient_accumulation_steps": 1,
@@ -123,7 +123,7 @@ def axolotl_plugin_step(ctx, P, model_type="llama", shard_in_collator=True, over
         from ringmaster.adapters.axolotl import RingmasterArgs, RingmasterPlugin
 
         cfg = DictDefault(RingmasterArgs.model_validate(
-            {"ringmaster": {"backend": "ulysses"}, "context_parallel_size": P}).model_dump())
+            {"ringmaster": {"backend": "ulysses", **(cp or {})}, "context_parallel_size": P}).model_dump())
         cfg["gradient_accumulation_steps"] = 1
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -161,3 +161,16 @@ def test_mutation_fails_parity(pool, mutation, model_type, fp64):
     results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES["uneven"], THRESHOLD, fp64=fp64,
                        mutation=mutation, overrides=LLAMA if model_type == "llama" else None)
     assert _fails(results, fp64), f"{mutation}: parity still holds, the test cannot see it"
+
+
+def test_ringmaster_axolotl_plugin_with_documents(pool):
+    """The `ringmaster:` block with load_balance: documents through a HF Trainer step (the trainer's pre-hook cuts
+    the row: 45 tokens and 3 padding tokens, each its own document; the long one split, padding kept whole)."""
+    pytest.importorskip("axolotl")
+    import jobs_adapters
+    from test_adapters_axolotl import check
+
+    results = pool.run(jobs_adapters.axolotl_plugin_step, 2, "llama", True, None, True,
+                       cp=dict(load_balance="documents", documents_threshold=16), lens=[45])
+    assert all(r["layout"] == "documents" for r in results)
+    check(results, 2)
