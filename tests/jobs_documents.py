@@ -117,25 +117,32 @@ def _state_not_passed():
 
 @contextlib.contextmanager
 def _local_sees_split():
-    """The local attention is given the split document's keys too (its whole documents attend to them)."""
+    """The local attention is given the split document's keys: each rank's whole documents run together with its
+    piece of the split documents, and its first whole document attends to that piece (as one document)."""
     from unittest import mock
 
     import torch
 
-    from ringmaster.attention import ulysses
+    from ringmaster.attention import register, ulysses
+    from ringmaster.sharding.documents import CPBatch, Runs
 
-    real = ulysses.local_attention
+    real = register._documents
 
-    def local_attention(module, query, key, value, *, binding, cpb, **kwargs):
-        # the whole documents' attention, but the batch's documents merged into one (all may attend)
-        from ringmaster.sharding.documents import CPBatch, Runs
-        merged = CPBatch(0, 1, "contiguous", cpb.seq_len, torch.zeros_like(cpb.doc_ids), runs=Runs.whole(cpb.seq_len),
-                         origin=cpb.origin)
-        return real(module, query, key, value, binding=binding, cpb=merged, **kwargs)
+    def mutated(fn, binding, module, query, key, value, cpb, kwargs):
+        out, _ = real(fn, binding, module, query, key, value, cpb, kwargs)   # the collectives as they were
+        n, whole = cpb.split_share, cpb.whole_part()
+        if whole is None or n == 0:
+            return out, None
+        N = query.shape[2]
+        runs = Runs(N, ((0,) + tuple(n + s for s in whole.runs.row(0)[1:]),))
+        merged = CPBatch(0, 1, "contiguous", N, cpb._part_ids(runs), runs=runs, origin=cpb.local_positions())
+        kw = {k: v for k, v in kwargs.items() if k not in ulysses.LOCAL_ONLY_KWARGS}
+        local = ulysses.local_attention(module, query, key, value, binding=binding, cpb=merged, **kw)[0]
+        return torch.cat([out[:, :n], local[:, n:]], dim=1), None
 
-    with mock.patch.object(ulysses, "local_attention", local_attention):
+    with mock.patch.object(register, "_documents", mutated):
         yield
 
 
 MUTATIONS = {"whole_on_two_ranks": _twice, "split_state_not_passed": _state_not_passed,
-             "local_attends_across_documents": _local_sees_split}
+             "local_sees_split_keys": _local_sees_split}

@@ -4,7 +4,7 @@ Host: the assignment covers every token once, keeps each short document whole, c
 balances the work, and is the same on every rank. Model level: a packed row under Ulysses, Ring and USP (llama)
 and through a gated-DeltaNet hybrid and a Mamba2 hybrid (fp64, per parameter) against every document run
 alone: loss, gathered logits, every gradient. Mutations: a whole document on two ranks, a split document's
-state not passed, the local attention across documents.
+state not passed, the local attention given the split document's keys.
 """
 
 import jobs_documents as jd
@@ -155,7 +155,7 @@ def _fails(results, fp64=False):
 
 
 @pytest.mark.parametrize("mutation,model_type,fp64", [("whole_on_two_ranks", "llama", False),
-                                                       ("local_attends_across_documents", "llama", False),
+                                                       ("local_sees_split_keys", "llama", False),
                                                        ("split_state_not_passed", "qwen3_5_text", True)])
 def test_mutation_fails_parity(pool, mutation, model_type, fp64):
     results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES["uneven"], THRESHOLD, fp64=fp64,
