@@ -221,10 +221,12 @@ def by_parts(batch, call, tensors: Sequence[torch.Tensor | None], dims: Sequence
     the collectives line up."""
     n = batch.split_share
     outs = []
-    for part, lo in ((batch.split_part(), 0), (batch.whole_part(), n)):
+    for part, split in ((batch.split_part(), True), (batch.whole_part(), False)):
         if part is None:
             continue
-        cut = [None if t is None else t.narrow(d, lo, (n if lo == 0 else t.shape[d] - n)) for t, d in zip(tensors, dims)]
+        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
+        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
+               for t, d in zip(tensors, dims)]
         outs.append(call(part, *cut))
     first = [_out(o) for o in outs]
     out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)

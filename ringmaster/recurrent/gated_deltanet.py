@@ -118,6 +118,11 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        if ctx.strategy == FLA_CP and batch.assignment.split_layout != "contiguous":
+            raise NotImplementedError(
+                f"{ctx.path}: recurrent='fla_cp' with load_balance='documents' under pure Ring: the split documents "
+                f"are cut {batch.assignment.split_layout!r}, and FLA's context parallelism needs contiguous parts; "
+                "use load_balance='auto' (contiguous) or recurrent='scan'")
         return by_parts(batch, lambda part, q, k, v, g_, b_: cp_chunk_gated_delta_rule(
             kernel, ctx, q, k, v, g_, b_, initial_state, output_final_state, **{**kwargs, BATCH_KWARG: part}),
             (query, key, value, g, beta), (1,) * 5, 1)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, check_call_kwargs
-from .documents import local_documents, with_documents
+from .documents import by_parts, local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -131,6 +131,9 @@ def cp_lightning(ctx: LayerContext, batch, q, k, v, slope, block_size: int):
     if ctx.probe is not None:   # wire's probe: the core is reached, and its incoming state matters
         seg = LightningSegment(q, k, v, slope, block_size)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, q_, k_, v_: cp_lightning(ctx, part, q_, k_, v_, slope, block_size),
+                        (q, k, v), (1,) * 3, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0

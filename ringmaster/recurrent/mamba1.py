@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .context import LayerContext, check_call_kwargs
-from .documents import local_documents, with_documents
+from ..sharding.documents import BATCH_KWARG
+from .documents import by_parts, local_documents, with_documents
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .step_size import mamba1_dt
@@ -194,6 +195,10 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = Mamba1Segment(kernel, hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, u, dt_, b_, c_, z_: cp_selective_scan(
+            kernel, ctx, u, dt_, A, b_, c_, D, z_, delta_bias, delta_softplus, return_last_state,
+            **{**kwargs, BATCH_KWARG: part}), (hidden_states, dt, B, C, z), (-1,) * 5, -1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:

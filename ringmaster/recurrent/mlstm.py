@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedLayerError
 from .context import LayerContext
-from .documents import local_documents, with_documents
+from .documents import by_parts, local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -122,13 +122,17 @@ class MlstmSegment:
         return torch.cat([final, final.new_full((*final.shape[:-1], 1), _NEG)], dim=-1)
 
 
-def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate):
-    """The mLSTM over this rank's shard, with the earlier shards' state: ``(h, None)``."""
-    batch = ctx.take_batch({})
+def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate, batch=None):
+    """The mLSTM over this rank's shard, with the earlier shards' state: ``(h, None)``. ``batch``: the step's
+    ``CPBatch`` (None: the step carrier's; the backend gets no kwargs), or one part of a documents batch."""
+    batch = ctx.take_batch({}) if batch is None else batch
     if ctx.probe is not None:
         seg = MlstmSegment(kernel, q, k, v, igate, fgate)
         injected = ctx.probe.state("scan", *seg.state_meta())
         return probe_run(seg, injected, ctx.path)[0], None
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, *t: cp_mlstm(kernel, ctx, *t, batch=part), (q, k, v, igate, fgate),
+                        (2,) * 5, 2)
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0

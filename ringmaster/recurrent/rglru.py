@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
-from .documents import local_documents, with_documents
+from ..sharding.documents import BATCH_KWARG
+from .documents import by_parts, local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -96,6 +97,10 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     if ctx.probe is not None:
         seg = RglruSegment(kernel, hidden_states, recurrent_gate, reset)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, x, a, r: cp_rnn_scan(kernel, ctx, x, a, r, recurrent_states,
+                                                                 **{**kwargs, BATCH_KWARG: part}),
+                        (hidden_states, recurrent_gate, reset), (1,) * 3, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -126,15 +131,19 @@ def wire_rglru_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
         """The module's own conv, causal part only (the block slices ``[..., :seq_len]`` after it)."""
         return conv_forward(conv, x)[..., :x.shape[-1]]
 
+    def run_conv(batch, x):
+        if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, whole part
+            return by_parts(batch, run_conv, (x,), (-1,), -1)
+        group, size, layout, _ = ctx.resolve(batch)
+        return cp_causal_conv1d(conv_kernel, x, conv.weight[:, 0, :], group=group if size > 1 else None,
+                                layout=layout, docs=conv_documents(batch, ctx.path, size, x),
+                                runs=getattr(batch, "runs", None))
+
     def cp_conv(x):
         batch = ctx.take_batch({})
-        weight = conv.weight[:, 0, :]
         if ctx.probe is not None:
-            return probe_conv(ctx, conv_kernel, x, weight)
-        group, size, layout, _ = ctx.resolve(batch)
-        return cp_causal_conv1d(conv_kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=conv_documents(batch, ctx.path, size, x),
-                                runs=getattr(batch, "runs", None))
+            return probe_conv(ctx, conv_kernel, x, conv.weight[:, 0, :])
+        return run_conv(batch, x)
 
     def cp_scan(hidden_states, recurrent_gate, reset, recurrent_states=None, **kwargs):
         def kernel(**kw):

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedLayerError
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
-from .documents import local_documents, with_documents
+from .documents import by_parts, local_documents, with_documents
 from ..intercept import interceptable, rebind_attributes, rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -111,15 +111,20 @@ class WkvSegment:
         return torch.cat([final, final.new_full((*final.shape[:-1], 1), _NEG)], dim=-1)
 
 
-def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, value, state=None, return_state=False):
-    """``rwkv_linear_attention`` for this rank's shard, with the earlier shards' state."""
-    batch = ctx.take_batch({})
+def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, value, state=None, return_state=False,
+           batch=None):
+    """``rwkv_linear_attention`` for this rank's shard, with the earlier shards' state. ``batch``: the step's
+    ``CPBatch`` (None: the step carrier's; the blocks get no kwargs), or one part of a documents batch."""
+    batch = ctx.take_batch({}) if batch is None else batch
     if ctx.probe is not None:
         seg = WkvSegment(kernel, time_decay, time_first, key, value)
         injected = ctx.probe.state("scan", *seg.state_meta())
         if injected is not None:   # a valid stabilised state: positive num/den scale, finite max
             injected = torch.stack([injected[..., 0], injected[..., 1].abs() + 1, injected[..., 2]], dim=-1)
         return probe_run(seg, injected, ctx.path)[0], None
+    if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
+        return by_parts(batch, lambda part, k, v: cp_wkv(kernel, ctx, time_decay, time_first, k, v, state, return_state,
+                                                         batch=part), (key, value), (1, 1), 1)
     group, size, layout, strategy = ctx.resolve(batch)
     if state is not None or return_state:
         raise RuntimeError(f"{ctx.path}: a cache (the WKV state) is not supported under CP or with packed rows; "
@@ -141,18 +146,24 @@ def _shift(ctx: LayerContext, pad) -> Callable:
     def kernel(x, weight=None, bias=None, activation=None, **kwargs):      # [b, c, l] -> shifted by one
         return pad_forward(pad, x.transpose(1, 2)).transpose(1, 2)
 
-    def shift(hidden):
-        batch = ctx.take_batch({})
+    def run(batch, hidden):
+        if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, whole part
+            return by_parts(batch, run, (hidden,), (1,), 1)
         x = hidden.transpose(1, 2)
         weight = x.new_zeros(x.shape[1], 2)          # width 2: a halo of one token (the taps are the shift's)
-        if ctx.probe is not None:
-            return probe_conv(ctx, kernel, x, weight).transpose(1, 2)
         group, size, layout, _ = ctx.resolve(batch)
         docs = conv_documents(batch, ctx.path, size, x)
         if size == 1 and docs is None:
             return pad_forward(pad, hidden)
         return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
                                 docs=docs, runs=getattr(batch, "runs", None)).transpose(1, 2)
+
+    def shift(hidden):
+        batch = ctx.take_batch({})
+        if ctx.probe is not None:
+            x = hidden.transpose(1, 2)
+            return probe_conv(ctx, kernel, x, x.new_zeros(x.shape[1], 2)).transpose(1, 2)
+        return run(batch, hidden)
     return shift
 
 
