@@ -14,20 +14,36 @@ def documents_parity(ctx, P, model_type, backend, doc_lens, threshold=None, cfg_
     model runs; ``checkpointing``: every decoder layer recomputed in backward (HF gradient checkpointing)."""
     from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
-    from jobs_recurrent import slow_decay
+    cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance="documents", documents_threshold=threshold,
+                              **(cfg_kwargs or {}))
+    extra = {"attn_implementation": ATTN.get(model_type, "sdpa"), **(overrides or {})}
+    with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
+        return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=_prepare(model_type, checkpointing),
+                       batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
+                       reference_forward=per_document_forward, fp64=fp64, via=via, **extra)
+
+
+ATTN = {"rwkv": "eager", "xlstm": "eager"}   # attention-free families: transformers refuses sdpa for them
+
+
+def _prepare(model_type, checkpointing=False):
+    """Slow decays (state survives across shards; any A_log shape, Mamba1's [d, n] too), plus what the family's
+    own parity jobs prepare: MiniMax's decay buffers recomputed in the model's dtype, xLSTM's input-dependent
+    gates; ``checkpointing``: HF gradient checkpointing on."""
+    from jobs_linear_recurrent import wide_decays
+    from jobs_mamba1 import slow_decay
+    from jobs_xlstm import random_gates
+
+    extra = {"minimax": wide_decays, "xlstm": random_gates}.get(model_type)
 
     def prepare(model):
         slow_decay(model)
+        if extra is not None:
+            extra(model)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-
-    cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance="documents", documents_threshold=threshold,
-                              **(cfg_kwargs or {}))
-    with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
-        return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=prepare,
-                       batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
-                       reference_forward=per_document_forward, fp64=fp64, via=via, **(overrides or {}))
+    return prepare
 
 
 def logprobs_parity(ctx, P, backend, doc_lens, threshold):

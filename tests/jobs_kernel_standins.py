@@ -58,14 +58,7 @@ def resolution(ctx) -> dict:
 def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
     """fp64 parity of ``model_type`` at P=2 with the stand-in kernels (dense, or a packed row vs every
     document alone); ``mutation``: one of :data:`MUTATIONS` applied for the run (undone after)."""
-    from standins.kernels import is_standin
-
-    module_name, names = RESOLVED[model_type]
-    module = importlib.import_module(module_name)
-    scan_name = [n for n in names if n != "causal_conv1d_fn"][0]
-    if not (is_standin(implementation(getattr(module, scan_name))) and
-            is_standin(implementation(getattr(module, "causal_conv1d_fn")))):
-        raise RuntimeError(f"{model_type}: the kernels did not resolve to the stand-ins; not the stand-in pool?")
+    _require_standins(model_type)
     undo = MUTATIONS[mutation]() if mutation else (lambda: None)
     try:
         if packed:
@@ -77,6 +70,30 @@ def parity(ctx, model_type, strategy="scan", packed=False, mutation=None):
         return {"raised": f"{type(exc).__name__}: {exc}"}
     finally:
         undo()
+
+
+def _require_standins(model_type) -> None:
+    from standins.kernels import is_standin
+
+    module_name, names = RESOLVED[model_type]
+    module = importlib.import_module(module_name)
+    scan_name = [n for n in names if n != "causal_conv1d_fn"][0]
+    if not (is_standin(implementation(getattr(module, scan_name))) and
+            is_standin(implementation(getattr(module, "causal_conv1d_fn")))):
+        raise RuntimeError(f"{model_type}: the kernels did not resolve to the stand-ins; not the stand-in pool?")
+
+
+def documents_parity(ctx, model_type, backend, strategy="fla_cp"):
+    """``load_balance="documents"`` at P=2 with the stand-in kernels: fp64 parity of a packed row (two long
+    documents split, the rest whole) against every document alone, or ``{"raised": message}`` when refused."""
+    import jobs_documents as jd
+
+    _require_standins(model_type)
+    try:
+        return jd.documents_parity(ctx, 2, model_type, backend, [7, 41, 9, 13, 4, 22], 16, fp64=True,
+                                   cfg_kwargs=dict(recurrent=strategy))
+    except NotImplementedError as exc:
+        return {"raised": str(exc)}
 
 
 def fla_cp_refused_for(ctx, model_type) -> str:

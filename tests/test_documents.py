@@ -2,9 +2,10 @@
 
 Host: the assignment covers every token once, keeps each short document whole, cuts the split sub-row evenly,
 balances the work, and is the same on every rank. Model level: a packed row under Ulysses, Ring and USP (llama)
-and through a gated-DeltaNet hybrid and a Mamba2 hybrid (fp64, per parameter) against every document run
-alone: loss, gathered logits, every gradient. Mutations: a whole document on two ranks, a split document's
-state not passed, the local attention given the split document's keys.
+and through a gated-DeltaNet hybrid, a Mamba2 hybrid and one family of every other recurrent kind (Mamba1, RWKV,
+RG-LRU, lightning, KDA, mLSTM, short conv; fp64, per parameter) against every document run alone: loss, gathered
+logits, every gradient. Mutations: a whole document on two ranks, a split document's state not passed (gated
+DeltaNet, RWKV), the local attention given the split document's keys.
 """
 
 import jobs_documents as jd
@@ -146,6 +147,25 @@ def test_hybrid_documents_parity_fp64(pool, model_type, P, backend):
     _check(pool.run(jd.documents_parity, P, model_type, backend, MIXES["uneven"], THRESHOLD, fp64=True), fp64=True)
 
 
+# every other recurrent kind by parts (one family each; kimi_linear's KDA is gated DeltaNet's path with its own
+# kernel, lfm2's short conv the conv of the hybrids above): Ulysses at P=2, Ring's head_tail split layout at P=4,
+# and a row with nothing to split (every rank's shard is its whole documents: no split part)
+RECURRENT = [("falcon_mamba", 2, "ulysses", "uneven"), ("rwkv", 2, "ulysses", "uneven"),
+             ("recurrent_gemma", 2, "ulysses", "uneven"), ("minimax", 2, "ulysses", "uneven"),
+             ("kimi_linear", 2, "ulysses", "uneven"), ("xlstm", 2, "ulysses", "uneven"), ("lfm2", 2, "ulysses", "uneven"),
+             ("mamba", 4, "ring", "uneven"), ("rwkv", 4, "ring", "uneven"), ("rwkv", 2, "ulysses", "all-short")]
+
+
+@pytest.mark.parametrize("model_type,P,backend,mix", RECURRENT, ids=[f"{m}-P{P}-{b}-{x}" for m, P, b, x in RECURRENT])
+def test_recurrent_documents_parity_fp64(pool, model_type, P, backend, mix):
+    results = pool.run(jd.documents_parity, P, model_type, backend, MIXES[mix], THRESHOLD, fp64=True)
+    print(model_type, P, backend, mix, "worst per-parameter gradient error",
+          max(max(r["grad_errs"].values()) for r in results))
+    fractions = [r["split_fraction"] for r in results]
+    assert all(0.0 < f < 1.0 for f in fractions) if mix == "uneven" else all(f == 0.0 for f in fractions), fractions
+    _check(results, fp64=True)
+
+
 def _fails(results, fp64=False):
     try:
         _check(results, fp64)
@@ -156,7 +176,8 @@ def _fails(results, fp64=False):
 
 @pytest.mark.parametrize("mutation,model_type,fp64", [("whole_on_two_ranks", "llama", False),
                                                        ("local_sees_split_keys", "llama", False),
-                                                       ("split_state_not_passed", "qwen3_5_text", True)])
+                                                       ("split_state_not_passed", "qwen3_5_text", True),
+                                                       ("split_state_not_passed", "rwkv", True)])
 def test_mutation_fails_parity(pool, mutation, model_type, fp64):
     results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES["uneven"], THRESHOLD, fp64=fp64,
                        mutation=mutation, overrides=LLAMA if model_type == "llama" else None)

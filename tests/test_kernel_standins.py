@@ -7,7 +7,8 @@ torch, fp64) first on its workers' ``sys.path`` before transformers runs, so the
 GPU machine takes picks them up; the session's default pool and this process never see them.
 
 Checked: every kernel name resolves to the stand-in; per-parameter fp64 parity at P=2, dense and packed,
-for one family per kind (Mamba2, Mamba1, gated DeltaNet, KDA); mutations (the stand-in ignoring its
+for one family per kind (Mamba2, Mamba1, gated DeltaNet, KDA); ``recurrent="fla_cp"``, also under
+``load_balance="documents"``; mutations (the stand-in ignoring its
 initial state; ringmaster's Mamba1 map taken from mamba-ssm's ``return_last_state``, whose gradient the
 real kernel drops) that the check must catch. The real kernels on a GPU: benchmarks/gpu_check.py.
 """
@@ -86,6 +87,16 @@ def test_fla_cp_strategy_with_the_standin(standin_pool, case):
     the real FLA's exchange of states is a GPU check, benchmarks/gpu_check.py)."""
     model_type, packed = case
     check_fp64(standin_pool.run(jk.parity, model_type, "fla_cp", packed), FAMILIES[model_type])
+
+
+def test_fla_cp_under_documents_with_the_standin(standin_pool):
+    """``load_balance="documents"`` with ``recurrent="fla_cp"``: the split documents (contiguous under Ulysses)
+    go through FLA's ``cp_context``, the whole ones run locally; pure Ring cuts them head_tail, refused by name."""
+    results = standin_pool.run(jk.documents_parity, "qwen3_5_text", "ulysses")
+    assert all(r["layout"] == "documents" and 0.0 < r["split_fraction"] < 1.0 for r in results), results
+    check_fp64(results, FAMILIES["qwen3_5_text"])
+    for out in standin_pool.run(jk.documents_parity, "qwen3_5_text", "ring"):
+        assert "model.layers.0.linear_attn" in out["raised"] and "load_balance='auto'" in out["raised"], out
 
 
 def test_fla_cp_is_refused_where_it_cannot_run(standin_pool):
