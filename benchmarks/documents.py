@@ -1,8 +1,9 @@
 """Length-aware CP (``load_balance="documents"``) against the best static layout, per backend.
 
     python benchmarks/documents.py [--seq 32768] [--P 4] [--reps 3] [--seed 0] [--hidden 128] [--layers 2]
+                                   [--mu 6] [--sigma 1.5]
 
-One packed row of long-tailed documents (lognormal lengths, mu 6, sigma 1.5, clipped to [16, S/2]: many short
+One packed row of long-tailed documents (lognormal lengths, mu 6, sigma 1.5 by default, clipped to [16, S/2]: many short
 documents, a few long ones, like SFT data), a tiny Llama (fp32, ``--layers`` layers), forward + backward on P CPU
 gloo ranks (one thread each). Per backend, every static layout it takes and ``documents`` (threshold chosen per
 batch by the cost model). Per row:
@@ -139,11 +140,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--mu", type=float, default=6.0, help="lognormal mu of the document lengths")
+    parser.add_argument("--sigma", type=float, default=1.5, help="lognormal sigma of the document lengths")
     args = parser.parse_args()
 
     from ringmaster_tools.pool import LocalPool
 
-    lens = lengths(args.seq, args.P, args.seed)
+    lens = lengths(args.seq, args.P, args.seed, args.mu, args.sigma)
     torch.set_num_threads(2)
     ref_loss, ref_grads, batch = reference(lens, args.hidden, args.layers)
     print(f"row: {args.seq} tokens, {len(lens)} documents (longest {max(lens)}, median {sorted(lens)[len(lens) // 2]}),"

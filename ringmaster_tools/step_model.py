@@ -253,9 +253,10 @@ def predict_documents(lens: list[int], hidden: int, shape: Shape, hw: Hardware, 
     the row (:func:`predict` on ``S`` tokens, overlap included); ``documents``: per rank its
     share of the split documents (cut like the static layout: the same rule on the split sub-row) plus its whole
     documents (the slowest rank), and the split sub-row's
-    communication from the same model on its ``L`` tokens. The threshold is the one the assignment chooses with
-    :func:`documents_cost` (or ``threshold``)."""
-    from ringmaster.sharding.assignment import plan_documents
+    communication from the same model on its ``L`` tokens. The threshold (unless given) is the candidate of
+    :func:`~ringmaster.sharding.assignment.candidate_thresholds` this model predicts fastest, the whole documents
+    balanced with :func:`documents_cost`."""
+    from ringmaster.sharding.assignment import candidate_thresholds, plan_documents
     from ringmaster.sharding.documents import Runs
 
     P = ulysses * ring
@@ -275,12 +276,26 @@ def predict_documents(lens: list[int], hidden: int, shape: Shape, hw: Hardware, 
     cost = documents_cost(hidden, Shape(heads, shape.kv_heads, d, S, shape.batch, shape.dtype_bytes), hw, ulysses,
                           ring)
     layout = "contiguous" if ulysses > 1 or S % (2 * P) else "head_tail"
-    a = plan_documents(Runs(S, (tuple(starts),)), S, P, layout, threshold, cost, heads_split=ring == 1)
-    split = _per_rank([e - s for s, e in a.split], hidden, shape, hw, ulysses, ring)   # per ring rank
-    slowest = max(split[(r // ulysses) % len(split)] + sum(work(e - s) for s, e in a.whole[r]) for r in range(P))
-    comm = 0.0
-    if a.split_len:
-        part = predict(Shape(heads, shape.kv_heads, d, a.split_len, shape.batch, shape.dtype_bytes), hw, ulysses,
-                       ring)
-        comm = 0.0 if part is None else part.total - part.compute
-    return static, slowest + comm, a
+    runs = Runs(S, (tuple(starts),))
+
+    def modelled(a) -> float:
+        split = _per_rank([e - s for s, e in a.split], hidden, shape, hw, ulysses, ring)   # per ring rank
+        slowest = max(split[(r // ulysses) % len(split)] + sum(work(e - s) for s, e in a.whole[r]) for r in range(P))
+        comm = 0.0
+        if a.split_len:
+            part = predict(Shape(heads, shape.kv_heads, d, a.split_len, shape.batch, shape.dtype_bytes), hw,
+                           ulysses, ring)
+            comm = 0.0 if part is None else part.total - part.compute
+        return slowest + comm
+
+    if threshold is not None:
+        a = plan_documents(runs, S, P, layout, threshold, cost, heads_split=ring == 1)
+        return static, modelled(a), a
+    # the threshold the step model itself predicts fastest, among the assignment's candidates
+    best = None
+    for t in candidate_thresholds(list(zip(starts, (*starts[1:], S))), S, P):
+        a = plan_documents(runs, S, P, layout, t, cost, heads_split=ring == 1)
+        m = modelled(a)
+        if best is None or m < best[0] - 1e-12:
+            best = (m, a)
+    return static, best[0], best[1]

@@ -230,16 +230,25 @@ def predicted_time(a: Assignment) -> float:
     return max(a.work()) + a.cost.comm * a.split_share
 
 
+def candidate_thresholds(docs: list[tuple[int, int]], seq_len: int, size: int) -> list[int]:
+    """The thresholds worth comparing: the row length (nothing split), every distinct document length at least
+    ``seq_len / (8 size)`` but the longest (each splits the documents longer than it), and ``seq_len / (8 size)``
+    (smaller documents are never worth splitting)."""
+    lengths = sorted({e - s for s, e in docs if (e - s) * 8 * size >= seq_len}, reverse=True)
+    if not lengths:
+        return [seq_len]
+    return [seq_len] + lengths[1:] + [max(seq_len // (8 * size), 1)]
+
+
 def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str,
                      cost: Cost | None = None, heads_split: bool = True) -> Assignment:
     """The assignment whose :func:`predicted_time` is smallest over the candidate thresholds: every
     distinct document length at least ``seq_len / (8 size)`` (smaller ones are never worth splitting), and
     the row length (nothing split). Ties: the larger threshold (less communication)."""
     cost = cost or Cost()
-    lengths = sorted({e - s for s, e in docs if (e - s) * 8 * size >= seq_len}, reverse=True)
     best = None
-    for t in [seq_len] + lengths[1:] + [max(seq_len // (8 * size), 1)] if lengths else [seq_len]:
-        a = assign(docs, seq_len, size, split_layout, max(int(t), 1), cost, heads_split)
+    for t in candidate_thresholds(docs, seq_len, size):
+        a = assign(docs, seq_len, size, split_layout, t, cost, heads_split)
         key = predicted_time(a)
         if best is None or key < best[0] - 1e-9:
             best = (key, a)
