@@ -179,10 +179,10 @@ def main() -> None:
 
     print("\nPredicted (ringmaster_tools.step_model.predict_documents, bf16, a Llama-8B-like layer: hidden 4096, 32 "
           "heads, 8 KV heads, 400 TFLOP/s at 50%; NVLink 450 GB/s in a node of 8, InfiniBand 50 GB/s per GPU across "
-          "nodes; the same document mix scaled to 128k tokens per GPU; threshold chosen by the cost model with these "
-          "links):\n")
-    print("| GPUs | backend | static s/layer | documents s/layer | ratio | split tokens | work max/mean |")
-    print("|---|---|---|---|---|---|---|")
+          "nodes; the same document mix scaled to 128k tokens per GPU; threshold chosen by the step model with these "
+          "links, the one it predicts fastest):\n")
+    print("| GPUs | backend | static s/layer | documents s/layer | ratio | split tokens |")
+    print("|---|---|---|---|---|---|")
     hw = Hardware(200e12, Link(450e9, 10e-6), Link(50e9, 20e-6), ranks_per_node=8)
     for gpus in (8, 64):
         scale = gpus * 131072 / args.seq
@@ -190,8 +190,7 @@ def main() -> None:
         big[-1] += -sum(big) % (2 * gpus)
         for name, u, r in (("ulysses" if gpus == 8 else f"usp 8x{gpus // 8}", 8, gpus // 8), ("ring", 1, gpus)):
             s, d, a = predict_documents(big, 4096, Shape(32, 8, 128, sum(big)), hw, u, r)
-            print(f"| {gpus} | {name} | {s:.3f} | {d:.3f} | {d / s:.2f} | {a.split_fraction:.0%} | "
-                  f"{a.work_max_over_mean:.3f} |")
+            print(f"| {gpus} | {name} | {s:.3f} | {d:.3f} | {d / s:.2f} | {a.split_fraction:.0%} |")
 
 if __name__ == "__main__":
     main()

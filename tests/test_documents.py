@@ -195,3 +195,18 @@ def test_ringmaster_axolotl_plugin_with_documents(pool):
                        cp=dict(load_balance="documents", documents_threshold=16), lens=[45])
     assert all(r["layout"] == "documents" for r in results)
     check(results, 2)
+
+
+def test_plan_prints_the_documents_choice(capsys):
+    from ringmaster.cli import main
+
+    assert main(["plan", "--heads", "32", "--kv-heads", "8", "--world", "8", "--hidden", "4096", "--seq", "1048576",
+                 "--documents", "lognormal:7,1.5", "--tflops", "200", "--intra-gbps", "450"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line and "backend" not in line}
+    assert set(rows) == {"ulysses", "ring"}, out
+    for threshold, split, balance, static, docs, ratio in rows.values():
+        assert int(threshold) > 0 and split.endswith("%") and float(balance) <= 1.10, out
+        assert float(ratio) == pytest.approx(float(docs) / float(static), abs=0.01), out
+    assert float(rows["ring"][-1]) < 1.0, out   # Ring on a packed row: less traffic and the imbalance gone

@@ -232,12 +232,14 @@ def predicted_time(a: Assignment) -> float:
 
 def candidate_thresholds(docs: list[tuple[int, int]], seq_len: int, size: int) -> list[int]:
     """The thresholds worth comparing: the row length (nothing split), every distinct document length at least
-    ``seq_len / (8 size)`` but the longest (each splits the documents longer than it), and ``seq_len / (8 size)``
-    (smaller documents are never worth splitting)."""
+    ``seq_len / (8 size)`` but the longest (each splits the documents longer than it), ``seq_len / (8 size)``, and
+    one below the shortest document (everything split: the static layout, so the choice is never predicted worse
+    than it)."""
     lengths = sorted({e - s for s, e in docs if (e - s) * 8 * size >= seq_len}, reverse=True)
+    everything = max(min(e - s for s, e in docs) - 1, 1)
     if not lengths:
-        return [seq_len]
-    return [seq_len] + lengths[1:] + [max(seq_len // (8 * size), 1)]
+        return [seq_len, everything]
+    return [seq_len] + lengths[1:] + [max(seq_len // (8 * size), 1), everything]
 
 
 def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str,
