@@ -33,6 +33,9 @@ BACKENDS = {
     "ring-allgather": dict(backend="ring", rotate_method="allgather", load_balance="head_tail"),
     "distflash": dict(backend="ring", rotate_method="alltoall", load_balance="distflash"),
     "usp": dict(backend="usp", ulysses_size=2, ring_size=2),
+    # load_balance="documents" on the packed batch [20, 28, 16]: the two longer documents split, the 16 whole
+    "ulysses-documents": dict(backend="ulysses", load_balance="documents", documents_threshold=16),
+    "ring-documents": dict(backend="ring", rotate_method="alltoall", load_balance="documents", documents_threshold=16),
 }
 
 
@@ -91,6 +94,7 @@ def _cp_step(model, runtime, batch, backward: bool = True):
 
     with context_parallel_region(batch, runtime=runtime) as shard, torch.set_grad_enabled(backward):
         out = model(**shard)
+        out.assignment = shard["ringmaster_batch"].assignment   # load_balance="documents" (else None)
     if backward:
         out.loss.backward()
     return out
@@ -160,7 +164,7 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
         _cp_step(model, runtime, batch, backward)   # the first CP forward runs eagerly (attention.accounting)
         model.zero_grad(set_to_none=True)
         out = _cp_step(model, runtime, batch, backward)   # compiled
-        logits = rm.gather_sequence(out.logits.detach(), dim=1, runtime=runtime)
+        logits = rm.gather_sequence(out.logits.detach(), dim=1, runtime=runtime, assignment=out.assignment)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
         grads, missing, _ = group_mean_grad_errors(model, ref, group, size) if backward else ({}, [], None)

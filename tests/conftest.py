@@ -29,7 +29,7 @@ class PoolHolder:
         from ringmaster_tools.pool import LocalPool
 
         if self._pool is None or self._pool.broken:
-            self._pool = LocalPool(self.world, timeout=240, grace=15)
+            self._pool = LocalPool(self.world, timeout=240, grace=8)   # a failed job's peers: 8 s to report
         return self._pool.run(fn, *args, **kwargs)
 
     def close(self):

@@ -13,10 +13,11 @@ SMALL = {
 }
 
 
-def compile_parity(ctx, model, backend, P=2, compiler="aot_eager_decomp_partition"):
+def compile_parity(ctx, model, backend, P=2, compiler="aot_eager_decomp_partition", batch="dense"):
     """Every block ``compile(fullgraph=True)`` (AOTAutograd with the min-cut partitioner, as inductor uses it,
-    without inductor's slow CPU code generation), CP step vs the model without CP."""
-    return step_shape.compile_parity(ctx, model, backend, "dense", P, fullgraph=True, compiler=compiler,
+    without inductor's slow CPU code generation), CP step vs the model without CP. ``batch``: dense, packed or
+    padded (step_shape.make_batch)."""
+    return step_shape.compile_parity(ctx, model, backend, batch, P, fullgraph=True, compiler=compiler,
                                      overrides=SMALL[model])
 
 

@@ -32,8 +32,8 @@ def batch_of(kind: str, vocab: int, S: int) -> dict[str, torch.Tensor]:
     if kind == "padded":  # B=2: row 0 one document, row 1 left and right padding (each pad token its own doc)
         batch = tiny_batch(vocab, S, batch_size=2)
         mask = torch.ones(2, S, dtype=torch.long)
-        mask[1, :S // 64] = 0
-        mask[1, S - S // 32:] = 0
+        mask[1, :S // 128] = 0
+        mask[1, S - S // 128:] = 0
         batch["attention_mask"] = mask
         batch["labels"][mask == 0] = -100
         return batch

@@ -29,6 +29,17 @@ def test_fullgraph_compile_matches_single_device(pool, model, backend, grad_tol)
         assert r["grad"] <= grad_tol, r
 
 
+def test_fullgraph_compile_with_documents(pool):
+    """load_balance="documents" on a packed row (two documents split, one whole on its rank) through a gated-DeltaNet
+    hybrid: the attention's two parts and the recurrent kernels' (by_parts) compile with fullgraph=True per block
+    and match the model without CP (the ring's split part is the static ring loop compiled above; measured too:
+    llama ring-documents, 0 breaks, exact)."""
+    for r in pool.run(jobs_compile.compile_parity, "gdn-hybrid", "ulysses-documents", batch="packed"):
+        assert r["graph_breaks"] == 0 and r["graphs"] >= 1, r
+        assert r["loss"] <= TOL and r["logits"] <= TOL, r
+        assert r["grad"] <= GDN_GRAD_TOL, r
+
+
 def test_mutation_host_read_in_ring_breaks_fullgraph(pool):
     """A host read (``.item()``) put back into the ring loop, branching on the value as host reads do: fullgraph
     compile raises (torch 2.13 traces the read as a symbol, then cannot decide the branch; with

@@ -23,12 +23,13 @@ class AttentionBinding:
     name: str = ""
     inner_kernel: Any = None           # a flash inner's resolved kernel (attention.flash_kernels.FlashKernel)
     ledger: Any = None                 # the runtime's first-forward accounting (attention.accounting.Ledger)
+    documents: bool = False            # load_balance="documents": batches carry a per-batch assignment
 
     def layouts(self) -> tuple[str, ...]:
         """Shard layouts this attention is exact for: the Ring loop plans with any layout the batch
         was cut with; the distflash schedule and Ulysses (and USP's Ulysses stage) need contiguous spans.
-        A ``documents`` batch (length-aware) runs its split documents in one of these and its whole ones
-        locally: every backend takes it."""
-        if self.backend == "ring" and self.schedule != "distflash":
-            return ("contiguous", "head_tail", "documents")
-        return ("contiguous", "documents")
+        A ``documents`` batch (length-aware, when the runtime was set up with ``load_balance="documents"``) runs
+        its split documents in one of these and its whole ones locally."""
+        static = ("contiguous", "head_tail") if self.backend == "ring" and self.schedule != "distflash" \
+            else ("contiguous",)
+        return static + (("documents",) if self.documents else ())

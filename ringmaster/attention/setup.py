@@ -73,7 +73,7 @@ def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = Non
         binding = AttentionBinding("ulysses", inner, group, rank, size, ulysses_group=group,
                                    name=register.attention_name("ulysses", inner, serial),
                                    inner_kernel=flash_kernels.load(inner) if flash_kernels.is_flash(inner) else None,
-                                   ledger=Ledger())
+                                   ledger=Ledger(), documents=cfg.load_balance is LoadBalance.DOCUMENTS)
     else:
         if cfg.backend is Backend.USP and cfg.ulysses_size > 1 and cfg.ring_size > 1:
             rt.ulysses_group, rt.ring_group = split_usp_groups(device_mesh, cp_dim, group, cfg.ulysses_size,
@@ -87,7 +87,8 @@ def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = Non
         binding = AttentionBinding(backend, inner, group, rank, size, ulysses_group=rt.ulysses_group,
                                    ring_group=rt.ring_group, ring_kernel=get_kernel(rt.ring_impl, inner),
                                    rotate=resolve_rotate(cfg.rotate_method), schedule=schedule,
-                                   name=register.attention_name(backend, inner, serial), ledger=Ledger())
+                                   name=register.attention_name(backend, inner, serial), ledger=Ledger(),
+                                   documents=cfg.load_balance is LoadBalance.DOCUMENTS)
     rt.binding = binding
     if register.register_attention(binding):
         rt.attn_implementation = binding.name

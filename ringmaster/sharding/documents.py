@@ -227,6 +227,9 @@ class CPBatch:
         # forward forks its random state from it and the CP rank (sharding.rng); None: drawn at the forward
         self.rng_seed: int | None = None
         self._cache: dict = {}
+        if assignment is not None:   # the two parts, made here (the shard step, on the host), never in forward
+            self.split_part()
+            self.whole_part()
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
