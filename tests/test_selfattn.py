@@ -25,8 +25,7 @@ def check(results, layers=2):
         assert r["grad_err"] <= TOL, (r["worst_param"], r["grad_err"])
 
 
-@pytest.mark.parametrize("P", [2, 4])
-@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+@pytest.mark.parametrize("backend, P", [("ulysses", 2), ("ring", 2), ("ring", 4)])
 @pytest.mark.parametrize("case", CASES)
 def test_site_family_exact(pool, case, backend, P):
     check(pool.run(js.parity, case, P, backend))
