@@ -266,9 +266,16 @@ def parity_case(ctx, model_type: str, base, batch, backend: str, P: int, referen
             "recurrent_layers": r["recurrent_layers"], "bytes_sent": r["bytes_sent"]}
 
 
-def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: dict | None = None):
+def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: dict | None = None,
+            share: bool = False):
     """Run on every pool rank: each family's scoring step, then each (backend, P) parity case.
-    ``configs`` maps a family to a config to use instead of :func:`tiny_config` (``ringmaster check``)."""
+    ``configs`` maps a family to a config to use instead of :func:`tiny_config` (``ringmaster check``).
+    ``share``: when every case has the same CP size P and the pool holds several CP groups of P ranks (the
+    mesh's dp dim), each group scores its own share of the families (group g: every ``world/P``-th from g)."""
+    sizes = {P for _, P in cases if P <= ctx.world}
+    if share and len(sizes) == 1 and ctx.world // next(iter(sizes)) > 1:
+        P = next(iter(sizes))
+        families = list(families)[ctx.rank // P::ctx.world // P]
     out = {}
     for model_type in families:
         row: dict[str, Any] = {"family": model_type}
@@ -359,8 +366,8 @@ def sweep(pool, families: list[str] | None = None, cases=CASES, seq_len: int = 3
 
 
 def _run_chunk(pool, chunk, cases, seq_len):
-    try:
-        return _merge_ranks(pool.run(zoo_job, chunk, cases, seq_len))
+    try:   # the CP groups of one size share the chunk's families (zoo_job's share)
+        return _merge_ranks(pool.run(zoo_job, chunk, cases, seq_len, share=True))
     except Exception as e:  # noqa: BLE001 - find the family that hung or broke the pool
         if len(chunk) > 1:
             out = {}
@@ -375,8 +382,12 @@ def _run_chunk(pool, chunk, cases, seq_len):
 
 
 def _merge_ranks(results: list[dict]) -> dict:
-    """Rank 0's rows; a case whose verdict differs across ranks is a crash (ranks must agree)."""
-    rows = results[0]
+    """Each family's row from the first rank that scored it (the CP groups may share the families); a case whose
+    verdict differs across the ranks that ran it is a crash (ranks must agree)."""
+    rows: dict = {}
+    for result in results:
+        for family, row in result.items():
+            rows.setdefault(family, row)
     for family, row in rows.items():
         for key, case in row.items():
             if isinstance(case, dict) and "verdict" in case:

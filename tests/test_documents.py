@@ -96,8 +96,11 @@ BACKENDS = [("ulysses", 2, {}), ("ring", 2, {}), ("ulysses", 4, {}), ("ring", 4,
             ("usp", 4, dict(ulysses_size=2, ring_size=2))]
 
 
-@pytest.mark.parametrize("backend,P,cfg", BACKENDS, ids=[f"{b}-P{P}" for b, P, _ in BACKENDS])
-@pytest.mark.parametrize("mix", ["one-long", "uneven"])
+# every backend on the one-long mix, the 4-rank ones also on the mix whose long documents need fillers
+LLAMA_CASES = [("one-long", *b) for b in BACKENDS] + [("uneven", *b) for b in BACKENDS if b[1] == 4]
+
+
+@pytest.mark.parametrize("mix,backend,P,cfg", LLAMA_CASES, ids=[f"{m}-{b}-P{P}" for m, b, P, _ in LLAMA_CASES])
 def test_llama_documents_parity(pool, mix, backend, P, cfg):
     _check(pool.run(jd.documents_parity, P, "llama", backend, MIXES[mix], THRESHOLD, cfg, overrides=LLAMA))
 
@@ -113,7 +116,7 @@ def test_llama_documents_mixes(pool, mix):
     _check(results)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(3, 40), min_size=2, max_size=9), threshold=st.integers(4, 40),
        backend=st.sampled_from(["ring", "ulysses"]))
 def test_random_mixes_are_exact(pool, lens, threshold, backend):
