@@ -68,8 +68,7 @@ def _work(batch, P: int, name: str, backend: str, cost, assignment) -> float:
         return 1.0
     layout = "contiguous" if name == "distflash" else name
     work = [float(per_token[balancers.shard_positions(S, P, r, layout)].sum()) for r in range(P)]
-    if name == "distflash":   # the schedule balances the causal blocks of one long sequence, not documents
-        return max(work) / (sum(work) / P)
+    # distflash counts as its contiguous cut: its schedule balances one long sequence's blocks, not documents
     return max(work) / (sum(work) / P)
 
 
