@@ -1,0 +1,98 @@
+"""The decoder layers of a model as the memory planner counts them: each layer's token mixers as
+``rm.wire``'s classifier sees them (``ringmaster.architectures.classify_layers``: attention, or a
+recurrent kind), its MLP (dense, mixture of experts, or none) and its norms. Works on a model
+built on the meta device."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+_MLP = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|Moe|MoE|SparseMoe|Experts?Block)")
+_NORM = re.compile(r"Norm")
+
+
+@dataclass
+class Part:
+    path: str
+    kind: str              # "attention", "mlp", "moe", "norm" or a recurrent kind (ringmaster.recurrent.registry)
+    module: nn.Module = field(repr=False)
+    dims: dict = field(default_factory=dict)
+
+
+@dataclass
+class Layer:
+    path: str
+    parts: list[Part]
+
+    @property
+    def mixers(self) -> list[str]:
+        return [p.kind for p in self.parts if p.kind not in ("mlp", "moe", "norm")]
+
+    @property
+    def label(self) -> str:
+        """``attention``, a recurrent kind, ``mlp only`` or ``a+b`` for a layer with two mixers."""
+        kinds = list(dict.fromkeys(self.mixers))
+        return "+".join(kinds) if kinds else "mlp only"
+
+
+def is_moe(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return ("moe" in name.lower() or "Sparse" in name or hasattr(module, "experts")) and not name.endswith("Expert")
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, layer)`` of the longest ``ModuleList`` of the text model (its decoder layers)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and (best is None or len(module) > len(best[1])):
+            if "vision" in path or "visual" in path:
+                continue
+            best = (path, module)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers")
+    return [(f"{best[0]}.{i}", layer) for i, layer in enumerate(best[1])]
+
+
+def _inside(path: str, prefix: str) -> bool:
+    return path.startswith(prefix + ".")
+
+
+def describe(model: nn.Module) -> list[Layer]:
+    """Every decoder layer's parts, the mixers classified exactly as ``rm.wire`` does."""
+    from ringmaster.architectures import classify_layers, get_architecture
+
+    from . import kind_model
+
+    classes = classify_layers(model, get_architecture(model))
+    mixers = [(p, "attention") for p in classes.attention] + [(p, k) for p, _, k in classes.recurrent]
+    modules = dict(model.named_modules())
+    layers = []
+    for lpath, layer in decoder_layers(model):
+        parts = [Part(p, k, modules[p]) for p, k in mixers if _inside(p, lpath)]
+        taken = [p.path for p in parts]
+        for name, child in layer.named_children():
+            cpath = f"{lpath}.{name}"
+            if any(cpath == t or _inside(t, cpath) or _inside(cpath, t) for t in taken):
+                continue
+            cls = type(child).__name__
+            if _NORM.search(cls):
+                parts.append(Part(cpath, "norm", child))
+            elif _MLP.search(cls) or name in ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe"):
+                parts.append(Part(cpath, "moe" if is_moe(child) else "mlp", child))
+        for part in parts:
+            if part.kind == "norm":
+                part.dims = {"width": _norm_width(part.module)}
+            else:
+                part.dims = kind_model(part.kind).dims(part.module)
+        layers.append(Layer(lpath, parts))
+    return layers
+
+
+def _norm_width(module: nn.Module) -> int:
+    w = getattr(module, "weight", None)
+    if w is not None:
+        return w.shape[-1]
+    return int(getattr(module, "hidden_size", 0) or getattr(module, "normalized_shape", (0,))[-1])
