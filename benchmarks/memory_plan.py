@@ -66,16 +66,18 @@ def main() -> None:
         for name, P, backend, loss, ckpt, seqs, *rest in rows:
             dtype = rest[0] if rest else "fp32"
             torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-            overrides = jobs_plan.MODELS[name]
+            model_type, overrides = jobs_plan.MODELS[name]
             if P == 1:
-                res = jobs_plan.measure_step("llama", overrides, seqs, loss=loss, checkpointing=ckpt, dtype=torch_dtype)
+                res = jobs_plan.measure_step(model_type, overrides, seqs, loss=loss, checkpointing=ckpt,
+                                             dtype=torch_dtype)
             else:
                 if pool is None:
                     pool = LocalPool(2, timeout=900).__enter__()
-                res = pool.run(jobs_plan.measure_job, "llama", overrides, seqs, P, backend, loss, ckpt, torch_dtype)[0]
-            shape = ModelShape.from_config(jobs_plan.build_config("llama", overrides))
+                res = pool.run(jobs_plan.measure_job, model_type, overrides, seqs, P, backend, loss, ckpt,
+                               torch_dtype)[0]
+            shape = ModelShape.from_config(jobs_plan.build_config(model_type, overrides))
             for r in res:
-                p = plan(shape, PlanOptions(seq=r["S"], gpus=P, dtype=dtype, optimizer="forloop", loss=loss,
+                p = plan(shape, PlanOptions(seq=r["S"], gpus=P, dtype=dtype, optimizer="forloop", loss=loss, kernel="torch",
                                             master_weights=False, checkpointing=ckpt,
                                             backend="ulysses" if backend == "none" else backend))
                 dyn = p.total - p.static

@@ -34,6 +34,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from .memory_kinds import KERNELS, kind_model, norm_bytes
+from .memory_kinds.attention import kv_after_replication
+
 GiB = 2 ** 30
 MiB = 2 ** 20
 
@@ -71,9 +74,11 @@ def parse_bytes(text: str | float | int) -> float:
 
 @dataclass
 class ModelShape:
-    """What the formulas need from a config. ``layer_kinds`` holds one of ``attention``,
-    ``linear_attention`` (gated DeltaNet), ``mamba`` per decoder layer; ``moe`` says whether the
-    MLP is a mixture of experts."""
+    """What the formulas need from a model. ``layers`` holds each decoder layer's parts as
+    ``(kind, dims)``: its norms, its token mixers as ``rm.wire``'s classifier names them
+    (``attention`` or a recurrent kind), its MLP (``mlp``/``moe``), each with the sizes its formula
+    in ``ringmaster_tools.memory_kinds`` reads; ``layer_kinds`` labels each layer (``attention``,
+    ``gated_deltanet``, ``mlp only``, ...)."""
 
     model_type: str
     hidden: int
@@ -84,97 +89,87 @@ class ModelShape:
     head_dim: int
     layer_kinds: list[str]
     tied: bool = False
-    qk_norm: bool = False
-    attn_gate: bool = False           # Qwen3-Next/Qwen3.5: a sigmoid output gate from a doubled q_proj
-    moe: bool = False
-    experts: int = 0
-    top_k: int = 0
-    moe_intermediate: int = 0
-    shared_intermediate: int = 0
-    lin_k_heads: int = 0
-    lin_v_heads: int = 0
-    lin_k_dim: int = 0
-    lin_v_dim: int = 0
-    conv_kernel: int = 4
-    mamba_heads: int = 0
-    mamba_head_dim: int = 0
-    mamba_state: int = 0
-    mamba_groups: int = 1
+    layers: list[list[tuple[str, dict]]] = field(default_factory=list)
+    final_norm: dict | None = None    # the norm before the LM head (dims as norm parts)
+    rope_width: int = 0               # channels of RoPE's cos + sin (saved once per forward)
     n_params: int = 0                 # exact, from the model built on the meta device when possible
     largest_param: int = 0            # elements of the largest single parameter tensor
     embed_params: int = 0             # input embedding (+ LM head when untied)
     params_source: str = "closed form"
+    layers_source: str = "config (attention + dense MLP)"
+
+    def __post_init__(self):
+        if not self.layers:   # no model to read: every layer an attention + dense MLP layer with RMSNorms
+            norm = {"width": self.hidden, 4: (norm_bytes(self.hidden, 4), 0), 2: (norm_bytes(self.hidden, 2), 0)}
+            attn = {"hidden": self.hidden, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                    "qk_norm": self.model_type.startswith(_QK_NORM_PREFIXES), "gate": False}
+            mlp = {"hidden": self.hidden, "intermediate": self.intermediate, "gated": True, "act": "SiLUActivation"}
+            self.layers = [[("norm", norm), ("attention", attn), ("norm", norm), ("mlp", mlp)]
+                           for _ in self.layer_kinds]
+            self.final_norm = self.final_norm or norm
 
     @property
-    def layers(self) -> int:
+    def layers_count(self) -> int:
         return len(self.layer_kinds)
+
+    @property
+    def moe(self) -> dict | None:
+        """The dims of the first MoE block, None without one."""
+        return next((d for layer in self.layers for k, d in layer if k == "moe"), None)
 
     @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer (the mean; the unit FSDP2 gathers at once)."""
-        return max((self.n_params - self.embed_params) // max(self.layers, 1), 1)
+        return max((self.n_params - self.embed_params) // max(self.layers_count, 1), 1)
 
     @classmethod
     def from_config(cls, config, count_params: bool = True) -> "ModelShape":
+        """Sizes from the config; parameters and every layer's parts from the model built on the
+        meta device (no memory) and classified as ``rm.wire`` classifies it. ``count_params=False``
+        or a model that cannot be built: the closed form over attention + dense MLP layers."""
         text = getattr(config, "get_text_config", lambda: config)()
         g = lambda *names, default=0: next((getattr(text, n) for n in names  # noqa: E731
                                             if getattr(text, n, None) is not None), default)
-        hidden = g("hidden_size", "d_model", "n_embd")
-        heads = g("num_attention_heads", "n_head", default=1)
+        hidden = g("hidden_size", "d_model", "n_embd", "embedding_dim")
+        heads = g("num_attention_heads", "n_head", "num_heads", default=1)
         head_dim = g("head_dim", default=hidden // max(heads, 1))
-        n_layers = g("num_hidden_layers", "n_layer")
-        raw_types = list(g("layer_types", "layers_block_type", default=[]) or [])
-        pattern = g("hybrid_override_pattern", default="")
-        kinds = []
-        for i in range(n_layers):
-            t = str(raw_types[i]) if i < len(raw_types) else (pattern[i] if i < len(pattern) else "attention")
-            if t in ("linear_attention", "linear"):
-                kinds.append("linear_attention")
-            elif t in ("mamba", "M", "mamba2"):
-                kinds.append("mamba")
-            else:
-                kinds.append("attention")
-        experts = g("num_experts", "num_local_experts", "n_routed_experts")
+        n_layers = g("num_hidden_layers", "n_layer", "num_blocks")
         mt = getattr(config, "model_type", "") or getattr(text, "model_type", "")
         shape = cls(
             model_type=mt, hidden=hidden, intermediate=g("intermediate_size", "ffn_dim", default=4 * hidden),
             vocab=g("vocab_size"), heads=heads, kv_heads=g("num_key_value_heads", default=heads), head_dim=head_dim,
-            layer_kinds=kinds, tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qk_norm=mt.startswith(_QK_NORM_PREFIXES), attn_gate=mt.startswith(("qwen3_next", "qwen3_5")),
-            moe=experts > 0, experts=experts, top_k=g("num_experts_per_tok", "moe_topk", default=0),
-            moe_intermediate=g("moe_intermediate_size", default=0),
-            shared_intermediate=g("shared_expert_intermediate_size", default=0),
-            lin_k_heads=g("linear_num_key_heads"), lin_v_heads=g("linear_num_value_heads"),
-            lin_k_dim=g("linear_key_head_dim"), lin_v_dim=g("linear_value_head_dim"),
-            conv_kernel=g("linear_conv_kernel_dim", "conv_kernel", default=4),
-            mamba_heads=g("mamba_num_heads"), mamba_head_dim=g("mamba_head_dim"), mamba_state=g("ssm_state_size"),
-            mamba_groups=g("n_groups", default=1),
+            layer_kinds=["attention"] * n_layers, tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
         shape.n_params, shape.largest_param, shape.embed_params = shape._closed_form_params()
-        if count_params:
-            counted = _meta_param_count(text)
-            if counted is not None:
-                shape.n_params, shape.largest_param, shape.embed_params = counted
-                shape.params_source = "counted on the meta device"
+        model = _meta_model(config) if count_params else None
+        if model is not None:
+            shape.n_params, shape.largest_param, shape.embed_params = _param_count(model)
+            shape.params_source = "counted on the meta device"
+            shape.read_layers(model)
         return shape
+
+    def read_layers(self, model) -> None:
+        """Every decoder layer's parts from ``model`` (real or on the meta device)."""
+        from .memory_kinds.attention import rope_width
+        from .memory_kinds.layers import describe, final_norm
+
+        layers = describe(model)
+        self.layers = [[(p.kind, p.dims) for p in layer.parts] for layer in layers]
+        self.layer_kinds = [layer.label for layer in layers]
+        self.final_norm = final_norm(model)
+        self.rope_width = rope_width(model)
+        self.layers_source = "classified as rm.wire does, on the meta device"
 
     def _closed_form_params(self) -> tuple[int, int, int]:
         h, v = self.hidden, self.vocab
         embed = v * h * (1 if self.tied else 2)
         attn = h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h
-        if self.moe:
-            mlp = 3 * h * self.moe_intermediate * self.experts + 3 * h * self.shared_intermediate + h * self.experts
-        else:
-            mlp = 3 * h * self.intermediate
-        vd = self.lin_v_heads * self.lin_v_dim
-        lin = h * (2 * self.lin_k_heads * self.lin_k_dim + 2 * vd + 2 * self.lin_v_heads) + vd * h
-        total = embed + sum((attn if k == "attention" else lin) + mlp + 2 * h for k in self.layer_kinds)
+        total = embed + len(self.layer_kinds) * (attn + 3 * h * self.intermediate + 2 * h)
         return total, v * h, embed
 
 
-def _meta_param_count(config) -> tuple[int, int, int] | None:
-    """(parameters, largest tensor, embedding + head) of the model built on the meta device: exact
-    for any family transformers can build, costs no memory. None when it cannot be built."""
+def _meta_model(config):
+    """The causal LM built on the meta device (no memory), or None when this family cannot be built."""
     import contextlib
     import io
 
@@ -183,9 +178,13 @@ def _meta_param_count(config) -> tuple[int, int, int] | None:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except Exception:  # any family-specific build failure: fall back to the closed form
         return None
+
+
+def _param_count(model) -> tuple[int, int, int]:
+    """(parameters, largest tensor, embedding + head) of a model (exact; tied weights once)."""
     seen, total, largest = set(), 0, 0
     for p in model.parameters():
         if id(p) in seen:
@@ -220,6 +219,7 @@ class PlanOptions:
     batch: int = 1
     optimizer: str = "foreach"         # AdamW implementation: foreach (torch's GPU default), fused, forloop (CPU)
     reserve: float = 0.0               # bytes kept free (allocator fragmentation, CUDA context)
+    kernel: str = "fast"               # fast: flash-attn / FLA / mamba-ssm / causal-conv1d (GPU); torch: the fallbacks
 
     @property
     def b(self) -> int:
@@ -265,6 +265,8 @@ def _heads_indivisible(shape: ModelShape, u: int) -> bool:
 def split_of(shape: ModelShape, opts: PlanOptions) -> tuple[int, int]:
     """(ulysses size, ring size) of the backend."""
     P = opts.gpus
+    if opts.backend == "ulysses" and not any(k == "attention" for layer in shape.layers for k, _ in layer):
+        return P, 1   # no attention layer: nothing to split by heads
     if opts.backend == "ulysses":
         if _heads_indivisible(shape, P):
             raise ValueError(f"{shape.heads} heads do not split over ulysses {P}; use ring or usp")
@@ -276,113 +278,42 @@ def split_of(shape: ModelShape, opts: PlanOptions) -> tuple[int, int]:
     raise ValueError(f"--backend {opts.backend!r}: use one of {', '.join(BACKENDS)}")
 
 
-def _kv_after_replication(kv: int, u: int) -> int:
-    """KV heads on the whole group after Ulysses replicates them (kv < u: each rank needs one)."""
-    return kv if u <= 1 or kv % u == 0 else max(u, kv)
-
-
 # ---------------------------------------------------------------------------------------------
-# activations per token (bytes), per layer kind
+# activations: what each layer's parts save for backward (ringmaster_tools.memory_kinds)
 
 
-def norm_bytes(width: int, b: int) -> float:
-    """HF RMSNorm saves its input upcast to fp32 (pow, mul) and the normalised value in the
-    activation dtype (the weight multiply): (4 + b) bytes per channel; rsqrt adds one fp32 per token."""
-    return (4 + b) * width + 4
+@dataclass(frozen=True)
+class LayerBytes:
+    saved: float        # bytes the layer's forward leaves for its backward (its norms, mixers, MLP)
+    backward: float     # bytes its backward holds at its peak beyond the saved ones (the largest part's)
 
 
-def attention_layer_bytes(s: ModelShape, b: int, kv_sdpa: int | None = None, fp32_out: bool = False) -> float:
-    """Saved bytes per local token of one attention layer with its input norm (sdpa/flash kernel:
-    no S x S tensor). RoPE saves nothing per layer (cos/sin need no gradient, so its multiplies keep
-    only them, once per model). ``kv_sdpa``: KV heads the kernel sees (Ulysses replication);
-    ``fp32_out``: Ring keeps its merged output in fp32 for the backward."""
-    h, qd = s.hidden, s.heads * s.head_dim
-    kv_k = (kv_sdpa if kv_sdpa is not None else s.kv_heads) * s.head_dim
-    out = norm_bytes(h, b) + b * h             # input norm; its output, saved by the q/k/v projections
-    if s.qk_norm:                              # per-head RMSNorm on q and k (one rsqrt per head and token)
-        out += (4 + b) * (qd + s.kv_heads * s.head_dim) + 4 * (s.heads + s.kv_heads)
-    out += b * (qd + 2 * kv_k)                 # the kernel's q, k, v (after RoPE)
-    # the kernel's output (already [S, heads, d] in memory, so HF's transpose + contiguous is a no-op
-    # and o_proj saves the same storage) and its fp32 log-sum-exp
-    out += (4 if fp32_out else b) * qd + 4 * s.heads
-    if s.attn_gate:                            # sigmoid(gate) and the gated output (a new tensor for o_proj)
-        out += 2 * b * qd
+def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str, P: int, backend: str,
+                ulysses: int = 1) -> LayerBytes:
+    """One decoder layer at ``tokens`` local tokens: the sum of its parts' ``saved`` and the largest
+    part's ``backward`` (``memory_kinds.<kind>.saved``; norms as traced on the meta device)."""
+    saved = backward = 0.0
+    for kind, d in parts:
+        if kind == "norm":
+            per_token, fixed = d[b] if b in d else d[2 if b < 4 else 4]
+            saved += per_token * tokens + fixed
+            continue
+        model = kind_model(kind)
+        kwargs = {"ulysses": ulysses} if kind == "attention" else {}
+        est = model.saved(d, b, kernel, P, backend, **kwargs)
+        saved += est.at(tokens)
+        backward = max(backward, est.backward * tokens)
+    return LayerBytes(saved, backward)
+
+
+def kernel_sources(shape: ModelShape, kernel: str) -> dict[str, str]:
+    """Layer kind -> the function its formula is read from, for ``kernel``."""
+    out = {}
+    for layer in shape.layers:
+        for kind, d in layer:
+            if kind != "norm" and kind not in out:
+                out[kind] = kind_model(kind).saved(d, 2, kernel).source
     return out
-
-
-def mlp_bytes(s: ModelShape, b: int) -> float:
-    """Gated MLP with its input norm: norm, its output, then gate, act(gate), up, act*up (4 x intermediate).
-    MoE: the routed copy of each token per chosen expert (top_k x (hidden + 4 x moe_intermediate)),
-    router logits and probabilities (fp32, experts each), and the shared expert."""
-    h = s.hidden
-    out = norm_bytes(h, b) + b * h
-    if not s.moe:
-        return out + 4 * b * s.intermediate
-    k = max(s.top_k, 1)
-    out += k * b * (h + 4 * s.moe_intermediate)         # each routed token copy through its expert
-    out += k * b * h                                     # expert outputs before the weighted sum
-    out += 2 * 4 * s.experts + 2 * 4 * k                 # router logits, softmax (fp32); top-k weights
-    if s.shared_intermediate:
-        out += 4 * b * s.shared_intermediate + b * h + 4  # shared expert and its sigmoid gate
-    return out
-
-
-def linear_attention_bytes(s: ModelShape, b: int) -> float:
-    """Gated DeltaNet (Qwen3-Next/Qwen3.5): projections qkv, z, a, b; the depthwise conv and its SiLU;
-    l2-normed q and k; the chunked delta-rule kernel's saved inputs, gates and per-chunk [64 x 64]
-    triangular solve (fp32) per value head; the gated RMSNorm. Per-chunk states are recomputed in the
-    kernel's backward, so none are saved."""
-    kq = s.lin_k_heads * s.lin_k_dim
-    vd = s.lin_v_heads * s.lin_v_dim
-    qkv = 2 * kq + vd
-    h = s.hidden
-    out = norm_bytes(h, b) + b * h
-    out += b * qkv * 3                         # projection output, conv output, SiLU output
-    out += 2 * b * kq + 4 * 2 * s.lin_k_heads  # l2-normed q, k and their norms
-    out += b * vd * 2                          # z gate and the kernel output
-    out += 4 * s.lin_v_heads * (2 + 64)        # g, beta, and the chunk's 64-wide solve per head (fp32)
-    out += norm_bytes(vd, b) + b * vd * 2      # gated norm: its input, SiLU(z), product saved by out_proj
-    return out
-
-
-def mamba_bytes(s: ModelShape, b: int) -> float:
-    """Mamba2 mixer (chunked SSD kernel): in_proj output, conv + SiLU on x/B/C, dt, the kernel's saved
-    x, B, C, dt, and per-chunk cumulative decays, the gated norm and the output."""
-    h = s.hidden
-    inner = s.mamba_heads * s.mamba_head_dim or 2 * h
-    bc = 2 * s.mamba_groups * (s.mamba_state or 128)
-    nh = s.mamba_heads or max(inner // 64, 1)
-    out = norm_bytes(h, b) + b * h
-    out += b * (2 * inner + bc + nh)           # in_proj output (z, x, B, C, dt)
-    out += 2 * b * (inner + bc)                # conv and SiLU outputs
-    out += 4 * nh * 3                          # dt (softplus) and its cumulative sum, fp32
-    out += norm_bytes(inner, b) + 2 * b * inner
-    return out
-
-
-def layer_kind_bytes(s: ModelShape, kind: str, b: int, kv_sdpa: int | None = None, fp32_out: bool = False) -> float:
-    """Saved bytes per local token of one whole decoder layer of ``kind`` (mixer + MLP)."""
-    if kind == "attention":
-        mixer = attention_layer_bytes(s, b, kv_sdpa, fp32_out)
-    elif kind == "linear_attention":
-        mixer = linear_attention_bytes(s, b)
-    else:
-        mixer = mamba_bytes(s, b)
-    return mixer + mlp_bytes(s, b)
-
-
-def scan_state_bytes(s: ModelShape, kind: str, P: int) -> float:
-    """Per-layer bytes of the scan engine's all-gathered chunk maps (fp32), independent of S:
-    2P chunks (head_tail layout) of a transition and an offset per head."""
-    if P <= 1:
-        return 0.0
-    if kind == "linear_attention":
-        per_chunk = s.lin_v_heads * (s.lin_k_dim * s.lin_k_dim + s.lin_k_dim * s.lin_v_dim)
-    elif kind == "mamba":
-        per_chunk = (s.mamba_heads or 1) * (1 + (s.mamba_head_dim or 64) * (s.mamba_state or 128))
-    else:
-        return 0.0
-    return 4.0 * 2 * P * per_chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,25 +321,21 @@ def scan_state_bytes(s: ModelShape, kind: str, P: int) -> float:
 
 
 def attention_temporaries(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
-    """Bytes per rank that one attention layer holds only while it runs, forward and backward,
-    and what the backend saves beyond the plain kernel (``saved``, per layer)."""
+    """Bytes per rank that one attention layer holds only while it runs, forward and backward (what
+    the backend saves beyond the plain kernel is in ``memory_kinds.attention.saved``)."""
     b, S_l = opts.b, opts.seq // opts.gpus * opts.batch
     u, r = split_of(s, opts)
     qd = s.heads * s.head_dim
-    kv_u = _kv_after_replication(s.kv_heads, u)
+    kv_u = kv_after_replication(s.kv_heads, u)
     kvd = kv_u * s.head_dim                    # per-token K or V width after replication
     a2a = b * (qd + 2 * kvd) if u > 1 else 0.0
     # Ulysses: the contiguous send copy and the receive buffer of q, k, v (forward), of dq, dk, dv
     # (backward); the output's all-to-all moves qd per token in each direction
     fwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
     bwd = 2 * a2a + (2 * b * qd if u > 1 else 0)
-    saved = b * 2 * (kvd - s.kv_heads * s.head_dim) if u > 1 else 0.0  # replicated K/V the kernel saves
-    if u > 1 or r > 1:
-        saved += b * qd   # the output is laid out anew (all-to-all back / Ring's [heads, S]): o_proj saves a copy
     if r > 1:
         kv_block = 2 * b * kvd                 # one K/V block per local token
         if opts.backend == "ring-allgather":
-            saved += kv_block * r              # the gathered K/V is saved for the backward
             fwd += kv_block * (r + 1) + 2 * 4 * qd + 8 * s.heads
             bwd += 4 * 2 * kvd * r + 4 * qd + kv_block
         else:
@@ -416,8 +343,7 @@ def attention_temporaries(s: ModelShape, opts: PlanOptions) -> dict[str, float]:
             fwd += 3 * kv_block + 2 * 4 * qd + b * qd + 8 * s.heads
             # dq accumulator (fp32), dK/dV accumulator sent and received (fp32), K/V blocks, block grads
             bwd += 4 * qd + 2 * (4 * 2 * kvd) + 3 * kv_block + b * (qd + 2 * kvd)
-        saved += (4 - b) * qd                  # Ring keeps the merged output in fp32
-    return {"forward": fwd * S_l, "backward": bwd * S_l, "saved": saved * S_l,
+    return {"forward": fwd * S_l, "backward": bwd * S_l,
             "split": f"ulysses {u} x ring {r}" + (" (allgather)" if opts.backend == "ring-allgather" else ""),
             "kv_heads": kv_u}
 
@@ -477,10 +403,6 @@ def _optimizer_temporaries(s: ModelShape, opts: PlanOptions) -> float:
     raise ValueError(f"--optimizer {opts.optimizer!r}: use foreach, fused or forloop")
 
 
-def _mlp_width(s: ModelShape) -> int:
-    return max(s.top_k, 1) * s.moe_intermediate + s.shared_intermediate if s.moe else s.intermediate
-
-
 def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     """Bytes per rank of one training step (see the module docstring for the accounting)."""
     if opts.checkpointing not in CHECKPOINTING:
@@ -489,10 +411,11 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         raise ValueError(f"--fsdp {opts.fsdp!r}: use none or full")
     if opts.loss not in ("full", "chunked"):
         raise ValueError(f"--loss {opts.loss!r}: use full or chunked")
+    if opts.kernel not in KERNELS:
+        raise ValueError(f"--kernel {opts.kernel!r}: use one of {', '.join(KERNELS)}")
     s, b, P = shape, opts.b, opts.gpus
     S_l = opts.seq // P * opts.batch
     u, r = split_of(s, opts)
-    kv_sdpa = _kv_after_replication(s.kv_heads, u)
     out = Plan(s, opts)
     statics = _static(s, opts)
     grads = next(v for k, v in statics.items() if k.startswith("gradients"))
@@ -500,43 +423,45 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     fsdp = opts.fsdp == "full"
     gb = 4 if (fsdp and opts.mixed) else b        # gradient bytes per parameter
 
+    has_attention = any(kind == "attention" for layer in s.layers for kind, _ in layer)
     temps = attention_temporaries(s, opts)
     loss = loss_bytes(s, opts)
-    per_kind: dict[str, float] = {}
-    full_layer: dict[str, float] = {}
-    for kind in s.layer_kinds:
-        tok = layer_kind_bytes(s, kind, b, kv_sdpa if kind == "attention" else None, fp32_out=r > 1)
-        full = tok * S_l + (temps["saved"] if kind == "attention" else scan_state_bytes(s, kind, P))
-        full_layer[kind] = full
+    per_label: dict[str, float] = {}
+    full_layer, layer_backward = 0.0, 0.0
+    for label, parts in zip(s.layer_kinds, s.layers):
+        lb = layer_bytes(parts, b, S_l, opts.kernel, P, opts.backend, ulysses=u)
+        full_layer = max(full_layer, lb.saved)
+        layer_backward = max(layer_backward, lb.backward)
         if opts.checkpointing == "none":
-            kept = full
+            kept = lb.saved
         elif opts.checkpointing == "full":
             kept = b * s.hidden * S_l      # the layer input, the checkpoint's only saved tensor
         else:
             kept = 0.0                      # offloaded to host memory
             out.host_bytes += b * s.hidden * S_l
-        per_kind[kind] = per_kind.get(kind, 0.0) + kept
-    label = {"attention": "attention layers", "linear_attention": "linear-attention layers",
-             "mamba": "mamba layers"}
-    for kind, v in per_kind.items():
-        out.activations[f"{label[kind]} (x{s.layer_kinds.count(kind)}, with their MLP/MoE)"] = v
-    act = sum(per_kind.values())
+        per_label[label] = per_label.get(label, 0.0) + kept
+    for label, v in per_label.items():
+        out.activations[f"{label} layers (x{s.layer_kinds.count(label)})"] = v
+    act = sum(per_label.values())
     recompute = 0.0
     if opts.checkpointing != "none":
         # the backward recomputes one layer whole; offload also keeps ~2 layer inputs on the GPU in flight
-        recompute = max(full_layer.values()) + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
-    # outside the layers: the final norm and its output (the LM head's input), the token ids
-    head = (norm_bytes(s.hidden, b) + b * s.hidden + 8) * S_l
+        recompute = full_layer + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
+    # outside the layers: RoPE's cos/sin (saved once, by the first attention layer), the final norm and
+    # its output (the LM head's input), the token ids
+    final = s.final_norm or {b: (norm_bytes(s.hidden, b), 0)}
+    fn_tok, fn_fixed = final[b] if b in final else final[2 if b < 4 else 4]
+    head = (s.rope_width * b + fn_tok + b * s.hidden + 8) * S_l + fn_fixed
 
     head_grad = s.vocab * s.hidden * gb / (P if fsdp else 1)
-    attn_fwd = temps["forward"] if "attention" in s.layer_kinds else 0.0
-    attn_bwd = temps["backward"] if "attention" in s.layer_kinds else 0.0
+    attn_fwd = temps["forward"] if has_attention else 0.0
+    attn_bwd = temps["backward"] if has_attention else 0.0
     # one layer's backward (the head's tensors are freed by then): the incoming gradient, the gradients
     # it produces (as large as the saved tensors they free, plus one MLP intermediate), its weight
     # gradients (unsharded under FSDP2 until the reduce-scatter), its attention's backward buffers;
     # checkpointing: the recomputed layer, its output and residual (3 x hidden with the gradient)
     layer_grads = s.layer_params * (b + (4 if fsdp and opts.mixed else 0))
-    transient = 3 * b * s.hidden * S_l if recompute else (2 * b * s.hidden + b * _mlp_width(s)) * S_l
+    transient = 3 * b * s.hidden * S_l if recompute else 2 * b * s.hidden * S_l + layer_backward
     layer_bwd = transient + layer_grads + attn_bwd + recompute
     out.moments = {
         # the loss's forward terms include the log-softmax it saves
@@ -627,9 +552,11 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
     kinds = ", ".join(f"{shape.layer_kinds.count(k)} {k}" for k in dict.fromkeys(shape.layer_kinds))
     lines = [
         f"model: {name or shape.model_type} ({shape.model_type}): {shape.n_params / 1e9:.2f}B parameters "
-        f"({shape.params_source}), {shape.layers} layers ({kinds}), hidden {shape.hidden}, "
+        f"({shape.params_source}), {shape.layers_count} layers ({kinds}), hidden {shape.hidden}, "
         f"{shape.heads} heads / {shape.kv_heads} KV heads x {shape.head_dim}, vocab {shape.vocab}"
-        + (f", MoE {shape.experts} experts top-{shape.top_k}" if shape.moe else ""),
+        + (f", MoE {shape.moe.get('experts', '?')} experts top-{shape.moe.get('top_k', '?')}" if shape.moe else "")
+        + f"; layers {shape.layers_source}",
+        f"kernels ({opts.kernel}): " + "; ".join(f"{k}: {v}" for k, v in kernel_sources(shape, opts.kernel).items()),
         f"run: seq {opts.seq} on {opts.gpus} GPUs x {opts.gpu_mem / GiB:.0f} GiB (CP {opts.gpus}, "
         f"{opts.seq // opts.gpus} tokens per rank), {opts.dtype}{' + fp32 master weights' if opts.mixed else ''}, "
         f"AdamW ({opts.optimizer}), FSDP2 {opts.fsdp}, checkpointing {opts.checkpointing}, loss {opts.loss}, "
@@ -688,6 +615,10 @@ def add_arguments(parser) -> None:
                         help="AdamW implementation (its step's temporaries): foreach (torch's GPU default), fused, "
                              "forloop")
     parser.add_argument("--no-master-weights", action="store_true", help="no fp32 master copy for 16-bit dtypes")
+    parser.add_argument("--kernel", choices=KERNELS, default="fast",
+                        help="the kernels the activations are counted for: fast (flash-attn, flash-linear-attention, "
+                             "mamba-ssm, causal-conv1d: a GPU run with them installed; default) or torch (transformers' "
+                             "pure-torch fallbacks: CPU, or a GPU without those packages)")
 
 
 def run_from_args(args) -> int:
@@ -698,7 +629,7 @@ def run_from_args(args) -> int:
     opts = PlanOptions(seq=args.seq, gpus=gpus, gpu_mem=parse_bytes(args.gpu_mem), dtype=args.dtype,
                        master_weights=False if args.no_master_weights else None, checkpointing=checkpointing,
                        fsdp=args.fsdp, backend=args.backend, loss=args.loss, chunk=args.loss_chunk,
-                       optimizer=args.optimizer,
+                       optimizer=args.optimizer, kernel=args.kernel,
                        batch=getattr(args, "batch", 1) or 1)
     if opts.seq % gpus:
         raise SystemExit(f"ringmaster plan: --seq {opts.seq} is not divisible by --gpus {gpus}")
@@ -711,4 +642,4 @@ def run_from_args(args) -> int:
 
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "plan", "max_seq", "report", "parse_bytes", "load_config",
-           "attention_temporaries", "loss_bytes", "layer_kind_bytes", "norm_bytes"]
+           "attention_temporaries", "loss_bytes", "layer_bytes", "kernel_sources", "norm_bytes"]

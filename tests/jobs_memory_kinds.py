@@ -13,7 +13,7 @@ def measure_saved(model_type: str, overrides: dict, seqs, P: int = 1, backend: s
                   dtype: torch.dtype = torch.float32, cfg_kwargs: dict | None = None) -> list[dict]:
     """Per S: ``{"S", "parts": [(path, kind, measured bytes, predicted bytes, source)]}`` for every
     mixer, MLP and norm of every decoder layer, predicted by ``kind_model(kind).saved`` (torch kernel)."""
-    from ringmaster_tools.memory_kinds import kind_model, norm_bytes
+    from ringmaster_tools.memory_kinds import kind_model
     from ringmaster_tools.memory_kinds.attention import rope_width
     from ringmaster_tools.memory_kinds.layers import describe
     from ringmaster_tools.memory_probe import saved_per_module
@@ -47,7 +47,8 @@ def measure_saved(model_type: str, overrides: dict, seqs, P: int = 1, backend: s
             first_attention = next((p for p in parts if parts[p].kind == "attention"), None)
             for path, part in parts.items():
                 if part.kind == "norm":
-                    pred, source = norm_bytes(part.dims["width"], b) * (S // P), "RMSNorm"
+                    per_token, fixed = part.dims[b]
+                    pred, source = per_token * (S // P) + fixed, "traced on the meta device"
                 else:
                     est = kind_model(part.kind).saved(part.dims, b, "torch", P, backend)
                     pred, source = est.at(S // P), est.source

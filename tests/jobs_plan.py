@@ -7,15 +7,29 @@ import torch
 
 import ringmaster as rm
 
-# model sizes the planner is checked on (llama, fp32, random, fixed seed)
+# models the planner is checked on: name -> (model_type, config overrides); random, fixed seed
+_HYBRID = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=256)
 MODELS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=1024),
+    "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=1024)),
     # layers dominate (vocab small): checks the per-layer and per-backend terms
-    "deep": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=256),
-    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
-                 num_key_value_heads=4, vocab_size=32000),
+    "deep": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=256)),
+    "100m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                           num_key_value_heads=4, vocab_size=32000)),
+    # 3 gated-DeltaNet layers : 1 attention layer (Qwen3.5's pattern)
+    "gdn": ("qwen3_5_text", dict(_HYBRID, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                                 linear_value_head_dim=16)),
+    # Nemotron-H: Mamba2, attention, MLP-only, Mamba2
+    "mamba2": ("nemotron_h", dict(_HYBRID, hybrid_override_pattern="M*-M", mamba_num_heads=8, mamba_head_dim=16,
+                                  n_groups=2, ssm_state_size=16, chunk_size=64, mlp_hidden_act="relu2")),
+    "mamba1": ("falcon_mamba", dict(hidden_size=128, num_hidden_layers=4, vocab_size=256, state_size=16,
+                                    expand=2, conv_kernel=4, time_step_rank=8)),
+    # every layer an MoE block: 8 experts, top-2
+    "moe": ("qwen3_moe", dict(_HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                              decoder_sparse_step=1, mlp_only_layers=[])),
 }
 
 
@@ -30,8 +44,12 @@ def build(model_type: str, overrides: dict, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(build_config(model_type, overrides), attn_implementation="sdpa",
-                                            dtype=torch.float32).train()
+    config = build_config(model_type, overrides)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    except ValueError:   # a family without attention (Mamba) has no SDPA path
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).train()
 
 
 def _storage_bytes(tensors) -> int:

@@ -54,13 +54,18 @@ def _shape(**kw):
 
 
 def test_memory_plan_formulas():
-    from ringmaster_tools.memory_plan import PlanOptions, attention_layer_bytes, loss_bytes, mlp_bytes, norm_bytes, plan
+    from ringmaster_tools.memory_kinds import attention, mlp
+    from ringmaster_tools.memory_plan import PlanOptions, layer_bytes, loss_bytes, norm_bytes, plan
 
     s = _shape()
-    # fp32 llama layer, bytes per token: norm (x, rsqrt, x*rsqrt) + its output; q, k, v; output + lse
+    parts = dict((k, d) for k, d in s.layers[0])
+    # fp32 llama layer, bytes per token: attention input; q, k, v; output + lse
     assert norm_bytes(64, 4) == 8 * 64 + 4
-    assert attention_layer_bytes(s, 4) == (8 * 64 + 4) + 4 * 64 + 4 * (64 + 2 * 16) + 4 * 64 + 4 * 8
-    assert mlp_bytes(s, 4) == (8 * 64 + 4) + 4 * 64 + 4 * 4 * 128
+    assert attention.saved(parts["attention"], 4).per_token == 4 * 64 + 4 * (64 + 2 * 16) + 4 * 64 + 4 * 8
+    assert mlp.saved(parts["mlp"], 4).per_token == 4 * 64 + 4 * 4 * 128
+    # a layer: two norms, attention and MLP
+    assert layer_bytes(s.layers[0], 4, 1, "torch", 1, "ulysses").saved == 2 * (8 * 64 + 4) + 4 * 64 + 4 * (
+        64 + 2 * 16) + 4 * 64 + 4 * 8 + 4 * 64 + 4 * 4 * 128
     # bf16 norms keep the fp32 upcast: 4 + 2 bytes per channel
     assert norm_bytes(64, 2) == 6 * 64 + 4
     full = loss_bytes(s, PlanOptions(seq=4096, gpus=1, dtype="fp32"))
@@ -77,7 +82,9 @@ def test_memory_plan_formulas():
     none, ckpt = (plan(s, PlanOptions(**big, checkpointing=c)).total for c in ("none", "full"))
     assert ckpt < none
     assert plan(s, PlanOptions(**{**big, "gpus": 4})).total > none
-    assert attention_layer_bytes(s, 2, fp32_out=True) - attention_layer_bytes(s, 2) == 2 * 64
+    ring = attention.saved(parts["attention"], 2, P=2, backend="ring").per_token
+    uly = attention.saved(parts["attention"], 2, P=2, backend="ulysses").per_token
+    assert ring - uly == 2 * 64
 
 
 def test_memory_plan_max_seq_is_the_boundary():
@@ -98,7 +105,7 @@ def test_memory_plan_matches_measured_peak_tiny():
 
     from ringmaster_tools.memory_plan import ModelShape, PlanOptions, plan
 
-    overrides = dict(jobs_plan.MODELS["tiny"], vocab_size=128)   # layers dominate, not the logits
+    overrides = dict(jobs_plan.MODELS["tiny"][1], vocab_size=128)   # layers dominate, not the logits
     rows = jobs_plan.measure_step("llama", overrides, [256])
     shape = ModelShape.from_config(jobs_plan.build_config("llama", overrides))
     for r in rows:

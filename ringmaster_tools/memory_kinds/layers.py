@@ -84,7 +84,7 @@ def describe(model: nn.Module) -> list[Layer]:
                 parts.append(Part(cpath, "moe" if is_moe(child) else "mlp", child))
         for part in parts:
             if part.kind == "norm":
-                part.dims = {"width": _norm_width(part.module)}
+                part.dims = norm_dims(part.module)
             else:
                 part.dims = kind_model(part.kind).dims(part.module)
         layers.append(Layer(lpath, parts))
@@ -96,3 +96,53 @@ def _norm_width(module: nn.Module) -> int:
     if w is not None:
         return w.shape[-1]
     return int(getattr(module, "hidden_size", 0) or getattr(module, "normalized_shape", (0,))[-1])
+
+
+def _meta_saved(module: nn.Module, width: int, dtype, tokens: int) -> int:
+    """Bytes ``module``'s graph saves for a [1, tokens, width] input of ``dtype``, traced on the meta
+    device (shapes and dtypes only: no memory, no values)."""
+    import copy
+
+    import torch
+
+    meta = copy.deepcopy(module).to(device="meta", dtype=dtype)
+    skip = {t.untyped_storage()._cdata for t in (*meta.parameters(), *meta.buffers())}
+    keep: dict[int, object] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in skip:
+            keep.setdefault(st._cdata, st)
+        return t
+
+    x = torch.empty(1, tokens, width, device="meta", dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module_out = meta(x)
+    del module_out
+    return sum(st.nbytes() for st in keep.values())
+
+
+def norm_dims(module: nn.Module) -> dict:
+    """A norm's width and what it saves per token and per layer, for 4- and 2-byte activations,
+    traced on the meta device: norms differ by family (Llama casts the normalised value back
+    before the weight multiply, Nemotron-H multiplies in fp32, LayerNorm saves mean and rstd)."""
+    import torch
+
+    width = _norm_width(module)
+    out = {"width": width}
+    for b, dtype in ((4, torch.float32), (2, torch.bfloat16)):
+        one, two = (_meta_saved(module, width, dtype, n) for n in (1, 2))
+        out[b] = (two - one, 2 * one - two)   # (per token, fixed)
+    return out
+
+
+def final_norm(model: nn.Module) -> dict | None:
+    """Dims of the norm between the last decoder layer and the LM head (None when not found)."""
+    layer_list = decoder_layers(model)[0][0].rpartition(".")[0]
+    parent = layer_list.rpartition(".")[0]
+    modules = dict(model.named_modules())
+    owner = modules.get(parent, model)
+    for name, child in owner.named_children():
+        if _NORM.search(type(child).__name__):
+            return norm_dims(child)
+    return None

@@ -43,4 +43,6 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += 2 * b * i                        # relu's output (its own backward and the square's), the square
     else:
         out += 2 * b * i                        # the activation's input and its output (down_proj's input)
-    return Bytes(out, source=f"transformers MLP.forward ({'gated ' if d['gated'] else ''}{d['act']})")
+    # its backward: the incoming gradient of the product/activation (one intermediate) beside the saved ones
+    return Bytes(out, backward=b * i,
+                 source=f"transformers MLP.forward ({'gated ' if d['gated'] else ''}{d['act']})")
