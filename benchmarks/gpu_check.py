@@ -229,6 +229,7 @@ def parity_job(rank, world, device, cases, quick):
     S = 256 if quick else 4096
     overrides = QUICK_LLAMA if quick else PARITY_LLAMA
     rows = []
+    references = {}
     for case in cases:
         row = {"case": case["name"], "P": world}
         try:
@@ -241,17 +242,19 @@ def parity_job(rank, world, device, cases, quick):
             base = tiny_model(model_type, build_inner, 0, **extra).to(device)
             batch = _batch(case["batch"], base.config.vocab_size, S, device)
 
-            truth = copy.deepcopy(base)
-            out = truth(**batch, use_cache=False)
-            out.loss.backward()
-            t_loss, t_logits, t_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(truth)
-            del truth, out
-
-            ref = copy.deepcopy(base).to(torch.bfloat16)
-            out = ref(**batch, use_cache=False)
-            out.loss.backward()
-            r_loss, r_logits, r_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(ref)
-            del ref, out
+            key = (model_type, build_inner, case["batch"])
+            if key not in references:   # the fp32 truth and the bf16 run without CP, once per model and batch
+                truth = copy.deepcopy(base)
+                out = truth(**batch, use_cache=False)
+                out.loss.backward()
+                t_ref = out.loss.detach().float(), out.logits.detach().float(), _grads(truth)
+                del truth, out
+                ref = copy.deepcopy(base).to(torch.bfloat16)
+                out = ref(**batch, use_cache=False)
+                out.loss.backward()
+                references[key] = (t_ref, (out.loss.detach().float(), out.logits.detach().float(), _grads(ref)))
+                del ref, out
+            (t_loss, t_logits, t_grads), (r_loss, r_logits, r_grads) = references[key]
 
             model = copy.deepcopy(base).to(torch.bfloat16)
             del base
@@ -491,9 +494,32 @@ def parity_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def planned_peak(model_name: str, overrides: dict, S: int, P: int, backend: str) -> tuple[float, str]:
+    """The memory planner's peak for ``step_job``'s step (bf16 parameters and gradients, no optimizer,
+    full checkpointing) and the kernel it assumed: "fast" when the GPU packages import, else "torch"."""
+    import importlib.util
+
+    from ringmaster_tools.memory_plan import ModelShape, PlanOptions, plan
+    from ringmaster_tools.parity import COMMON, TINY
+
+    model_type = "qwen3_5_text" if model_name == "hybrid" else "llama"
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{**COMMON, "use_cache": False, **TINY.get(model_type, {}),
+                                                 **overrides})
+    fast = model_type == "llama" or importlib.util.find_spec("fla") is not None
+    kernel = "fast" if fast and torch.cuda.is_available() else "torch"
+    p = plan(ModelShape.from_config(config), PlanOptions(seq=S, gpus=P, dtype="bf16", master_weights=False,
+                                                         checkpointing="full", optimizer="fused", kernel=kernel,
+                                                         backend=backend if P > 1 else "ulysses"))
+    optimizer_state = next(v for k, v in p.parts.items() if k.startswith("optimizer state"))
+    return p.total - optimizer_state, kernel
+
+
 def memory_table(rows: list[dict]) -> str:
-    lines = ["| model | S | non-CP peak GiB | non-CP step s | CP P=2 backend | CP peak GiB/rank | CP step s | peak ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | S | non-CP peak GiB | non-CP step s | CP P=2 backend | CP peak GiB/rank | CP step s | peak ratio "
+             "| planned non-CP / CP GiB (kernel) | planned / measured non-CP, CP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def cell(x, key, fmt):
             if x is None:
@@ -509,8 +535,17 @@ def memory_table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['S']} | {cell(r['ref'], 'peak', lambda v: f'{v / 2**30:.2f}')} | "
                      f"{cell(r['ref'], 'time', lambda v: f'{v:.3f}')} | "
                      f"{(r['cp'] or {}).get('backend', '-')} | {cell(r['cp'], 'peak', lambda v: f'{v / 2**30:.2f}')} | "
-                     f"{cell(r['cp'], 'time', lambda v: f'{v:.3f}')} | {ratio} |")
+                     f"{cell(r['cp'], 'time', lambda v: f'{v:.3f}')} | {ratio} | {planned_cells(r)} |")
     return "\n".join(lines)
+
+
+def planned_cells(r: dict) -> str:
+    plan_ref, plan_cp, kernel = r.get("planned") or (None, None, "-")
+    if plan_ref is None:
+        return "- | -"
+    ratios = [f"{p / x['peak']:.2f}" if x and x.get("peak") else "-" for p, x in ((plan_ref, r["ref"]),
+                                                                                  (plan_cp, r["cp"]))]
+    return f"{plan_ref / 2**30:.2f} / {plan_cp / 2**30:.2f} ({kernel}) | {', '.join(ratios)}"
 
 
 def main(argv=None) -> int:
@@ -578,7 +613,14 @@ def main(argv=None) -> int:
                 cp_row = next((r for r in cp if "error" in r or r.get("oom")), cp[0])
                 if "peak" in cp_row:
                     cp_row = dict(cp_row, peak=max(r.get("peak", 0) for r in cp))
-                memory.append({"model": label, "S": S, "ref": ref, "cp": cp_row})
+                try:
+                    plan_ref, kernel = planned_peak(name, overrides, S, 1, "ulysses")
+                    plan_cp, _ = planned_peak(name, overrides, S, 2, cp_row.get("backend", "ulysses"))
+                    planned = (plan_ref, plan_cp, kernel)
+                except Exception as e:  # noqa: BLE001 - the planner's failure must not lose the measured row
+                    print(f"planner: {type(e).__name__}: {e}", flush=True)
+                    planned = None
+                memory.append({"model": label, "S": S, "ref": ref, "cp": cp_row, "planned": planned})
                 if cp_row.get("oom") or "error" in cp_row:
                     break
                 S *= 2

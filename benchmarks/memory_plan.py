@@ -1,10 +1,13 @@
 """The memory planner (``ringmaster plan --config``) against measured peak memory, on CPU.
 
-    python benchmarks/memory_plan.py [--models tiny,100m] [--quick]
+    python benchmarks/memory_plan.py [--models tiny,deep,gdn,mamba2,mamba1,moe,100m] [--quick]
 
-Random llama models (fp32, fixed seed; tests/jobs_plan.py MODELS: "tiny" 0.6M parameters, "100m"
-87M), one AdamW training step after a warm-up step, grads set to None before it as a training loop
-leaves them. Measured = bytes alive before the step (parameters + AdamW state) + the peak of tensor
+Random models (fixed seed; tests/jobs_plan.py MODELS): llama "tiny" (0.6M parameters), "deep" and
+"100m" (87M); "gdn" (Qwen3.5-style, 3 gated-DeltaNet : 1 attention layer), "mamba2" (Nemotron-H:
+Mamba2, attention, MLP-only, Mamba2), "mamba1" (Falcon-Mamba), "moe" (Qwen3-MoE, 8 experts, top-2).
+Every layer kind runs transformers' pure-torch kernels (the CPU path), so the plan uses
+``kernel="torch"``. One AdamW training step after a warm-up step, grads set to None before it as a
+training loop leaves them. Measured = bytes alive before the step (parameters + AdamW state) + the peak of tensor
 bytes created and alive at once during forward + backward + optimizer step
 (``profiling.track_tensor_memory(skip_aliases=True)``, rank 0). Predicted =
 ``memory_plan.plan(...).total`` for the same shapes (no master weights, for-loop AdamW as on CPU).
@@ -36,6 +39,18 @@ ROWS = [
     ("deep", 1, "none", "full", "none", (2048,), "bf16"),
     ("deep", 1, "none", "full", "full", (2048,), "bf16"),
     ("deep", 2, "ring", "full", "none", (4096,), "bf16"),
+    # every layer kind the planner models beside attention: a gated-DeltaNet hybrid (3:1), a Nemotron-H
+    # (Mamba2, attention, MLP only, Mamba2), a Mamba1 model, an MoE model (8 experts, top-2)
+    *[row for name in ("gdn", "mamba2", "mamba1", "moe") for row in (
+        (name, 1, "none", "full", "none", (1024, 4096)),
+        (name, 1, "none", "full", "full", (4096,)),
+        (name, 2, "ulysses", "full", "none", (4096,)),
+        (name, 2, "ring", "full", "none", (4096,)),
+        (name, 2, "ulysses", "full", "full", (4096,)),
+        (name, 1, "none", "full", "none", (2048,), "bf16"),
+        (name, 1, "none", "full", "full", (2048,), "bf16"),
+        (name, 2, "ring", "full", "none", (4096,), "bf16"),
+    )],
     ("100m", 1, "none", "full", "none", (256, 1024)),
     ("100m", 2, "ulysses", "full", "none", (2048,)),
     ("100m", 2, "ring", "full", "none", (2048,)),
@@ -44,7 +59,7 @@ ROWS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,100m")
+    parser.add_argument("--models", default="tiny,deep,gdn,mamba2,mamba1,moe,100m")
     parser.add_argument("--quick", action="store_true", help="tiny and deep rows only")
     args = parser.parse_args()
     import jobs_plan

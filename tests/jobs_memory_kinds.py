@@ -65,3 +65,37 @@ def measure_saved(model_type: str, overrides: dict, seqs, P: int = 1, backend: s
 
 def measure_saved_job(ctx, model_type, overrides, seqs, P, backend="ulysses", dtype=torch.float32, cfg_kwargs=None):
     return measure_saved(model_type, overrides, seqs, P, backend, ctx.mesh(P) if P > 1 else None, dtype, cfg_kwargs)
+
+
+def hybrid_families() -> list[str]:
+    """Every registered family with a recurrent layer kind (the zoo's hybrid and recurrent families)."""
+    from ringmaster.architectures.spec import _REGISTRY
+
+    return sorted(mt for mt, spec in _REGISTRY.items() if spec.recurrent_classes)
+
+
+def wired_and_planned_kinds(ctx, families: list[str]) -> dict[str, dict]:
+    """This rank's share of ``families``: per decoder layer, the mixer kinds ``rm.wire`` wires on the
+    tiny model (its report: attention paths and recurrent (path, kind)) and the kinds ``ringmaster plan
+    --config`` reads from the same config on the meta device (``ModelShape.from_config``)."""
+    from ringmaster_tools.memory_kinds.layers import decoder_layers
+    from ringmaster_tools.memory_plan import ModelShape
+    from ringmaster_tools.zoo import build_tiny, tiny_config
+
+    out = {}
+    for family in families[ctx.rank::ctx.world]:
+        config = tiny_config(family)
+        model = build_tiny(family, config=config, dtype=torch.float32)
+        rt = rm.wire(model, rm.RingmasterConfig(size=1), device_mesh=ctx.mesh(1))
+        try:
+            wired = [(p, "attention") for p in rt.report.attention] + list(rt.report.recurrent)
+            layers = [path for path, _ in decoder_layers(model)]
+            per_layer = [sorted(k for p, k in wired if p.startswith(layer + ".")) for layer in layers]
+        finally:
+            rm.unwire(model)
+            rm.teardown()
+        shape = ModelShape.from_config(config)
+        planned = [sorted(k for k, _ in parts if k not in ("norm", "mlp", "moe")) for parts in shape.layers]
+        out[family] = {"wired": per_layer, "planned": planned, "labels": shape.layer_kinds,
+                       "source": shape.layers_source}
+    return out

@@ -23,3 +23,19 @@ def test_gpu_check_cpu_smoke_run(tmp_path):
                                                    "backward on CPU"), verdicts
     assert all(v == "ok" for v in verdicts.values()), verdicts
     assert {"ring aten distflash", "ring flash-attn2", "ulysses flash-attn2", "usp 2x2 aten"} <= set(verdicts)
+
+
+def test_gpu_check_memory_rows_carry_the_plan():
+    """The GPU run's memory rows print the planner's peak for the same step beside the measured one
+    (the CPU smoke skips the memory rows: this is their plumbing)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    for name, overrides in (("llama", gpu_check.QUICK_LLAMA), ("hybrid", gpu_check.QUICK_HYBRID)):
+        ref, kernel = gpu_check.planned_peak(name, overrides, 256, 1, "ulysses")
+        cp, _ = gpu_check.planned_peak(name, overrides, 256, 2, "ulysses")
+        assert kernel == "torch" and 0 < cp < ref, (name, ref, cp)
+    row = {"model": "llama-1B", "S": 256, "ref": {"peak": ref / 0.95, "time": 0.1},
+           "cp": {"peak": cp / 1.05, "time": 0.1, "backend": "ulysses"}, "planned": (ref, cp, kernel)}
+    line = gpu_check.memory_table([row]).splitlines()[-1]
+    assert "(torch) | 0.95, 1.05 |" in line, line

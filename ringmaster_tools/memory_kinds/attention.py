@@ -13,15 +13,28 @@ CASES = [("llama", dict(hidden_size=64, num_attention_heads=8, num_key_value_hea
          ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16))]
 
 
+def _out_features(module) -> int | None:
+    if module is None:
+        return None
+    n = getattr(module, "out_features", None)
+    weight = getattr(module, "weight", None)
+    if n is None and weight is not None:
+        n = weight.shape[0]
+    return int(n) if n is not None else None
+
+
 def dims(module) -> dict:
+    """Heads and widths from the module (its projections' weights) and its config."""
     config = getattr(module, "config", None)
-    head_dim = int(getattr(module, "head_dim", 0) or config.head_dim)
-    heads = int(getattr(config, "num_attention_heads", 0) or module.q_proj.out_features // head_dim)
-    q_out = module.q_proj.out_features if hasattr(module, "q_proj") else heads * head_dim
-    kv = module.k_proj.out_features // head_dim if hasattr(module, "k_proj") else heads
-    hidden = module.q_proj.in_features if hasattr(module, "q_proj") else int(config.hidden_size)
-    return {"hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim,
-            "qk_norm": hasattr(module, "q_norm"), "gate": q_out == 2 * heads * head_dim}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = int(getattr(module, "head_dim", 0) or getattr(text, "head_dim", 0)
+                   or text.hidden_size // text.num_attention_heads)
+    heads = int(getattr(module, "num_heads", 0) or getattr(text, "num_attention_heads", 0))
+    q_out = _out_features(getattr(module, "q_proj", None)) or heads * head_dim
+    kv_out = _out_features(getattr(module, "k_proj", None))
+    kv = kv_out // head_dim if kv_out else int(getattr(text, "num_key_value_heads", 0) or heads)
+    return {"hidden": int(getattr(text, "hidden_size", 0) or heads * head_dim), "heads": heads, "kv_heads": kv,
+            "head_dim": head_dim, "qk_norm": hasattr(module, "q_norm"), "gate": q_out == 2 * heads * head_dim}
 
 
 def split(heads: int, kv_heads: int, P: int, backend: str, ulysses: int | None = None) -> tuple[int, int]:
