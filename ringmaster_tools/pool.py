@@ -23,23 +23,56 @@ class RankError(RuntimeError):
     """A job raised on one or more ranks; the message carries each rank's traceback."""
 
 
+class SkipRank(BaseException):
+    """Raised by :meth:`RankContext.mesh` on the ranks outside the first CP group of a solo job (a
+    BaseException: a job's ``except Exception`` does not turn it into a result)."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """What a rank that left a solo job reports; :meth:`LocalPool.run` leaves it out."""
+
+
 @dataclass
 class RankContext:
-    """What a job function receives as its first argument on each rank."""
+    """What a job function receives as its first argument on each rank.
+
+    In a ``solo`` pool (the test session's), a job's first ``mesh(cp)`` with ``1 < cp < world`` keeps
+    only the first CP group: the other ranks leave the job there (:class:`SkipRank`) instead of
+    running the same case again beside it, so the group that runs it has the machine's cores to
+    itself. A job that needs every rank after that (the ``dp`` dimension, world collectives, a
+    second CP size) passes ``all_groups=True`` to its first ``mesh`` call (the rest of the job keeps
+    every rank), or its module sets ``ALL_GROUPS = True``; a solo job that asks for a second CP size
+    raises rather than hangs."""
 
     rank: int
     world: int
+    solo: bool = False
     _meshes: dict = field(default_factory=dict)
+    _job_all_groups: bool = False
+    _solo_cp: int | None = None
 
-    def mesh(self, cp: int):
-        """A ``("dp", "cp")`` DeviceMesh with a cp dim of ``cp`` over all ranks (created once, collectively)."""
+    def mesh(self, cp: int, all_groups: bool = False):
+        """A ``("dp", "cp")`` DeviceMesh with a cp dim of ``cp`` over all ranks (created once, collectively;
+        a solo pool creates every one at start, so no job creates one on some ranks only)."""
         if cp not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
             if self.world % cp:
                 raise ValueError(f"cp={cp} does not divide the pool's world size {self.world}")
             self._meshes[cp] = init_device_mesh("cpu", (self.world // cp, cp), mesh_dim_names=("dp", "cp"))
-        return self._meshes[cp]
+        mesh = self._meshes[cp]
+        if all_groups:
+            self._job_all_groups = True   # for the rest of the job
+        if self._solo_cp is not None and cp != self._solo_cp:
+            raise RuntimeError(
+                f"this job left ranks outside its first CP group at mesh({self._solo_cp}); mesh({cp}) needs every "
+                "rank: pass all_groups=True to the job's first ctx.mesh call, or set ALL_GROUPS = True in its module")
+        if self.solo and not (all_groups or self._job_all_groups) and 1 < cp < self.world:
+            self._solo_cp = cp
+            if mesh.get_local_rank("dp") != 0:
+                raise SkipRank
+        return mesh
 
 
 def _free_port() -> int:
@@ -49,7 +82,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo",
-            sys_path: tuple = ()) -> None:
+            sys_path: tuple = (), solo: bool = False) -> None:
     # before anything imports transformers' modeling modules (their kernels resolve once, at import)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -58,14 +91,22 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
 
     torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    ctx = RankContext(rank, world)
+    ctx = RankContext(rank, world, solo=solo)
+    if solo:
+        for cp in range(1, world + 1):
+            if world % cp == 0:
+                ctx.mesh(cp, all_groups=True)
     while True:
         job = tasks.get()
         if job is None:
             break
         job_id, fn, args, kwargs = job
+        ctx._solo_cp = None
+        ctx._job_all_groups = bool(getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "ALL_GROUPS", False))
         try:
             results.put((job_id, rank, True, fn(ctx, *args, **kwargs)))
+        except SkipRank:
+            results.put((job_id, rank, True, Skipped()))
         except BaseException:  # reported to the caller with the rank's traceback
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -73,18 +114,19 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
 
 class LocalPool:
     def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo",
-                 sys_path: tuple = ()):
+                 sys_path: tuple = (), solo: bool = False):
         """``backend``: what every rank passes to ``init_process_group`` (``"cuda:gloo"`` builds a CUDA-only
         group on CPU, the stand-in for NCCL in tests/test_devices.py). ``sys_path``: folders each worker puts
         first on its ``sys.path`` before it runs anything (the kernel stand-in packages,
-        :data:`standins.kernels.SITE`); the parent process is left alone."""
+        :data:`standins.kernels.SITE`); the parent process is left alone. ``solo``: a job on a CP size
+        smaller than the world runs on its first CP group only (:class:`RankContext`)."""
         self.world, self.timeout, self.grace = world, timeout, grace
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend,
-                                                                    tuple(sys_path)), daemon=True)
+                                                                    tuple(sys_path), solo), daemon=True)
                        for r in range(world)]
         for p in self._procs:
             p.start()
@@ -92,7 +134,8 @@ class LocalPool:
         self.broken = False
 
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the per-rank results in rank order (in a
+        solo pool, only the ranks that stayed in the job)."""
         if self.broken:
             raise RuntimeError("this pool was shut down after a failure; start a new LocalPool")
         self._next += 1
@@ -118,7 +161,7 @@ class LocalPool:
         failed = {r: p for r, (ok, p) in got.items() if not ok}
         if failed:
             raise RankError("".join(f"\n--- rank {r} ---\n{p}" for r, p in sorted(failed.items())))
-        return [got[r][1] for r in range(self.world)]
+        return [got[r][1] for r in range(self.world) if not isinstance(got[r][1], Skipped)]
 
     def close(self, force: bool = False) -> None:
         self.broken = True

@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+# the zoo's CP groups share the families (zoo_job share=True): every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 # float64 parity: fp32 cancellation in small gradients must not read as WRONG (nor hide a real error)
 TOL = 1e-6
 

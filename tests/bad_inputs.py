@@ -16,6 +16,10 @@ import torch
 
 import ringmaster as rm
 
+# jobs that ask for two CP sizes: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 
 @dataclass(frozen=True)
 class Scenario:

@@ -1,6 +1,6 @@
 """One pool of 4 CPU gloo ranks per test session: spawning per test is too slow on 2 cores.
 
-P=2 cases run on a ("dp", "cp") = (2, 2) mesh, so two CP groups run the same case at once;
+P=2 cases run on the first CP group of a ("dp", "cp") = (2, 2) mesh (the pool is solo: the other group leaves the job, so the group that runs it has both cores; modules that need every rank set ALL_GROUPS);
 P=4 cases on (1, 4).
 """
 
@@ -29,7 +29,8 @@ class PoolHolder:
         from ringmaster_tools.pool import LocalPool
 
         if self._pool is None or self._pool.broken:
-            self._pool = LocalPool(self.world, timeout=240, grace=8)   # a failed job's peers: 8 s to report
+            # a failed job's peers: 8 s to report; a P=2 job runs on the first CP group only (solo)
+            self._pool = LocalPool(self.world, timeout=240, grace=8, solo=True)
         return self._pool.run(fn, *args, **kwargs)
 
     def close(self):

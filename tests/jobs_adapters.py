@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 import ringmaster as rm
 
+# trainers, accelerate meshes and FSDP2 over dp x cp: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 # -- helpers ---------------------------------------------------------------------------------
 
 

@@ -47,7 +47,8 @@ def two_models(ctx, P, cfgs, rounds=2, model_types=("llama", "llama")):
         entries.append({"model": model, "reference": copy.deepcopy(model),
                         "batch": tiny_batch(model.config.vocab_size, 64, seed=10 + i)})
     for e, cfg, size in zip(entries, cfgs, sizes):
-        e["runtime"] = rm.wire(e["model"], rm.RingmasterConfig(size=size, **cfg), device_mesh=ctx.mesh(size))
+        mesh = ctx.mesh(size, all_groups=len(set(sizes)) > 1)   # two CP sizes: every rank stays
+        e["runtime"] = rm.wire(e["model"], rm.RingmasterConfig(size=size, **cfg), device_mesh=mesh)
     rm.teardown()  # nothing may depend on "the current runtime" from here on
     results = []
     try:

@@ -46,6 +46,10 @@ from ringmaster.checkpointing import CHECKPOINT_ATTRS, Replaying
 from ringmaster.sharding.carrier import StepCarrier
 from ringmaster_tools.parity import keep_fp64, packed_batch, per_document_forward, rel_err, tiny_model
 
+# cells of both CP sizes in one job, FSDP2 over dp x cp: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 # backend -> (model type, RingmasterConfig kwargs, P)
 BACKENDS = {
     "ulysses": ("llama", dict(backend="ulysses"), 2),

@@ -13,6 +13,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+# the dp groups split the steps: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 S = 32   # sequence length of every packing: 8 chunks of 4 under head_tail at P=4
 
 # tiny llama: 2 layers of hidden 32 (4 heads of 8: Ulysses and USP 2x2 split them at P=4)

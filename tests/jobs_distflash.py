@@ -219,6 +219,7 @@ def mutated(ctx, mutation, P):
 
 def refusals(ctx):
     """Every distflash combination ringmaster cannot run exactly: (type, message) per case."""
+    ctx.mesh(2, all_groups=True)   # CP sizes 2 and 4 in one job: every rank stays
     from jobs import error_of
     from ringmaster_tools.parity import tiny_model
 

@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 import ringmaster as rm
 
+# trainers and world barriers: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 BACKENDS = {"ulysses": dict(backend="ulysses"), "ring": dict(backend="ring", load_balance="head_tail")}
 
 

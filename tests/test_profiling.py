@@ -11,6 +11,10 @@ import torch
 from ringmaster_tools import profiling
 from ringmaster_tools.profiling import CommProfile, CommRecord, count_collectives, layer_kind, profile_memory
 
+# profiles gathered over the world: every rank of the pool
+# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
+ALL_GROUPS = True
+
 F32 = 4
 
 
