@@ -40,14 +40,14 @@ per-token terms, ``-exp(time_decay)`` once per chunk. ``scan`` (the default at P
 but the sequence's first twice (``WkvSegment.local_map`` from zeros, ``finish`` from the composed
 state): the loop's per-token terms twice (the worst rank), plus ``-exp(time_decay)`` once more.
 
-Kernel "fast" (transformers' CUDA ``RwkvLinearAttention.forward``, ``kernels/rwkv/wkv_cuda.cu``:
-``ctx.save_for_backward(w, u, k, v, output)`` with ``w = -exp(time_decay)``, ``k``, ``v`` and the output
-in fp32 ``[b, L, a]``, bf16 through ``wkv_cuda_bf16`` keeping the activations in bf16): at P=1 the loop's
-``44 a`` per token becomes the kernel's ``k, v, output`` (``3 b' a``, b' = 4 in fp32, 2 in bf16; the
-fp32 path casts k and v with ``.float()``: new storages when the model is bf16... it keeps them bf16:
-``b``), the key and value storages counting once. Under CP or packed rows ringmaster always runs the
-torch loop (the CUDA kernel returns no gradient for an incoming state): "fast" = "torch" there.
-Not run here (no GPU): read from the source.
+Kernel "fast" (transformers' CUDA WKV, ``modeling_rwkv.RwkvLinearAttention.forward``:
+``ctx.save_for_backward(time_decay, time_first, key, value, output)`` with ``time_decay = -exp(time_decay.float())``
+(``4 a`` fixed), ``time_first`` the parameter, ``key`` / ``value`` the projections' outputs (contiguous already:
+the same storages, ``b a`` each; fp16 alone is cast to fp32) and the kernel's output (``b a``, also saved by
+``receptance * wkv``)): at P=1 the loop's per-step terms vanish: ``5 b h + 5 b a`` per token, ``3 b h + 4 a``
+fixed. Under CP or with packed rows ringmaster always runs the torch loop (the CUDA kernel returns no gradient
+for an incoming state): "fast" = "torch" there. The channel mixing has no kernel: "fast" = "torch". Not run
+here (no GPU): read from the source.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     calls = max(n, 1) + (1 if P > 2 and strategy == "scan" else 0)
     if kernel == "fast" and P == 1:
         # fused WKV: k, v (the linear outputs), the kernel's output; no per-step states
-        return Bytes(5 * b * h + 5 * b * a, 3 * b * h + b * a, _BACKWARD["time_mix"] * a, _SOURCE_FAST)
+        return Bytes(5 * b * h + 5 * b * a, 3 * b * h + 4 * a, _BACKWARD["time_mix"] * a, _SOURCE_FAST)
     loop = 44 * a if b == 4 else 48 * a          # bf16: each step's fp32 key cast instead of the key
     keys = 2 * b * a if b == 4 else b * a
     if P > 2 and strategy == "scan":
