@@ -84,19 +84,22 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     shift_fixed = b * h if n == 1 else 0            # one chunk: the shift is a slice of its [halo | chunk] output
     if d["block"] == "channel_mix":
         i = d["intermediate"]
-        return Bytes(6 * b * h + 2 * b * i, 2 * b * h + shift_fixed, _BACKWARD["channel_mix"] * h, _SOURCE_FFN)
+        return Bytes(6 * b * h + 2 * b * i, 2 * b * h + shift_fixed, _BACKWARD["channel_mix"] * b * h, _SOURCE_FFN)
     a = d["attention"]
     strategy = strategy or ("sequential" if P <= 2 else "scan")
     calls = max(n, 1) + (1 if P > 2 and strategy == "scan" else 0)
     if kernel == "fast" and P == 1:
         # fused WKV: k, v (the linear outputs), the kernel's output; no per-step states
-        return Bytes(5 * b * h + 5 * b * a, 3 * b * h + 4 * a, _BACKWARD["time_mix"] * a, _SOURCE_FAST)
+        return Bytes(5 * b * h + 5 * b * a, 3 * b * h + 4 * a, _BACKWARD["time_mix"] * b * a, _SOURCE_FAST)
     loop = 44 * a if b == 4 else 48 * a          # bf16: each step's fp32 key cast instead of the key
     keys = 2 * b * a if b == 4 else b * a
     if P > 2 and strategy == "scan":
         loop *= 2
     per = 5 * b * h + 3 * b * a + keys + loop
-    return Bytes(per, 3 * b * h + calls * b * a + shift_fixed, _BACKWARD["time_mix"] * a, _SOURCE)
+    return Bytes(per, 3 * b * h + calls * b * a + shift_fixed, _BACKWARD["time_mix"] * b * a, _SOURCE)
 
 
-_BACKWARD = {"time_mix": 0.0, "channel_mix": 0.0}   # per token, in units of a / h (step_peak)
+# per token, in units of b a / b h: memory_probe.step_peak at P=1, fp32, S = 64 / 128 on the CASES model
+# (h = a = 32, i = 64): time mixing 576 B/token measured (4.5 b a), channel mixing 448 B/token (3.5 b h).
+# "fast" (the CUDA WKV): the same figure, an estimate (its backward allocates gw, gu, gk, gv: fp32 [b, L, a])
+_BACKWARD = {"time_mix": 4.5, "channel_mix": 3.5}

@@ -47,7 +47,8 @@ input is the attention's layer input, saved first by the k/v projection (counted
 through the conv halo) the conv also saves its ``[halo | chunk]`` input (``4 K c`` per token and
 ``n w 4 K c`` fixed). There is no GPU kernel for it: "fast" = "torch".
 
-``backward`` (torch, P=1, ``memory_probe.step_peak`` on one layer module, per token): see ``_BACKWARD``.
+``backward`` (torch, P=1, ``memory_probe.step_peak`` on one layer module, per token): gated ``2 b c`` (measured:
+512 B/token at c = 64, fp32); residual ``8 c``, dynamic ``8 K c`` (estimates: not measured); "fast" the same.
 """
 
 from __future__ import annotations
@@ -117,5 +118,8 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
                  "ringmaster.recurrent.dynamic_conv forward (one-hot depthwise conv over the halo, windows * taps)")
 
 
-# per token at the backward peak beyond saved + output, in units noted (measured with step_peak; filled below)
-_BACKWARD = {"gated": 0.0, "residual": 0.0, "dynamic": 0.0}
+# per token at the backward peak beyond saved + output (memory_probe.step_peak, P=1, torch, fp32, S = 64 / 128):
+# gated: measured 512 B/token on lfm2 (h = c = 64): 2 b c (the input gradient and the conv's). residual, dynamic:
+# estimates, not measured (the conv's input gradient and the layer's, in the conv dtype / fp32 windows and taps).
+# "fast" uses the same figures (causal-conv1d's backward allocates dx and dweight the same way).
+_BACKWARD = {"gated": 2.0, "residual": 8.0, "dynamic": 2.0}
