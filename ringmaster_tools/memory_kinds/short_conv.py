@@ -45,7 +45,9 @@ Dynamic (Inkling2 full layers: ``sum_lag windows * (static + weight_proj(dynamic
 input is the attention's layer input, saved first by the k/v projection (counted there). Under CP
 (ringmaster's ``dynamic_conv`` forward: the windows as a one-hot depthwise conv over ``K c`` channels
 through the conv halo) the conv also saves its ``[halo | chunk]`` input (``4 K c`` per token and
-``n w 4 K c`` fixed). There is no GPU kernel for it: "fast" = "torch".
+``n w 4 K c`` fixed) and its one-hot lag taps (``[K c, K]`` fp32: ``4 c K^2`` fixed); with one chunk the
+windows the mul saves are a view of the conv's ``L + 2w`` column output (``2 w 4 K c`` more fixed), with
+two a new concatenation. There is no GPU kernel for it: "fast" = "torch".
 
 ``backward`` (torch, P=1, ``memory_probe.step_peak`` on one layer module, per token): gated ``2 b c`` (measured:
 512 B/token at c = 64, fp32); residual ``8 c``, dynamic ``8 K c`` (estimates: not measured); "fast" the same.
@@ -114,7 +116,10 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     if n == 0:
         return Bytes(2 * kc, 0, _BACKWARD["dynamic"] * kc,
                      "transformers <Family>DynamicShortConvolution.forward (unfold windows * taps)")
-    return Bytes(3 * kc, n * w * kc, _BACKWARD["dynamic"] * kc,
+    # the conv's [halo | chunk] inputs; one chunk: the windows are a view of its L + 2w column output; the
+    # one-hot lag taps [K c, K] (fp32, made once per forward) saved by the conv
+    fixed = n * w * kc + (2 * w * kc if n == 1 else 0) + 4 * c * K * K
+    return Bytes(3 * kc, fixed, _BACKWARD["dynamic"] * kc,
                  "ringmaster.recurrent.dynamic_conv forward (one-hot depthwise conv over the halo, windows * taps)")
 
 
