@@ -27,7 +27,8 @@ def _check(rows, kind):
 def test_saved_bytes_match_the_graph(kind, model_type, overrides):
     """P=1, fp32 at two lengths and bf16 at one: every part of the kind (and every norm) within 3%."""
     _check(jobs_memory_kinds.measure_saved(model_type, overrides, [128, 256]), kind)
-    _check(jobs_memory_kinds.measure_saved(model_type, overrides, [128], dtype=torch.bfloat16), kind)
+    if getattr(kind_model(kind), "BF16", True):   # mLSTM: transformers' kernel does not run in bf16
+        _check(jobs_memory_kinds.measure_saved(model_type, overrides, [128], dtype=torch.bfloat16), kind)
 
 
 @pytest.mark.parametrize("backend", ["ulysses", "ring"])

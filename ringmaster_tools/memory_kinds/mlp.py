@@ -26,11 +26,15 @@ def dims(module) -> dict:
         inter, gated = module.gate_proj.out_features, True
     elif hasattr(module, "up_proj"):
         inter, gated = module.up_proj.out_features, False
+    elif hasattr(module, "w1") and hasattr(module, "w3"):   # LFM: w2(silu(w1 x) * w3 x)
+        inter, gated = module.w1.out_features, True
+    elif hasattr(module, "proj_up_gate") or hasattr(module, "proj_up_gate_z"):   # xLSTM
+        inter, gated = module.proj_down.in_features, True
     elif hasattr(module, "fc1"):
         inter, gated = module.fc1.out_features, False
     else:
         raise ValueError(f"{type(module).__name__}: no gate_proj / up_proj / fc1 (the memory planner's MLP model)")
-    down = getattr(module, "down_proj", None) or getattr(module, "fc2")
+    down = next(getattr(module, n) for n in ("down_proj", "fc2", "w2", "proj_down") if hasattr(module, n))
     return {"hidden": down.out_features, "intermediate": inter, "gated": gated, "act": _act_name(module)}
 
 

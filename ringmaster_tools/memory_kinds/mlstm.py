@@ -64,6 +64,7 @@ from .attention import split
 
 NAME = "mlstm"
 CASES = [("xlstm", dict(embedding_dim=32, hidden_size=32, num_blocks=1, num_heads=2, chunk_size=16))]
+BF16 = False   # transformers 5.24's mLSTM kernel starts from fp32 zero states and fails in bf16 (k^T @ v dtypes)
 
 
 def dims(module) -> dict:
