@@ -169,7 +169,45 @@ def _experts(d: dict, b: int) -> tuple[float, float]:
 
 
 def _backward(d: dict, b: int) -> float:
-    return 0.0
+    """Per token: the backward's peak above the forward's end (the saved tensors and the output), the
+    expert weights' gradients (fixed) left out. The backward of the grouped_mm path, stage by stage
+    (per token; ``c`` the combine's dtype bytes, fp32 when the routing weights are):
+
+    * the output gradient ``g = b*hidden`` (held throughout);
+    * shared expert: Qwen's gated one (its gate runs after the experts): ``g*sig``, ``g*shared``,
+      the gate's input gradient (peak ``2*b*hidden + b``), leaving ``b*hidden - b`` (its output and
+      the sigmoid freed); Nemotron-H's ungated one (run last, so backward first): a dense MLP's
+      backward (peak ``3*b*I_shared``), leaving its input gradient less what it saved;
+    * combine (``weighted[inv_perm]``): the expanded gradient made contiguous, ``new_zeros`` and the
+      out-of-place ``index_put``: ``3*k*h*c``;
+    * routing-weight ``mul``: its two products (``3*k*h*c`` with the index_put's, ``inv_perm`` freed)
+      and, when ``c != b``, the proxy gradient cast back to ``b`` (``k*h*b``);
+    * down ``grouped_mm``: its input gradient ``k*I*b`` (the combine's tensors freed);
+    * activation: gated ``act(gate)*up``: two products ``2*k*I*b``; relu2 (``square``): ``3*k*I*b``.
+    The up ``grouped_mm``, the gather's ``index_put`` and the router's backward come after the
+    experts' saved tensors are freed and never set the peak."""
+    k, h, i, hidden = d["top_k"], d["expert_in"], d["intermediate"], d["hidden"]
+    w = 4 if d["weights_fp32"] else b
+    c = max(b, w)
+    base = b * hidden
+    stages = [base]
+    if d["shared"]:
+        from . import mlp
+        s_saved = mlp.saved(d["shared"], b).per_token - b * d["shared"]["hidden"]
+        if d["shared_gate"]:
+            stages.append(base + 2 * b * hidden + b)
+            base += b * hidden - b
+        else:
+            stages.append(base + 3 * b * d["shared"]["intermediate"])
+            base += b * hidden - s_saved
+    stages.append(base + 3 * k * h * c)                                   # combine's index backward
+    if c != b:
+        stages.append(base - 8 * k + 3 * k * h * c + k * h * b)           # routing-weight mul
+    base_d = base - 8 * k - k * w + k * c                                # inv_perm, sorted weights freed; their grad kept
+    stages.append(base_d + k * i * b)                                     # down grouped_mm
+    act = 2 if d["gated"] else (3 if "ReLUSquared" in d["act"] else 1)
+    stages.append(base_d - k * h * b + act * k * i * b)                   # activation
+    return max(stages)
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses") -> Bytes:
