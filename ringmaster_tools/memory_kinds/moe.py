@@ -61,9 +61,20 @@ Counted as the probe counts them (every storage packed for backward): the Nemotr
 top-k indices (``8*(2G + topk_group)``) and the ``masked_fill`` mask (``E``) belong to graph nodes whose
 outputs feed no differentiable path, so they are freed when the router returns (about 1% of the block).
 
-``backward`` (kernel "torch", measured with ``memory_probe.step_peak`` on the block alone at two S, P=1,
-grouped_mm): the peak of the backward beyond the saved tensors and the output, per token; see
-``_backward``. For "fast" (CUDA ``grouped_mm``) the same op sequence runs, so the same estimate is used.
+``backward`` (kernel "torch"): the peak of the block's backward above its forward's end, per token, the
+stage maximum of ``_backward`` (grouped_mm: the combine's ``index_put`` or the routing-weight ``mul``
+when k*h is large, the activation's products when I is large, Nemotron-H's shared expert first). Checked
+with ``memory_probe.step_peak`` on the block alone, P=1, (peak - forward_end) differenced over S=1024 and
+2048 (at small S the experts' fixed weight gradients can move the peak to another stage): exact on
+qwen2_moe / qwen3_moe / mixtral / nemotron_h / qwen3_next, I < h and I > h, fp32 and bf16. For "fast"
+(CUDA ``grouped_mm``) the same ops run with the same autograd formula (torch
+``tools/autograd/derivatives.yaml``: ``_grouped_mm`` saves self, mat2, offs), so the same value; not
+run on a GPU here. Under ``torch.autocast`` with fp32 expert weights, ``_grouped_mm`` is not
+autocast-enabled (transformers casts its input to the weight dtype): the expert terms are then fp32.
+
+Families outside the cases are read with the same attributes (``gate`` / ``router``, ``experts``,
+config sizes) and estimated by the nearest pattern (softmax or sigmoid router, gated or not); a block
+without ``experts`` whose class name only says MoE (a dense ``...MoeMLP``) is counted as the dense MLP.
 """
 
 from __future__ import annotations
@@ -89,7 +100,7 @@ def _source(obj) -> str:
 
 
 def _impl(module) -> str:
-    for m in (module.experts, module):
+    for m in (getattr(module, "experts", None), module):
         config = getattr(m, "config", None)
         impl = getattr(config, "_experts_implementation", None) if config is not None else None
         if impl:
@@ -97,17 +108,51 @@ def _impl(module) -> str:
     return "grouped_mm"
 
 
+def _first(*values):
+    return next((v for v in values if v), 0)
+
+
+def _config(module):
+    for m in (getattr(module, "experts", None), module):
+        config = getattr(m, "config", None)
+        if config is not None:
+            return config
+    return None
+
+
 def dims(module) -> dict:
-    experts, router = module.experts, module.gate
-    has_gate = bool(getattr(experts, "has_gate", hasattr(experts, "gate_up_proj")))
-    num_experts = int(experts.num_experts)
-    inter = int(getattr(experts, "intermediate_dim", 0)
-                or (experts.gate_up_proj.shape[-2] // 2 if has_gate else experts.up_proj.shape[-2]))
-    w = getattr(router, "weight")
-    hidden = int(getattr(router, "hidden_dim", 0) or w.shape[-1])
+    """Sizes of a MoE block (works on the meta device). A block without ``experts`` that is a dense
+    MLP (a class matched by name only) is returned as one: ``{"dense": mlp.dims(module)}``."""
+    experts = getattr(module, "experts", None)
+    router = getattr(module, "gate", None) or getattr(module, "router", None)
+    if experts is None or router is None:
+        from . import mlp
+        try:
+            return {"dense": mlp.dims(module)}
+        except (AttributeError, ValueError):
+            pass
+    config = _config(module)
+    cfg = (lambda *names: _first(*(getattr(config, n, 0) for n in names))) if config is not None else (lambda *n: 0)
+    parallel = getattr(module, "input_linear", None)   # JetMoE: ParallelExperts in / out, a GLU
+    has_gate = bool(getattr(experts, "has_gate", hasattr(experts, "gate_up_proj"))) or parallel is not None
+    num_experts = int(_first(getattr(experts, "num_experts", 0), getattr(module, "num_experts", 0),
+                             getattr(parallel, "num_experts", 0),
+                             len(experts) if hasattr(experts, "__len__") else 0,
+                             cfg("num_experts", "num_local_experts", "n_routed_experts")))
+    up = getattr(experts, "gate_up_proj", None) if has_gate else getattr(experts, "up_proj", None)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    inter = int(_first(getattr(experts, "intermediate_dim", 0), getattr(experts, "expert_dim", 0),
+                       (up.shape[-1 if transposed else -2] // (2 if has_gate else 1))
+                       if up is not None and up.dim() == 3 else 0,
+                       getattr(module, "ffn_dim", 0), getattr(parallel, "output_size", 0) // 2,
+                       cfg("moe_intermediate_size", "intermediate_size")))
+    w = getattr(router, "weight", None)
+    hidden = int(_first(getattr(router, "hidden_dim", 0), w.shape[-1] if w is not None else 0,
+                        getattr(module, "hidden_dim", 0), getattr(parallel, "input_size", 0), cfg("hidden_size")))
     latent = module.fc1_latent_proj.out_features if hasattr(getattr(module, "fc1_latent_proj", None),
                                                              "out_features") else 0
-    rsrc, esrc = _source(router), _source(experts)
+    top_k = int(_first(getattr(router, "top_k", 0), getattr(module, "top_k", 0), cfg("num_experts_per_tok")))
+    rsrc, esrc = _source(router), _source(experts) if experts is not None else ""
     sigmoid = "sigmoid" in rsrc
     norm_topk = getattr(router, "norm_topk_prob", None)
     if norm_topk is None:
@@ -116,13 +161,17 @@ def dims(module) -> dict:
     shared_dims = None
     if shared is not None:
         from . import mlp
-        shared_dims = mlp.dims(shared)
+        try:
+            shared_dims = mlp.dims(shared)
+        except (AttributeError, ValueError):
+            shared_dims = None
     act = getattr(experts, "act_fn", None)
     return {
         "hidden": hidden, "expert_in": latent or hidden, "latent": latent, "intermediate": inter,
-        "experts": num_experts, "top_k": int(router.top_k), "gated": has_gate,
+        "experts": max(num_experts, 1), "top_k": top_k, "gated": has_gate,
         "act": type(act).__name__ if act is not None else "",
-        "impl": _impl(module),
+        # @use_experts_implementation classes dispatch on the config; others run their own loop (eager-like)
+        "impl": _impl(module) if hasattr(experts, "has_gate") else "eager",
         "router": "sigmoid" if sigmoid else "softmax",
         "router_fp32_input": "type(torch.float32)" in rsrc or "hidden_states.float()" in rsrc,
         "norm_topk": bool(norm_topk),
@@ -185,7 +234,12 @@ def _backward(d: dict, b: int) -> float:
     * down ``grouped_mm``: its input gradient ``k*I*b`` (the combine's tensors freed);
     * activation: gated ``act(gate)*up``: two products ``2*k*I*b``; relu2 (``square``): ``3*k*I*b``.
     The up ``grouped_mm``, the gather's ``index_put`` and the router's backward come after the
-    experts' saved tensors are freed and never set the peak."""
+    experts' saved tensors are freed and never set the peak.
+
+    Other implementations, estimates (within ~20% on the tiny cases): ``eager`` runs the backward
+    one expert at a time, so the routed part is the grouped one over ``E`` (balanced routing; the
+    measured peak follows the busiest expert); ``batched_mm`` adds each copy's gathered-weight
+    gradient of the down ``bmm`` (``k*I*h*b``)."""
     k, h, i, hidden = d["top_k"], d["expert_in"], d["intermediate"], d["hidden"]
     w = 4 if d["weights_fp32"] else b
     c = max(b, w)
@@ -203,14 +257,22 @@ def _backward(d: dict, b: int) -> float:
     stages.append(base + 3 * k * h * c)                                   # combine's index backward
     if c != b:
         stages.append(base - 8 * k + 3 * k * h * c + k * h * b)           # routing-weight mul
-    base_d = base - 8 * k - k * w + k * c                                # inv_perm, sorted weights freed; their grad kept
+    base_d = base - 8 * k - k * w + k * c          # inv_perm and the sorted weights freed, their gradient kept
     stages.append(base_d + k * i * b)                                     # down grouped_mm
     act = 2 if d["gated"] else (3 if "ReLUSquared" in d["act"] else 1)
     stages.append(base_d - k * h * b + act * k * i * b)                   # activation
+    if d["impl"] == "eager":
+        shared_stages = stages[:2] if d["shared"] else stages[:1]
+        return max(shared_stages + [base + (max(stages) - base) / d["experts"]])
+    if d["impl"] == "batched_mm":
+        return max(stages) + k * i * h * b
     return max(stages)
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses") -> Bytes:
+    if "dense" in d:                            # a dense MLP whose class name says MoE (no experts)
+        from . import mlp
+        return mlp.saved(d["dense"], b, kernel, P, backend)
     per = b * d["hidden"]                       # the block input (the norm's output)
     r_per, r_fixed = _router(d, b)
     e_per, e_fixed = _experts(d, b)
@@ -222,5 +284,6 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         per += mlp.saved(d["shared"], b).per_token - b * d["shared"]["hidden"]   # its input is x
         if d["shared_gate"]:
             per += b + b * d["hidden"]          # sigmoid(gate) and the shared output (the gating mul)
-    src = f"transformers.integrations.moe {d['impl']}_experts_forward + {d['router']} top-k router"
+    fn = "<Family>Experts.forward (eager loop)" if d["impl"] == "eager" else f"{d['impl']}_experts_forward"
+    src = f"transformers.integrations.moe {fn} + {d['router']} top-k router"
     return Bytes(per, r_fixed + e_fixed, _backward(d, b), source=src)
