@@ -52,6 +52,16 @@ class RankContext:
     _job_all_groups: bool = False
     _solo_cp: int | None = None
 
+    def uses(self, sizes) -> None:
+        """Declare the CP sizes this job will ask for: with more than one (a P=2 and a P=4 case in one
+        job), every rank stays in the job."""
+        if len({int(p) for p in sizes}) > 1:
+            self.keep_all_groups()
+
+    def keep_all_groups(self) -> None:
+        """Every rank stays in this job (it splits work between the CP groups, or needs the world)."""
+        self._job_all_groups = True
+
     def mesh(self, cp: int, all_groups: bool = False):
         """A ``("dp", "cp")`` DeviceMesh with a cp dim of ``cp`` over all ranks (created once, collectively;
         a solo pool creates every one at start, so no job creates one on some ranks only)."""

@@ -29,10 +29,6 @@ from typing import Any
 
 import torch
 
-# the zoo's CP groups share the families (zoo_job share=True): every rank of the pool
-# (ringmaster_tools.pool.RankContext: this module's jobs are never solo)
-ALL_GROUPS = True
-
 # float64 parity: fp32 cancellation in small gradients must not read as WRONG (nor hide a real error)
 TOL = 1e-6
 
@@ -277,6 +273,10 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
     ``share``: when every case has the same CP size P and the pool holds several CP groups of P ranks (the
     mesh's dp dim), each group scores its own share of the families (group g: every ``world/P``-th from g)."""
     sizes = {P for _, P in cases if P <= ctx.world}
+    # a solo pool (ringmaster_tools.pool) keeps every rank when the job asks for two CP sizes or shares
+    ctx.uses(sizes)
+    if share:
+        ctx.keep_all_groups()
     if share and len(sizes) == 1 and ctx.world // next(iter(sizes)) > 1:
         P = next(iter(sizes))
         families = list(families)[ctx.rank // P::ctx.world // P]

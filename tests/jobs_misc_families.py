@@ -148,6 +148,7 @@ def tower_batch(family: str, config, bidirectional: bool = False):
 
 def tower_parity(ctx, family: str, cases, bidirectional: bool = False):
     """The zoo's verdicts with the tower running on a real input (its gradients compared too)."""
+    ctx.uses(P for _, P in cases)
     config = config_for(family, TOWER_CONFIGS[family])
     base = zoo.build_tiny(family, config)
     batch = tower_batch(family, config, bidirectional)
@@ -157,6 +158,7 @@ def tower_parity(ctx, family: str, cases, bidirectional: bool = False):
 def checkpointed_parity(ctx, family: str, cases):
     """The zoo's verdicts with gradient checkpointing on: the recomputed decoder layers run their hooks
     again (the bridge must carry the batch on recomputation too)."""
+    ctx.uses(P for _, P in cases)
     config = config_for(family)
     base = zoo.build_tiny(family, config)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -60,6 +60,7 @@ def parity(ctx, family: str, kind: str, cases, mutation: str | None = None) -> l
     parameter's gradient (each against its own norm) vs the single-device run."""
     from ringmaster_tools.parity import group_mean_grad_errors, keep_fp64
 
+    ctx.uses(P for _, P, _, _ in cases)
     base = build(family)
     out = []
     for backend, P, lb, via in cases:

@@ -39,8 +39,8 @@ class Layer:
 
 
 def is_moe(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return ("moe" in name.lower() or "Sparse" in name or hasattr(module, "experts")) and not name.endswith("Expert")
+    """A mixture-of-experts block: it holds experts (a dense ``Glm4MoeMLP`` / ``AfmoeMLP`` does not)."""
+    return hasattr(module, "experts") or hasattr(module, "input_linear") or "Sparse" in type(module).__name__
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
