@@ -26,6 +26,9 @@ intra-chunk ``[hv, C, C]`` tensors, fp32      ``5 * 4 hv C``                 the
                                                                              transposed views: ``.to(fp32)``
                                                                              is a no-op), when a call spans
                                                                              two chunks or more
+  fp32 activations and ``hk == hv``           ``+ 4 D - 2 * 4 hv dk``         l2norm's inputs are views of the
+                                                                             silu output (no repeat_interleave
+                                                                             copy): that storage, not q and k
 ``[hv, dv]`` tensors, fp32                    ``3 * 4 hv dv``                v padded (v * beta), new_values
                                                                              (solve), v_new (each chunk)
 per-head scalars, fp32                        ``6 * 4 hv``                   q/k inverse norms, beta padded,
@@ -54,18 +57,25 @@ at least two chunks (local tokens per call ``S/(P n) >= 2C``). A call of one chu
 matmul copies, and the first call of a rank with a zero initial state does not save the decayed q
 (``q @ state`` saves q only when the state needs a gradient).
 
-**fast** (flash-linear-attention ``fla.ops.gated_delta_rule.chunk.ChunkGatedDeltaRuleFunction``
-with ``use_qk_l2norm_in_kernel``; causal-conv1d ``CausalConv1dFn``; not run here, no GPU): FLA's
-forward saves ``q, q_rstd, k, k_rstd, v, g (cumsum, fp32), beta, A (the [C, C] UT inverse, fp32),
-initial_state`` (``ctx.save_for_backward``; ``h`` and ``v_new`` are recomputed in backward), and
-``l2norm_fwd`` returns q and k normalised in the input dtype with an fp32 ``rstd`` per head; the
-layer around it saves the same projections, conv (causal-conv1d saves its input ``x`` and weight only:
-the activation is fused), sigmoid/softplus terms and gated norm as above. Per token:
-``b (2 hv dk + hv dv) + 4 (2 hv) + 4 hv (g) + b hv (beta) + 4 hv C (A)`` for the rule, with q and k in
-``hv`` heads (transformers repeats them for grouped value heads before the call; FLA itself handles
-``hk < hv`` only in newer releases). Backward (estimate from ``chunk_gated_delta_rule_bwd``):
-recomputes ``w, u`` (``hv (dk + dv)`` in b) and ``h`` (``4 hv dk dv / C``), ``v_new`` (b ``hv dv``),
-then dq, dk, dv, dg, dbeta (``b (2 hv dk + hv dv) + 8 hv``) and dh per chunk (fp32 ``4 hv dk dv / C``).
+``backward`` (torch): ``step_peak`` on one layer (``(peak - forward_end)`` slope over S = 256 -> 512, P=1):
+2864 / 3024 B per token (fp32 / bf16) on the case (hv 4, dk 8, dv 16); 5472 / 5920 at hv 8; 2032 / 2480 at
+dv 32; 1655 / 2104 at hv 2, dk = dv = 64; 2550 / 3575 at dk = dv = 128 (the peak, an ``add`` accumulating a
+chunk's gradient into the ``[hv, N, C, C]`` tensors, moves with the sizes): modelled as
+``4 hv (2C + dk + dv)``, within about 25% of each.
+
+**fast** (not run here: no GPU). flash-linear-attention ``fla/ops/gated_delta_rule/chunk.py``
+``ChunkGatedDeltaRuleFunction.forward`` (``use_qk_l2norm_in_kernel=True``) ``ctx.save_for_backward``:
+``q, k`` l2-normed (``l2norm_fwd``: input dtype, ``hk`` heads, FLA does the grouped value heads itself)
+with their fp32 ``rstd`` (``2 b K + 8 hk``), ``v`` (``input_guard``'s contiguous copy, ``b V``), ``g``
+after ``chunk_local_cumsum`` (fp32, ``4 hv``), ``beta`` (the layer's sigmoid output, counted above), ``A``
+(``chunk_gated_delta_rule_fwd_intra``: ``[T, hv, C]`` in k's dtype, ``b hv C``) and ``initial_state``
+(fp32 ``[hv, dk, dv]``, one per call under CP); ``h`` and ``v_new`` are recomputed in the backward. The
+conv is causal-conv1d's ``CausalConv1dFn`` (saves its input ``x``, the activation fused: no silu input).
+The layer's projections, sigmoid/softplus and gated norm terms are the torch ones; scan adds the same
+``w`` and prefix terms. ``backward`` estimate from ``chunk_gated_delta_rule_bwd`` (every local alive until
+it returns): ``w, u`` (``recompute_w_u_fwd``), ``h`` and ``dh`` (``b hv dk dv / C`` each), ``v_new``,
+``dv`` (twice), ``dq, dk, dw, dk2`` (``hv`` heads) in b, ``dg, dg2`` fp32, ``db``:
+``b hv (5 dk + 4 dv) + 2 b hv dk dv / C + 12 hv``.
 """
 
 from __future__ import annotations
@@ -113,35 +123,40 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     halo = 0 if P <= 1 else 1                               # conv on [halo | chunk]: a cat input
 
     out = b * H                                             # the layer input, saved by the projections
-    out += 2 * b * D                                        # conv input, silu input (the conv's output)
-    # the conv output's k-1 extra columns; under CP the conv input is [halo | chunk] (k-1 more) and its output
-    # has 2(k-1) extra columns
-    fixed = b * D * (k - 1) * (1 + 2 * halo) * n
     out += b * hv + 8 * hv                                  # sigmoid(b); softplus input and g (fp32)
-    fixed += 8 * hv                                         # exp(A_log) and -exp(A_log), fp32
+    fixed = 8 * hv                                          # exp(A_log) and -exp(A_log), fp32
     if kernel == "torch":
+        out += 2 * b * D                                    # conv input, silu input (the conv's output)
+        # the conv output's k-1 extra columns; under CP the conv input is [halo | chunk] (k-1 more) and its
+        # output has 2(k-1) extra columns
+        fixed += b * D * (k - 1) * (1 + 2 * halo) * n
         out += 5 * 4 * hv * C                               # the [C, C] intra-chunk tensors
         out += (8 + (4 if b >= 4 else 0)) * 4 * hv * dk     # [hv, dk] tensors (+ the 5-D matmuls' copies in fp32)
+        if b >= 4 and hk == hv:                             # fp32, no repeat_interleave: l2norm's input is a view of
+            out += 4 * D - 2 * 4 * hv * dk                  # the conv's (silu) output: that whole storage, not q, k
         out += 3 * 4 * hv * dvw + 6 * 4 * hv               # [hv, dv] tensors, per-head scalars
         out += 4 * hv * dk * dvw / C + 4 * hv / C           # one state per chunk, the chunk decays
         fixed += C * C * n                                  # the causal mask (bool), per call
-        if strategy == "scan":
-            # y = y0 + w^T S_in saves w: in fp32 the kernel's whole [v | w] output (hi(w) is a view of it),
-            # else w cast to fp32; and the prefix: the all-gathered maps [P, n, hv, dk, dv + dk] (A @ state
-            # saves A, a view of them) and each composed state after the second chunk, up to the rank's last:
-            # counted for the rank that saves most (Ulysses: the last, chunk P-1; head_tail: rank 1, chunks 1
-            # and 2P-2, both with an incoming state; rank 0 composes one state more but finishes half its tokens)
-            out += 4 * hv * (dvw if b >= 4 else dk)
-            fixed += 4 * P * n * hv * dk * dvw + max(0, n * P - n - 1) * 4 * hv * dk * dv
+        backward = 4 * hv * (2 * C + dk + dv)               # measured, see the module docstring
         source = "transformers torch_chunk_gated_delta_rule + causal_conv1d_fn (Qwen3_5GatedDeltaNet.forward)"
     else:
-        out += b * (2 * hv * dk + hv * dvw) + 4 * 2 * hv    # q, k (l2-normed, hv heads), v; their rstd
-        out += 4 * hv + b * hv + 4 * hv * C                 # g cumsum (fp32), beta, A (fp32 [C, C] per chunk)
-        fixed += 4 * hv * dk * dvw * n                      # initial_state (ringmaster passes one per call)
-        if strategy == "scan":
-            out += 4 * hv * dk
-        source = "fla.ops.gated_delta_rule.chunk ChunkGatedDeltaRuleFunction + causal_conv1d CausalConv1dFn"
-        out -= b * D                                        # causal-conv1d fuses the activation: no silu input
-        fixed -= b * D * (k - 1) * (1 + halo) * n
+        out += b * D                                        # causal-conv1d saves its input only (fused silu)
+        fixed += b * D * (k - 1) * halo * n                 # ... which is [halo | chunk] under CP
+        out += 2 * b * K + 4 * 2 * hk                       # q, k l2-normed (hk heads: FLA does GVA), rstd fp32
+        out += b * hv * dvw                                 # v (a contiguous copy; [v | 0] under scan)
+        out += 4 * hv + b * hv * C                          # g chunk-cumsum (fp32), A [T, hv, C] (beta: above)
+        if strategy in ("sequential", "scan"):
+            fixed += 4 * hv * dk * dvw * n                  # initial_state, fp32, one per call
+        backward = (b * hv * (5 * dk + 4 * dv) + 2 * b * hv * dk * dv / C + 12 * hv)   # estimate, docstring
+        source = ("fla.ops.gated_delta_rule.chunk ChunkGatedDeltaRuleFunction.forward (ctx.save_for_backward) + "
+                  "causal_conv1d CausalConv1dFn")
+    if strategy == "scan":
+        # y = y0 + w^T S_in saves w: in fp32 the kernel's whole [v | w] output (hi(w) is a view of it), else w
+        # cast to fp32; and the prefix: the all-gathered maps [P, n, hv, dk, dv + dk] (A @ state saves A, a view
+        # of them) and each composed state after the second chunk, up to the rank's last: counted for the rank
+        # that saves most (Ulysses: the last, chunk P-1; head_tail: rank 1, chunks 1 and 2P-2, both with an
+        # incoming state; rank 0 composes one state more but finishes half its tokens)
+        out += 4 * hv * (dvw if b >= 4 else dk)
+        fixed += 4 * P * n * hv * dk * dvw + max(0, n * P - n - 1) * 4 * hv * dk * dv
     out += 3 * 4 * V + 4 * hv + 3 * b * V                   # gated RMSNorm and out_proj's input
-    return Bytes(out, fixed, source=source)
+    return Bytes(out, fixed, backward, source=source)
