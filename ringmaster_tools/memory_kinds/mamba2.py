@@ -87,12 +87,17 @@ def dims(module) -> dict:
     d = int(module.out_proj.in_features)
     conv_w = module.conv1d.weight
     norm = getattr(module, "norm", None)
-    group = int(getattr(norm, "group_size", 0) or d) if norm is not None else 0
+    if norm is None or getattr(module, "mamba_rms_norm", True) is False:
+        groups = 0                              # Falcon-H1 without its gated norm: y · SiLU(gate)
+    elif getattr(norm, "group_size", None):
+        groups = d // int(norm.group_size)
+    else:
+        groups = int(getattr(norm, "n_groups", 1) or 1)
     return {"hidden": int(module.in_proj.in_features), "proj": int(module.in_proj.out_features),
             "intermediate": d, "heads": h, "head_dim": int(_get(module, "head_dim", default=d // h)),
             "groups": int(module.n_groups), "state": int(module.ssm_state_size),
             "conv_dim": int(conv_w.shape[0]), "conv_kernel": int(conv_w.shape[-1]),
-            "chunk": int(module.chunk_size), "norm_groups": d // group if group else 0}
+            "chunk": int(module.chunk_size), "norm_groups": groups}
 
 
 def layout_chunks(P: int, backend: str) -> int:
@@ -119,8 +124,8 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     calls = layout_chunks(P, backend)            # conv and scan calls per layer on this rank
     out = b * H                                  # in_proj's input
     fixed = 0.0
-    if not cp or fp32:
-        out += b * proj                          # in_proj's output: conv's input view (P=1) / SiLU(gate) (fp32)
+    if not cp or fp32 or not G:
+        out += b * proj                          # in_proj's output: conv's input view (P=1) / SiLU(gate)
     if cp:                                       # [halo | chunk]: conv's input, a new tensor per call
         out += b * conv
         fixed += b * conv * (K - 1) * calls
@@ -154,6 +159,8 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += 16 * di + 4 * G                   # scan output, SiLU(gate), product, normalised (fp32); rsqrt
         if not fp32:
             out += 4 * di                        # gate.float()
+    else:                                        # Falcon-H1 without the norm: y (fp32) · SiLU(gate)
+        out += 4 * di + b * di                   # y, SiLU(gate) (the gate itself: in_proj's output)
     out += b * di                                # out_proj's input
     return Bytes(out, fixed, backward=0.0,
                  source="transformers causal_conv1d_fn + mamba2_chunk_scan (torch); ringmaster cp_causal_conv1d, "
