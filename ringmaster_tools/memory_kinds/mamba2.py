@@ -45,22 +45,26 @@ rank but the first, finishes with the incoming state (``C`` in fp32 ``4hn``, ``e
 correction ``4d`` per token; the all-gathered maps ``4·h·(p·n+1)·P·chunks`` and the composed prefix states
 ``4·h·p·n`` each, fixed): the worst rank is modelled.
 
-Kernel "fast" (mamba-ssm + causal-conv1d on GPU; cannot run here, read from the source):
+Kernel "fast" (mamba-ssm + causal-conv1d on GPU; cannot run here: read from their source, ``_fast``):
 
-* P = 1, training: transformers calls ``mamba_split_conv1d_scan_combined`` (mamba-ssm
-  ``mamba_ssm/ops/triton/ssd_combined.py``, ``MambaSplitConv1dScanCombinedFn.forward``), which saves
-  ``zxbcdt`` (in_proj's output, ``b·proj``), ``out_x`` (``b·d``: the scan output before the norm, only when an
-  out-projection weight is fused), the fp32 ``dt`` after softplus is recomputed, not saved; it saves
-  ``rstd`` (fp32 ``4·G``), and the final ``out`` before out_proj is recomputed in backward (``recompute_output``
-  False: the pre-projection output ``b·d`` is saved for the weight gradient) plus ``x`` (the mixer input
-  ``b·H``, saved by in_proj's linear outside) and the per-chunk states ``states [c, h, p, n]`` are
-  recomputed (not saved).
-* P > 1: ringmaster routes around the fused kernel (it takes no incoming state): ``causal_conv1d_fn``
-  (causal-conv1d ``causal_conv1d_interface.py``, ``CausalConv1dFn.forward`` saves its input ``x`` ``b·conv``
-  (+ halo), and the SiLU is fused: no output saved) and ``mamba_chunk_scan_combined``
-  (``MambaChunkScanCombinedFn.forward`` saves ``out`` (``b·d``), ``x`` (``b·d``), ``dt`` (the raw dt, ``b·h``),
-  ``dA_cumsum`` (fp32 ``4h``: ``[h, c, Q]``), ``A``, ``B``, ``C`` (``b·2·g·n``), ``D``, ``z`` (None),
-  ``dt_bias``, ``initial_states``, ``seq_idx``), the gated RMSNorm in torch (as above) and out_proj.
+* P = 1 (training, no cache): transformers calls ``mamba_split_conv1d_scan_combined``
+  (``mamba_ssm/ops/triton/ssd_combined.py``, ``MambaSplitConv1dScanCombinedFn.forward``:
+  ``save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx,
+  rmsnorm_weight, rstd, outproj_weight, outproj_bias)``): in_proj's output ``zxbcdt`` (``b·proj``), the scan
+  output ``out_x`` (``b·d``), the norm's ``rstd`` (fp32 ``4G``); the conv output, the norm output and the chunk
+  states are recomputed in backward. With in_proj's input (``b·H``) and ``A`` (``8h`` fixed).
+* P > 1: ringmaster routes around the fused kernel (it takes no incoming state), so the mixer runs
+  ``causal_conv1d_fn`` (``causal_conv1d/causal_conv1d_interface.py``, ``CausalConv1dFn.forward`` saves its
+  input: ringmaster's ``[halo | chunk]``, ``b·conv``; SiLU fused, no output saved) and
+  ``mamba_chunk_scan_combined`` (``MambaChunkScanCombinedFn.forward``: ``save_for_backward(out, x, dt,
+  dA_cumsum, A, B, C, D, z, dt_bias, initial_states, seq_idx)``: ``out`` ``b·d``; ``x``, ``B``, ``C`` are views of
+  the conv output (``b·conv``); ``dt`` a view of in_proj's output (``b·proj`` stays alive); ``dA_cumsum`` fp32
+  ``4h``; the incoming state fp32 ``4·h·p·n`` a call), then the gated norm in torch on the kernel's
+  ``b``-dtype output (``y.float()`` and ``gate.float()`` copies in bf16, SiLU(gate), the product, rsqrt, the
+  normalised value cast back: ``b·d``) and out_proj (``b·d``).
+* ``backward`` (estimate): ``b·(proj + 2·conv + 2·d)`` (dzxbcdt, the recomputed conv output and its gradient,
+  the recomputed norm output and dout) ``+ 4·g·Q`` (CB in fp32) ``+ 8·h·p·n/Q`` (chunk states and their
+  gradient) ``+ 12h``.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def strategy(P: int, recurrent: str | None = None) -> str:
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           recurrent: str | None = None) -> Bytes:
     if kernel == "fast":
-        return _fast(d, b, P, backend)
+        return _fast(d, b, P, backend, recurrent)
     H, proj, di, h, p = d["hidden"], d["proj"], d["intermediate"], d["heads"], d["head_dim"]
     g, n, conv, K, Q = d["groups"], d["state"], d["conv_dim"], d["conv_kernel"], d["chunk"]
     G = d["norm_groups"]
@@ -162,10 +166,74 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     else:                                        # Falcon-H1 without the norm: y (fp32) · SiLU(gate)
         out += 4 * di + b * di                   # y, SiLU(gate) (the gate itself: in_proj's output)
     out += b * di                                # out_proj's input
-    return Bytes(out, fixed, backward=0.0,
+    return Bytes(out, fixed, backward=_backward_torch(d, b),
                  source="transformers causal_conv1d_fn + mamba2_chunk_scan (torch); ringmaster cp_causal_conv1d, "
                         "cp_mamba2_chunk_scan")
 
 
-def _fast(d: dict, b: int, P: int, backend: str) -> Bytes:
-    raise NotImplementedError
+def _backward_torch(d: dict, b: int) -> float:
+    """Per token, the torch backward's peak beyond the saved tensors and the output (``memory_probe``'s
+    backward peak minus forward end, P=1), the larger of its two peaks: the gated norm's backward (the output
+    gradient ``b·H`` and five fp32 ``[S, d]`` temporaries, out_proj's input and the norm's output freed) and
+    the SSD's intra-chunk backward (dM, dG, dL ``12·h·Q`` alive while M's copy is freed: ``8·h·Q``, less the
+    norm / C·states / Y_off tensors freed by then). Fitted on nemotron_h tiny models: the SSD peak within 1%
+    (Q 64-128, d 64-128, h 8-16, n 16-32), the norm peak within 15% (Q 16-32); an estimate at other sizes."""
+    H, di, h, p, n, Q, G = d["hidden"], d["intermediate"], d["heads"], d["head_dim"], d["state"], d["chunk"], \
+        d["norm_groups"]
+    norm_peak = b * H + 16 * di - b * di - 4 * G
+    ssd_peak = 8 * h * Q - (20 * di + 4 * h * n + 8 * h * p * n / Q - 4 * H) - (4 - b) * 3 * di
+    return max(norm_peak, ssd_peak)
+
+
+def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None) -> Bytes:
+    """mamba-ssm / causal-conv1d (read from their source; these kernels cannot run on CPU)."""
+    H, proj, di, h, p = d["hidden"], d["proj"], d["intermediate"], d["heads"], d["head_dim"]
+    g, n, conv, K, Q = d["groups"], d["state"], d["conv_dim"], d["conv_kernel"], d["chunk"]
+    G = d["norm_groups"]
+    fp32 = b == 4
+    calls = layout_chunks(P, backend)
+    # the backward (estimate from _mamba_chunk_scan_combined_bwd / MambaSplitConv1dScanCombinedFn.backward):
+    # dzxbcdt, the recomputed conv output and its gradient, the recomputed norm output and dout, CB in fp32
+    # [c, g, Q, Q], chunk states and their gradient in fp32, ddt / ddA_cumsum
+    backward = b * (proj + 2 * conv + 2 * di) + 4 * g * Q + 8 * h * p * n / Q + 12 * h
+    fixed = 8 * h                                # A = -exp(A_log) (exp's output; A saved by the kernel)
+    if P == 1:
+        # MambaSplitConv1dScanCombinedFn.forward: save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A,
+        # D, dt_bias, initial_states, seq_idx, rmsnorm_weight, rstd, outproj_weight, outproj_bias)
+        out = b * H                              # in_proj's input
+        out += b * proj                          # zxbcdt (in_proj's output)
+        out += b * di                            # out_x: the scan output before the norm / gate
+        if G:
+            out += 4 * G                         # rstd of the fused gated RMSNorm
+        return Bytes(out, fixed, backward, source="mamba-ssm mamba_ssm/ops/triton/ssd_combined.py "
+                                                  "MambaSplitConv1dScanCombinedFn.forward")
+    # CP: ringmaster routes around the fused kernel: causal_conv1d_fn + mamba_chunk_scan_combined
+    out = b * H                                  # in_proj's input
+    out += b * proj                              # in_proj's output: dt (a view) saved by the scan kernel
+    out += b * conv                              # CausalConv1dFn saves its input [halo | chunk] (contiguous)
+    fixed += b * conv * (K - 1) * calls
+    out += b * conv                              # x, B, C: views of the conv output (head_tail: the concatenation)
+    if calls == 1:
+        fixed += b * conv * (K - 1)
+    # MambaChunkScanCombinedFn.forward: save_for_backward(out, x, dt, dA_cumsum, A, B, C, D, z, dt_bias,
+    # initial_states, seq_idx)
+    out += b * di                                # out (z is None: the mixers gate in the norm)
+    out += 4 * h                                 # dA_cumsum [h, c, Q] fp32
+    fixed += 4 * h * p * n * calls               # initial_states (the incoming state, fp32)
+    if strategy(P, recurrent) == "scan":         # ringmaster's chunk map and correction (torch ops, as above)
+        out += 12 * h + 4 * h * n + 4 * h + 4 * di
+        fixed += 4 * h * calls + 4 * h * (p * n + 1) * P * calls + 4 * h * p * n * max(0, P * calls - 2)
+    if calls > 1 and fp32:
+        out += 4 * di                            # the chunks' outputs concatenated (the norm's input)
+    if G:                                        # the gated RMSNorm in torch on the kernel's output (dtype b)
+        out += (0 if fp32 else 4 * di)           # y.float() (fp32: the kernel's out itself)
+        out += 4 * di                            # SiLU(gate)
+        out += 0 if fp32 else 4 * di             # gate.float() (fp32: in_proj's output)
+        out += 4 * di + 4 * G                    # y·SiLU(gate) (pow, mul), rsqrt
+        out += b * di                            # the normalised value cast back to b (the weight multiply)
+    else:
+        out += b * di                            # SiLU(gate) (y: the kernel's out)
+    out += b * di                                # out_proj's input
+    return Bytes(out, fixed, backward,
+                 source="causal-conv1d causal_conv1d_interface.py CausalConv1dFn.forward; mamba-ssm "
+                        "mamba_ssm/ops/triton/ssd_combined.py MambaChunkScanCombinedFn.forward")
