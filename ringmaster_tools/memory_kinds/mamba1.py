@@ -67,10 +67,25 @@ def strategy(P: int, recurrent: str | None = None) -> str:
     return "sequential" if P <= 2 else "scan"
 
 
+def _roles(P: int, backend: str, recurrent: str | None, worst: bool) -> tuple[float, float]:
+    """(fraction of this rank's tokens whose chunk passes its end state on, fraction whose chunk takes one in).
+    Rank 0 (what the benchmark measures): its first chunk passes on only; under Ring's head_tail its second
+    (the last chunk) takes in only (sequential) or both (scan: every chunk's map is all-gathered). ``worst``: a
+    middle rank, every chunk both."""
+    if P <= 1:
+        return 0.0, 0.0
+    if worst:
+        return 1.0, 1.0
+    scan = strategy(P, recurrent) == "scan"
+    if layout_chunks(P, backend) == 1:
+        return 1.0, 0.0
+    return (1.0 if scan else 0.5), 0.5
+
+
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
-          recurrent: str | None = None) -> Bytes:
+          recurrent: str | None = None, worst: bool = False) -> Bytes:
     if kernel == "fast":
-        return _fast(d, b, P, backend, recurrent)
+        return _fast(d, b, P, backend, recurrent, worst)
     H, di, n, R, K = d["hidden"], d["intermediate"], d["state"], d["dt_rank"], d["conv_kernel"]
     fp32 = b == 4
     out = b * H                                  # in_proj's input
@@ -94,7 +109,39 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     out += 4 * di + b * di                       # y + x·D (fp32), SiLU(z): the gate's mul
     out += b * di                                # out_proj's input
     out += _bc_norm(d, b)
-    return Bytes(out, fixed, source="transformers causal_conv1d_fn + mamba_selective_scan (torch)")
+    if P > 1:
+        calls = layout_chunks(P, backend)
+        out += b * di                            # conv's input [halo | chunk] (a new tensor per call)
+        fixed += b * di * (K - 1) * calls + b * di * (K - 1) * (2 * calls - 1)   # its halo, SiLU's 2(K-1) cols
+        if calls == 1:
+            fixed += b * di * (K - 1)            # x: SiLU's output keeps the halo's columns
+        out += 8 * di                            # the chunk map: softplus' input (fp32), cumsum(dt)
+        out += _cp_scan(d, b, P, backend, recurrent, worst)
+        fixed += _cp_fixed(d, P, backend, recurrent, worst)
+    return Bytes(out, fixed, source="transformers causal_conv1d_fn + mamba_selective_scan (torch); ringmaster "
+                                    "cp_causal_conv1d, cp_selective_scan (Mamba1Segment)")
+
+
+def _cp_scan(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: bool) -> float:
+    """Per token, ringmaster's Mamba1Segment beyond the kernel: the end state from zero
+    (``decayed_state``: dt, the suffix sums, dt·u, ``exp`` and the product ``[d, n]`` each token; bf16: u and B
+    in fp32) where the chunk passes its state on, and the correction ``decayed_readout`` (``exp`` and the
+    product, C in fp32 for bf16) where it takes one in. Tiles of ``TILE`` = 256 tokens are recomputed in
+    backward (checkpointed) when a chunk is longer: then only the tiles' inputs stay (not modelled)."""
+    di, n = d["intermediate"], d["state"]
+    send, recv = _roles(P, backend, recurrent, worst)
+    out = send * (12 * di + 8 * di * n + (0 if b == 4 else 4 * di + 4 * n))
+    out += recv * (8 * di * n + (0 if b == 4 else 4 * n))
+    return out
+
+
+def _cp_fixed(d: dict, P: int, backend: str, recurrent: str | None, worst: bool) -> float:
+    """Per layer: each chunk's total decay ``exp(Σdt·A)`` (fp32 ``4dn``) where its map is used, the incoming
+    state ``4dn`` where one comes in."""
+    di, n = d["intermediate"], d["state"]
+    calls = layout_chunks(P, backend)
+    send, recv = _roles(P, backend, recurrent, worst)
+    return 4 * di * n * calls * (send + recv)
 
 
 def _bc_norm(d: dict, b: int) -> float:
@@ -113,5 +160,5 @@ def _bc_norm(d: dict, b: int) -> float:
     return out
 
 
-def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None) -> Bytes:
+def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: bool) -> Bytes:
     raise NotImplementedError
