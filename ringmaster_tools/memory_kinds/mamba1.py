@@ -28,7 +28,23 @@ dt / B / C norms (FalconMamba, Jamba)  see ``_bc_norm``                RMSNorm
 Fixed per layer: the conv's padded columns ``b·d·(K-1)``, ``A = -exp(A_log)`` (``8·d·n``), the initial
 zero state (fp32 ``4·d·n``; bf16: ``b·d·n`` less the last step's fp32 state), ``D.float()`` (bf16: ``4d``).
 
-Under CP ringmaster intercepts the conv and the scan (``ringmaster/recurrent/mamba1.py``): see ``saved``.
+Under CP (P > 1) ringmaster intercepts the conv and the scan (``ringmaster/recurrent/mamba1.py``, ``conv.py``):
+the conv runs on ``[halo | chunk]`` (a new tensor, ``b·d`` + ``K-1`` columns a call), the kernel runs per chunk
+of the layout (``head_tail`` under Ring: 2 a rank) from a zero state with ``z=None`` (the gate moves outside: the
+same bytes), and ``Mamba1Segment`` adds, per token, the chunk map (softplus' fp32 input, ``cumsum(dt)``: ``8d``),
+the end state from zero for *every* chunk (``decayed_state``: dt, suffix sums, dt·u ``12d``; ``exp`` and the
+product ``8·d·n``; bf16: u and B in fp32 ``4d + 4n``; packed for backward even on the last chunk, whose
+unused map is then freed) and, on chunks that take a state in, the correction (``decayed_readout``:
+``8·d·n``, bf16 C in fp32 ``4n``); fixed: each chunk's total decay ``4dn``, the incoming state and the packed
+map ``12dn``. Rank 0 by default (``worst=True``: a middle rank); chunks longer than ``TILE`` tokens
+(``tokens=``) checkpoint the ``8·d·n`` terms in tiles. Zamba's per-head mixer is read by ``dims`` but runs a
+different forward (within 4% at P=1).
+
+Kernel "fast" (mamba-ssm + causal-conv1d; cannot run here, see ``_fast``): P = 1 trains through
+``mamba_inner_fn`` (``MambaInnerFn.forward``, ``checkpoint_lvl=1``): ``xz`` ``2b·d``, ``x_dbl`` ``b·(R+2n)``, B and C
+copies ``2b·n``, ``out`` ``b·d``, the fp32 chunk states ``8·d·n`` per 2048 tokens, with in_proj's input ``b·H``.
+Under CP: ``CausalConv1dFn`` (its input), ``SelectiveScanFn`` per chunk (u and delta ``2b·d``, B and C
+contiguous ``2b·n``, the chunk states), ringmaster's segment terms as above, the gate and out_proj in torch.
 """
 
 from __future__ import annotations
