@@ -43,7 +43,7 @@ outputs concatenated); the scan runs once per chunk; ``sequential`` state passin
 saves nothing more; ``scan`` (the default at P > 2) recomputes dt for the chunk map (``12h``) and, on every
 rank but the first, finishes with the incoming state (``C`` in fp32 ``4hn``, ``exp(cumsum)`` ``4h``, the
 correction ``4d`` per token; the all-gathered maps ``4·h·(p·n+1)·P·chunks`` and the composed prefix states
-``4·h·p·n`` each, fixed): the worst rank is modelled.
+``4·h·p·n`` each, fixed): rank 0 by default (what the benchmark measures), ``worst=True`` a middle rank.
 
 Kernel "fast" (mamba-ssm + causal-conv1d on GPU; cannot run here: read from their source, ``_fast``):
 
@@ -116,10 +116,20 @@ def strategy(P: int, recurrent: str | None = None) -> str:
     return "sequential" if P <= 2 else "scan"
 
 
+def _recv(P: int, backend: str, worst: bool) -> float:
+    """Fraction of this rank's chunks that take a state in: rank 0 (what the benchmark measures) none, or
+    its second chunk under Ring's head_tail; ``worst``: every chunk (a middle rank)."""
+    if P <= 1:
+        return 0.0
+    return 1.0 if worst else (0.0 if layout_chunks(P, backend) == 1 else 0.5)
+
+
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
-          recurrent: str | None = None) -> Bytes:
+          recurrent: str | None = None, worst: bool = False) -> Bytes:
+    """``recurrent``: ringmaster's state passing (default: what ``RingmasterConfig.recurrent='auto'`` picks);
+    ``worst``: a middle rank instead of rank 0 (differs only under the ``scan`` strategy)."""
     if kernel == "fast":
-        return _fast(d, b, P, backend, recurrent)
+        return _fast(d, b, P, backend, recurrent, worst)
     H, proj, di, h, p = d["hidden"], d["proj"], d["intermediate"], d["heads"], d["head_dim"]
     g, n, conv, K, Q = d["groups"], d["state"], d["conv_dim"], d["conv_kernel"], d["chunk"]
     G = d["norm_groups"]
@@ -153,11 +163,13 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     out += 4 * di                                # C·states
     fixed += (2 * Q * Q + 4 * h * p * n) * calls  # segment_sum's masks, the initial state of the inter-chunk einsum
     if cp and strategy(P, recurrent) == "scan":  # ringmaster's chunk map and the incoming state's correction
+        recv = _recv(P, backend, worst)
         out += 12 * h                            # mamba2_dt recomputed in fp32 (softplus, clamp, A·dt)
-        out += 4 * h * n + 4 * h + 4 * di        # C in fp32, exp(cumsum A·dt), the correction C·S_in
+        out += recv * (4 * h * n + 4 * h + 4 * di)   # C in fp32, exp(cumsum A·dt), the correction C·S_in
         fixed += 4 * h * calls                   # exp of the chunk's total decay
-        fixed += 4 * h * (p * n + 1) * P * calls  # the all-gathered maps
-        fixed += 4 * h * p * n * max(0, P * calls - 2)   # the composed prefix states
+        if recv:
+            fixed += 4 * h * (p * n + 1) * P * calls  # the all-gathered maps
+            fixed += 4 * h * p * n * max(0, P * calls - 2)   # the composed prefix states
     # gated RMSNorm (fp32) and out_proj
     if G:
         out += 16 * di + 4 * G                   # scan output, SiLU(gate), product, normalised (fp32); rsqrt
@@ -185,7 +197,7 @@ def _backward_torch(d: dict, b: int) -> float:
     return max(norm_peak, ssd_peak)
 
 
-def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None) -> Bytes:
+def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: bool = False) -> Bytes:
     """mamba-ssm / causal-conv1d (read from their source; these kernels cannot run on CPU)."""
     H, proj, di, h, p = d["hidden"], d["proj"], d["intermediate"], d["heads"], d["head_dim"]
     g, n, conv, K, Q = d["groups"], d["state"], d["conv_dim"], d["conv_kernel"], d["chunk"]
@@ -221,8 +233,11 @@ def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None) -> Bytes
     out += 4 * h                                 # dA_cumsum [h, c, Q] fp32
     fixed += 4 * h * p * n * calls               # initial_states (the incoming state, fp32)
     if strategy(P, recurrent) == "scan":         # ringmaster's chunk map and correction (torch ops, as above)
-        out += 12 * h + 4 * h * n + 4 * h + 4 * di
-        fixed += 4 * h * calls + 4 * h * (p * n + 1) * P * calls + 4 * h * p * n * max(0, P * calls - 2)
+        recv = _recv(P, backend, worst)
+        out += 12 * h + recv * (4 * h * n + 4 * h + 4 * di)
+        fixed += 4 * h * calls
+        if recv:
+            fixed += 4 * h * (p * n + 1) * P * calls + 4 * h * p * n * max(0, P * calls - 2)
     if calls > 1 and fp32:
         out += 4 * di                            # the chunks' outputs concatenated (the norm's input)
     if G:                                        # the gated RMSNorm in torch on the kernel's output (dtype b)
