@@ -31,6 +31,7 @@ not measured.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field, replace
 
@@ -299,7 +300,10 @@ def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str,
             saved += per_token * tokens + fixed
             continue
         model = kind_model(kind)
+        accepts = inspect.signature(model.saved).parameters
         kwargs = {"ulysses": ulysses} if kind == "attention" else {}
+        if "tokens" in accepts:   # Mamba1 under CP: chunks longer than a tile keep their decays out of the graph
+            kwargs["tokens"] = tokens
         est = model.saved(d, b, kernel, P, backend, **kwargs)
         saved += est.at(tokens)
         backward = max(backward, est.backward * tokens)
@@ -427,11 +431,9 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     temps = attention_temporaries(s, opts)
     loss = loss_bytes(s, opts)
     per_label: dict[str, float] = {}
-    full_layer, layer_backward = 0.0, 0.0
+    layers = []    # per layer, in forward order: (kept for backward, saved when run whole, backward peak, attention?)
     for label, parts in zip(s.layer_kinds, s.layers):
         lb = layer_bytes(parts, b, S_l, opts.kernel, P, opts.backend, ulysses=u)
-        full_layer = max(full_layer, lb.saved)
-        layer_backward = max(layer_backward, lb.backward)
         if opts.checkpointing == "none":
             kept = lb.saved
         elif opts.checkpointing == "full":
@@ -440,13 +442,11 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
             kept = 0.0                      # offloaded to host memory
             out.host_bytes += b * s.hidden * S_l
         per_label[label] = per_label.get(label, 0.0) + kept
+        layers.append((kept, lb.saved, lb.backward, any(k == "attention" for k, _ in parts)))
     for label, v in per_label.items():
         out.activations[f"{label} layers (x{s.layer_kinds.count(label)})"] = v
     act = sum(per_label.values())
-    recompute = 0.0
-    if opts.checkpointing != "none":
-        # the backward recomputes one layer whole; offload also keeps ~2 layer inputs on the GPU in flight
-        recompute = full_layer + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
+    ckpt = opts.checkpointing != "none"
     # outside the layers: RoPE's cos/sin (saved once, by the first attention layer), the final norm and
     # its output (the LM head's input), the token ids
     final = s.final_norm or {b: (norm_bytes(s.hidden, b), 0)}
@@ -456,19 +456,26 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     head_grad = s.vocab * s.hidden * gb / (P if fsdp else 1)
     attn_fwd = temps["forward"] if has_attention else 0.0
     attn_bwd = temps["backward"] if has_attention else 0.0
-    # one layer's backward (the head's tensors are freed by then): the incoming gradient, the gradients
-    # it produces (as large as the saved tensors they free, plus one MLP intermediate), its weight
+    # layer i's backward (the backward runs the layers last to first, so what layers i+1.. saved is freed
+    # and the head's tensors are gone): what layers 0..i keep, the head's weight gradient, the incoming
+    # gradient and the one it produces (2 x hidden) beside the layer's own backward peak, its weight
     # gradients (unsharded under FSDP2 until the reduce-scatter), its attention's backward buffers;
-    # checkpointing: the recomputed layer, its output and residual (3 x hidden with the gradient)
+    # checkpointing: the layer recomputed whole, its output and residual (3 x hidden with the gradient);
+    # offload also keeps ~2 layer inputs on the GPU in flight
     layer_grads = s.layer_params * (b + (4 if fsdp and opts.mixed else 0))
-    transient = 3 * b * s.hidden * S_l if recompute else 2 * b * s.hidden * S_l + layer_backward
-    layer_bwd = transient + layer_grads + attn_bwd + recompute
+    kept_before, layer_moment, recompute = 0.0, 0.0, 0.0
+    for kept, whole, backward, attention in layers:
+        kept_before += kept
+        own = (3 * b * s.hidden * S_l + whole + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
+               if ckpt else 2 * b * s.hidden * S_l + backward)
+        recompute = max(recompute, whole if ckpt else 0.0)
+        layer_moment = max(layer_moment, kept_before + own + layer_grads + (attn_bwd if attention else 0.0))
     out.moments = {
         # the loss's forward terms include the log-softmax it saves
         "forward end": act + head + max(loss["forward"], loss["saved"] + attn_fwd),
         "loss backward": act + head + loss["backward"],
         "LM head backward": act + head + loss["grad_logits"] + head_grad + b * s.hidden * S_l,
-        "layer backward": act + head_grad + layer_bwd,
+        "layer backward": head_grad + layer_moment,
         "optimizer step": grads + _optimizer_temporaries(s, opts),
     }
     out.parts = dict(statics)

@@ -86,6 +86,8 @@ NAME = "gated_deltanet"
 CHUNK = 64          # torch_chunk_gated_delta_rule's default chunk_size (the layer passes none); FLA's BT = 64
 CASES = [("qwen3_5_text", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                                linear_value_head_dim=16))]
+# the P=2 check's length: every kernel call of a Ring rank (two head_tail chunks) spans two 64-token chunks
+CP_SEQ = 512
 
 
 def dims(module) -> dict:

@@ -62,6 +62,8 @@ NAME = "kda"
 CHUNK = 64          # chunk_kimi_delta_attention's default chunk_size (the layer passes none); FLA chunk_kda's BT
 CASES = [("kimi_linear", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                               mlp_layer_types=["dense", "dense"]))]
+# the P=2 check's length: every kernel call of a Ring rank (two head_tail chunks) spans two 64-token chunks
+CP_SEQ = 512
 
 
 def dims(module) -> dict:
