@@ -285,19 +285,43 @@ def split_of(shape: ModelShape, opts: PlanOptions) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class LayerBytes:
-    saved: float        # bytes the layer's forward leaves for its backward (its norms, mixers, MLP)
-    backward: float     # bytes its backward holds at its peak beyond the saved ones (the largest part's)
+    """One decoder layer's parts in forward order (pre-norm: a norm, the mixers, the other norms, the
+    MLP): ``(saved, backward, is attention)`` each, in bytes."""
+    parts: tuple[tuple[float, float, bool], ...]
+
+    @property
+    def saved(self) -> float:
+        return sum(p[0] for p in self.parts)
+
+    def backward_peak(self, attention_temporaries: float = 0.0) -> float:
+        """The largest the layer's own tensors get during its backward, which runs the parts last to first:
+        at part p, what the parts before it saved, p's saved tensors and p's backward peak beyond them (an
+        attention part also holds the backend's backward buffers). This is also the recomputed layer's
+        under checkpointing: non-reentrant checkpointing recomputes the layer whole, and each recomputed
+        tensor is freed once its op's backward used it."""
+        before, peak = 0.0, 0.0
+        for saved, backward, attention in self.parts:
+            peak = max(peak, before + saved + backward + (attention_temporaries if attention else 0.0))
+            before += saved
+        return peak
+
+
+def _forward_order(parts: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    norms = [p for p in parts if p[0] == "norm"]
+    mixers = [p for p in parts if p[0] not in ("norm", "mlp", "moe")]
+    mlps = [p for p in parts if p[0] in ("mlp", "moe")]
+    return norms[:1] + mixers + norms[1:] + mlps
 
 
 def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str, P: int, backend: str,
                 ulysses: int = 1) -> LayerBytes:
-    """One decoder layer at ``tokens`` local tokens: the sum of its parts' ``saved`` and the largest
-    part's ``backward`` (``memory_kinds.<kind>.saved``; norms as traced on the meta device)."""
-    saved = backward = 0.0
-    for kind, d in parts:
+    """One decoder layer at ``tokens`` local tokens: each part's ``saved`` and ``backward``
+    (``memory_kinds.<kind>.saved``; norms as traced on the meta device)."""
+    out = []
+    for kind, d in _forward_order(parts):
         if kind == "norm":
             per_token, fixed = d[b] if b in d else d[2 if b < 4 else 4]
-            saved += per_token * tokens + fixed
+            out.append((per_token * tokens + fixed, 0.0, False))
             continue
         model = kind_model(kind)
         accepts = inspect.signature(model.saved).parameters
@@ -305,9 +329,8 @@ def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str,
         if "tokens" in accepts:   # Mamba1 under CP: chunks longer than a tile keep their decays out of the graph
             kwargs["tokens"] = tokens
         est = model.saved(d, b, kernel, P, backend, **kwargs)
-        saved += est.at(tokens)
-        backward = max(backward, est.backward * tokens)
-    return LayerBytes(saved, backward)
+        out.append((est.at(tokens), est.backward * tokens, kind == "attention"))
+    return LayerBytes(tuple(out))
 
 
 def kernel_sources(shape: ModelShape, kernel: str) -> dict[str, str]:
@@ -431,7 +454,7 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     temps = attention_temporaries(s, opts)
     loss = loss_bytes(s, opts)
     per_label: dict[str, float] = {}
-    layers = []    # per layer, in forward order: (kept for backward, saved when run whole, backward peak, attention?)
+    layers = []    # per layer, in forward order: (kept for backward, its LayerBytes)
     for label, parts in zip(s.layer_kinds, s.layers):
         lb = layer_bytes(parts, b, S_l, opts.kernel, P, opts.backend, ulysses=u)
         if opts.checkpointing == "none":
@@ -442,7 +465,7 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
             kept = 0.0                      # offloaded to host memory
             out.host_bytes += b * s.hidden * S_l
         per_label[label] = per_label.get(label, 0.0) + kept
-        layers.append((kept, lb.saved, lb.backward, any(k == "attention" for k, _ in parts)))
+        layers.append((kept, lb))
     for label, v in per_label.items():
         out.activations[f"{label} layers (x{s.layer_kinds.count(label)})"] = v
     act = sum(per_label.values())
@@ -457,19 +480,21 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     attn_fwd = temps["forward"] if has_attention else 0.0
     attn_bwd = temps["backward"] if has_attention else 0.0
     # layer i's backward (the backward runs the layers last to first, so what layers i+1.. saved is freed
-    # and the head's tensors are gone): what layers 0..i keep, the head's weight gradient, the incoming
-    # gradient and the one it produces (2 x hidden) beside the layer's own backward peak, its weight
-    # gradients (unsharded under FSDP2 until the reduce-scatter), its attention's backward buffers;
-    # checkpointing: the layer recomputed whole, its output and residual (3 x hidden with the gradient);
-    # offload also keeps ~2 layer inputs on the GPU in flight
+    # and the head's tensors are gone): what layers 0..i-1 keep, the head's weight gradient, its weight
+    # gradients (unsharded under FSDP2 until the reduce-scatter) and its own tensors at their backward peak
+    # with the incoming and produced gradients (LayerBytes.backward_peak: the
+    # same walk over its parts, the attention's backward buffers with its attention part); checkpointing:
+    # the layer recomputed whole (the same walk) beside its kept input and output; offload keeps ~2 layer
+    # inputs on the GPU in flight
     layer_grads = s.layer_params * (b + (4 if fsdp and opts.mixed else 0))
     kept_before, layer_moment, recompute = 0.0, 0.0, 0.0
-    for kept, whole, backward, attention in layers:
+    for kept, lb in layers:
+        own = lb.backward_peak(attn_bwd)   # each part's backward counts its incoming and produced gradients
+        if ckpt:
+            own += kept + b * s.hidden * S_l + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
+            recompute = max(recompute, lb.saved)
+        layer_moment = max(layer_moment, kept_before + own + layer_grads)
         kept_before += kept
-        own = (3 * b * s.hidden * S_l + whole + (2 * b * s.hidden * S_l if opts.checkpointing == "offload" else 0)
-               if ckpt else 2 * b * s.hidden * S_l + backward)
-        recompute = max(recompute, whole if ckpt else 0.0)
-        layer_moment = max(layer_moment, kept_before + own + layer_grads + (attn_bwd if attention else 0.0))
     out.moments = {
         # the loss's forward terms include the log-softmax it saves
         "forward end": act + head + max(loss["forward"], loss["saved"] + attn_fwd),

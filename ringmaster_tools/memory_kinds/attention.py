@@ -74,7 +74,9 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += b * qd
     if backend == "ring-allgather" and r > 1:
         out += 2 * b * kvd_k * r               # the gathered K/V is saved for the backward
-    return Bytes(out, source="transformers sdpa_attention_forward / flash_attention_forward")
+    # its backward beyond the saved tensors: the incoming gradient and the one it produces (the kernel's
+    # dq/dk/dv replace q/k/v as they are freed; the backend's buffers are attention_temporaries)
+    return Bytes(out, backward=2 * b * h, source="transformers sdpa_attention_forward / flash_attention_forward")
 
 
 def rope_width(model) -> int:

@@ -47,6 +47,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += 2 * b * i                        # relu's output (its own backward and the square's), the square
     else:
         out += 2 * b * i                        # the activation's input and its output (down_proj's input)
-    # its backward: the incoming gradient of the product/activation (one intermediate) beside the saved ones
-    return Bytes(out, backward=b * i,
+    # its backward beyond the saved tensors (as memory_probe.step_peak measures it): the incoming gradient
+    # and the one it produces (2 x hidden) and the gradient of the product/activation (one intermediate)
+    return Bytes(out, backward=b * i + 2 * b * h,
                  source=f"transformers MLP.forward ({'gated ' if d['gated'] else ''}{d['act']})")
