@@ -328,6 +328,8 @@ def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str,
         kwargs = {"ulysses": ulysses} if kind == "attention" else {}
         if "tokens" in accepts:   # Mamba1 under CP: chunks longer than a tile keep their decays out of the graph
             kwargs["tokens"] = tokens
+        if "worst" in accepts:    # the rank that holds the most (every chunk takes a state in and passes one on)
+            kwargs["worst"] = True
         est = model.saved(d, b, kernel, P, backend, **kwargs)
         out.append((est.at(tokens), est.backward * tokens, kind == "attention"))
     return LayerBytes(tuple(out))

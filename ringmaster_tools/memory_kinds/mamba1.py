@@ -135,7 +135,9 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += 8 * di                            # the chunk map: softplus' input (fp32), cumsum(dt)
         out += _cp_scan(d, b, P, backend, recurrent, worst, tokens)
         fixed += _cp_fixed(d, P, backend, recurrent, worst)
-    return Bytes(out, fixed, backward=_backward_torch(d, b), source="transformers causal_conv1d_fn + mamba_selective_scan (torch); ringmaster "
+    # the backward's [d, n]-per-token gradients exist for one kernel call at a time: under Ring's head_tail
+    # layout a rank makes two calls of half its tokens each
+    return Bytes(out, fixed, backward=_backward_torch(d, b) / calls, source="transformers causal_conv1d_fn + mamba_selective_scan (torch); ringmaster "
                                     "cp_causal_conv1d, cp_selective_scan (Mamba1Segment)")
 
 
