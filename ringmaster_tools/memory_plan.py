@@ -316,7 +316,7 @@ def _forward_order(parts: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
 def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str, P: int, backend: str,
                 ulysses: int = 1) -> LayerBytes:
     """One decoder layer at ``tokens`` local tokens: each part's ``saved`` and ``backward``
-    (``memory_kinds.<kind>.saved``; norms as traced on the meta device)."""
+    (``memory_kinds.<kind>.saved``; norms traced on one or two tokens)."""
     out = []
     for kind, d in _forward_order(parts):
         if kind == "norm":

@@ -48,7 +48,7 @@ def measure_saved(model_type: str, overrides: dict, seqs, P: int = 1, backend: s
             for path, part in parts.items():
                 if part.kind == "norm":
                     per_token, fixed = part.dims[b]
-                    pred, source = per_token * (S // P) + fixed, "traced on the meta device"
+                    pred, source = per_token * (S // P) + fixed, "traced on one or two tokens"
                 else:
                     est = kind_model(part.kind).saved(part.dims, b, "torch", P, backend)
                     pred, source = est.at(S // P), est.source

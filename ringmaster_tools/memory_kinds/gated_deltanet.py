@@ -92,10 +92,14 @@ CP_SEQ = 512
 
 def dims(module) -> dict:
     config = getattr(module, "config", None)
-    hv = int(getattr(module, "num_v_heads", 0) or config.linear_num_value_heads)
-    hk = int(getattr(module, "num_k_heads", 0) or config.linear_num_key_heads)
-    dk = int(getattr(module, "head_k_dim", 0) or config.linear_key_head_dim)
-    dv = int(getattr(module, "head_v_dim", 0) or config.linear_value_head_dim)
+
+    def read(own: str, config_name: str) -> int:   # the module's attribute, a shared name (Bailing), the config
+        return int(getattr(module, own, 0) or getattr(module, {"num_v_heads": "num_heads", "num_k_heads": "num_heads",
+                                                                "head_k_dim": "head_dim", "head_v_dim": "head_dim"}[own], 0)
+                   or getattr(config, config_name))
+
+    hv, hk = read("num_v_heads", "linear_num_value_heads"), read("num_k_heads", "linear_num_key_heads")
+    dk, dv = read("head_k_dim", "linear_key_head_dim"), read("head_v_dim", "linear_value_head_dim")
     conv = getattr(module, "conv1d", None)
     width = int(getattr(module, "conv_kernel_size", 0) or (conv.kernel_size[0] if conv is not None else 4))
     hidden = int(getattr(module, "hidden_size", 0) or module.out_proj.out_features)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 _MLP = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|Moe|MoE|SparseMoe|Experts?Block)")
-_NORM = re.compile(r"Norm")
+_NORM = re.compile(r"Norm(alization)?$|Norm[A-Z]|LayerNorm|RMSNorm")   # not InklingNormedEmbedding
 
 
 @dataclass
@@ -98,41 +98,48 @@ def _norm_width(module: nn.Module) -> int:
     return int(getattr(module, "hidden_size", 0) or getattr(module, "normalized_shape", (0,))[-1])
 
 
-def _meta_saved(module: nn.Module, width: int, dtype, tokens: int) -> int:
-    """Bytes ``module``'s graph saves for a [1, tokens, width] input of ``dtype``, traced on the meta
-    device (shapes and dtypes only: no memory, no values)."""
+def _traced_saved(module: nn.Module, width: int, dtype, tokens: int) -> int:
+    """Bytes ``module``'s graph saves for a [1, tokens, width] input of ``dtype``: a copy of the module with
+    uninitialised CPU parameters (a norm's are one row: no memory to speak of; the values do not change
+    what autograd saves) traced on one or two tokens."""
     import copy
 
     import torch
 
-    meta = copy.deepcopy(module).to(device="meta", dtype=dtype)
-    skip = {t.untyped_storage()._cdata for t in (*meta.parameters(), *meta.buffers())}
+    traced = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
+    skip = {t.untyped_storage().data_ptr() for t in (*traced.parameters(), *traced.buffers())}
     keep: dict[int, object] = {}
 
     def pack(t):
         st = t.untyped_storage()
-        if st._cdata not in skip:
-            keep.setdefault(st._cdata, st)
+        if st.data_ptr() not in skip:
+            keep.setdefault(st.data_ptr(), st)
         return t
 
-    x = torch.empty(1, tokens, width, device="meta", dtype=dtype, requires_grad=True)
+    x = torch.zeros(1, tokens, width, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module_out = meta(x)
+        module_out = traced(x)
     del module_out
     return sum(st.nbytes() for st in keep.values())
 
 
 def norm_dims(module: nn.Module) -> dict:
-    """A norm's width and what it saves per token and per layer, for 4- and 2-byte activations,
-    traced on the meta device: norms differ by family (Llama casts the normalised value back
-    before the weight multiply, Nemotron-H multiplies in fp32, LayerNorm saves mean and rstd)."""
+    """A norm's width and what it saves per token and per layer, for 4- and 2-byte activations, traced
+    (``_traced_saved``; works for a module on the meta device): norms differ by family (Llama casts
+    the normalised value back before the weight multiply, Nemotron-H multiplies in fp32, LayerNorm
+    saves mean and rstd)."""
     import torch
+
+    from . import norm_bytes
 
     width = _norm_width(module)
     out = {"width": width}
     for b, dtype in ((4, torch.float32), (2, torch.bfloat16)):
-        one, two = (_meta_saved(module, width, dtype, n) for n in (1, 2))
-        out[b] = (two - one, 2 * one - two)   # (per token, fixed)
+        try:
+            one, two = (_traced_saved(module, width, dtype, n) for n in (1, 2))
+            out[b] = (two - one, 2 * one - two)   # (per token, fixed)
+        except Exception:  # noqa: BLE001 - a norm that cannot run alone: HF RMSNorm's count
+            out[b] = (norm_bytes(width, b), 0)
     return out
 
 
@@ -143,6 +150,6 @@ def final_norm(model: nn.Module) -> dict | None:
     modules = dict(model.named_modules())
     owner = modules.get(parent, model)
     for name, child in owner.named_children():
-        if _NORM.search(type(child).__name__):
+        if _NORM.search(type(child).__name__) and "Embed" not in type(child).__name__:
             return norm_dims(child)
     return None

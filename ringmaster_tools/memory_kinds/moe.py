@@ -95,7 +95,7 @@ CASES = [("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermedia
 def _source(obj) -> str:
     try:
         return inspect.getsource(type(obj).forward)
-    except (OSError, TypeError):
+    except (OSError, TypeError, AttributeError):   # no module there (GraniteMoeHybrid has no router module)
         return ""
 
 
