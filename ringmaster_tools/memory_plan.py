@@ -1,32 +1,33 @@
 """Memory planner: bytes per rank of one training step under CP, and the longest sequence that fits.
 
-``ringmaster plan --config ...`` prints this. Every term is a closed form in the model's shapes
-(``ModelShape``) and the run's options (``PlanOptions``); docs/planner.md derives each one from the
-tensors the ops save for backward, and ``benchmarks/memory_plan.py`` compares the prediction with
-the peak of live tensor bytes measured on CPU (``profiling.track_tensor_memory``).
+``ringmaster plan --config ...`` prints this. The model is built on the meta device and its decoder
+layers read with ``rm.wire``'s classifier (``memory_kinds.layers.describe``); each part's saved bytes
+come from its kind's formula (``ringmaster_tools.memory_kinds``: attention, MLP, MoE, each recurrent
+kind; ``--kernel fast`` for the GPU packages, ``torch`` for transformers' fallbacks). docs/planner.md
+derives each term; ``benchmarks/memory_plan.py`` compares the prediction with the peak of live tensor
+bytes measured on CPU (``profiling.track_tensor_memory``).
 
 Where the bytes come from (per rank, S_l = S / P local tokens, b = activation dtype bytes):
 
 * **static**: parameters, gradients, fp32 master weights (mixed precision), AdamW's two fp32
   states; FSDP2 shards all of them over the ``gpus`` ranks and adds the unsharded working copy of
   the layer being computed and the one being prefetched.
-* **activations**: the tensors each layer kind saves for backward, per token, times S_l. Full
-  checkpointing keeps only each layer's input (plus one layer recomputed during backward);
-  offload moves those inputs to host memory.
+* **activations**: what each layer's parts save for backward, times S_l (plus per-layer fixed
+  terms). Full checkpointing keeps only each layer's input (plus one layer recomputed during its
+  backward); offload moves those inputs to host memory.
 * **attention temporaries** (one layer at a time, so counted once): Ulysses' all-to-all buffers,
   Ring's K/V blocks in flight, fp32 merge/gradient accumulators and LSE, all-gathered K/V.
 * **logits/loss**: full-vocabulary logits and log-softmax for the shard, or ``chunk`` tokens at a
   time with ``sharding.loss.chunked_nll``.
 
-The peak is the static part plus the largest of three moments of the step: the end of the
-forward/start of the backward (every saved activation, the loss's backward buffers and the LM
-head's gradient), the end of the backward (every gradient plus the embedding's), and the
-optimizer step (gradients plus AdamW's temporaries). Activations fall and gradients rise
-linearly through the backward, so the peak is at one of its ends.
+The peak is the static part plus the largest of the step's moments: the end of the forward, the
+loss's and the LM head's backward, each layer's backward (the backward runs the layers, and each
+layer's parts, last to first: what the earlier ones keep plus this part's saved tensors and its
+backward peak), and the optimizer step.
 
-Not yet run on a GPU: the formulas are checked on CPU in fp32 and bf16 against llama models
-(benchmarks/memory_plan.py, docs/benchmarks.md); the recurrent and MoE terms, offload and FSDP2 are
-not measured.
+Not yet run on a GPU: the torch kernels' terms are checked on CPU in fp32 and bf16
+(benchmarks/memory_plan.py, docs/benchmarks.md); the fast kernels' are read from their code;
+offload and FSDP2 are not measured.
 """
 
 from __future__ import annotations
@@ -624,9 +625,10 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
             lines.append(f"  {backend:<16} invalid: {e}")
             continue
         lines.append(f"  {backend:<16}" + "".join(f"{c:>16}" for c in cells) + f"   ({split})")
-    lines.append("(closed form, docs/planner.md: attention + dense-MLP layers within 7% of measured CPU peaks; "
-                 "recurrent and MoE terms not measured; not yet run on a GPU: leave headroom for the CUDA "
-                 "context and the allocator)")
+    lines.append("(per-kind formulas, docs/planner.md: the torch kernels' within 0.94-1.08 of measured CPU peaks on "
+                 "llama, gated-DeltaNet, Mamba2, Mamba1 and MoE models; the fast kernels' read from their "
+                 "save_for_backward, not measured; not yet run on a GPU: leave headroom for the CUDA context and the "
+                 "allocator)")
     return "\n".join(lines)
 
 
