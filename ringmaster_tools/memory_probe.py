@@ -21,14 +21,15 @@ class Saved:
         return "\n".join(f"{n:>12} {dt:<14} {tuple(shape)}" for shape, dt, n in rows)
 
 
-def saved_tensors(module, *args, **kwargs) -> tuple[Saved, object]:
-    """(what ``module(*args, **kwargs)``'s graph saves for backward, the output)."""
-    import torch
+def weight_storages(*modules) -> set[int]:
+    """The storages (data pointers) of the modules' parameters and buffers: not activations."""
+    return {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
 
-    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    skip |= {b.untyped_storage().data_ptr() for b in module.buffers()}
+
+def new_storage_hook(skip: set[int], on_new):
+    """A ``saved_tensors_hooks`` pack hook that calls ``on_new(tensor, storage)`` once per storage the graph
+    saves, leaving out ``skip`` (the weights) and storages already seen."""
     seen: dict[int, object] = {}
-    out = Saved()
 
     def pack(t):
         try:
@@ -37,11 +38,24 @@ def saved_tensors(module, *args, **kwargs) -> tuple[Saved, object]:
             return t
         key = st.data_ptr()
         if key and key not in skip and key not in seen:
-            seen[key] = st
-            out.bytes += st.nbytes()
-            out.tensors.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), st.nbytes()))
+            seen[key] = st          # kept alive: a freed storage's address may be reused
+            on_new(t, st)
         return t
 
+    return pack
+
+
+def saved_tensors(module, *args, **kwargs) -> tuple[Saved, object]:
+    """(what ``module(*args, **kwargs)``'s graph saves for backward, the output)."""
+    import torch
+
+    out = Saved()
+
+    def add(t, st):
+        out.bytes += st.nbytes()
+        out.tensors.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), st.nbytes()))
+
+    pack = new_storage_hook(weight_storages(module), add)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = module(*args, **kwargs)
     return out, result
@@ -81,25 +95,14 @@ def saved_per_module(modules: dict[str, object], fn) -> tuple[dict[str, int], ob
     storage counts once. Works under CP (inside ``context_parallel_region``) on each rank."""
     import torch
 
-    skip = set()
-    for m in modules.values():
-        skip |= {p.untyped_storage().data_ptr() for p in m.parameters()}
-        skip |= {b.untyped_storage().data_ptr() for b in m.buffers()}
     stack: list[str] = []
     totals = {path: 0 for path in modules}
     totals[""] = 0
-    seen: dict[int, object] = {}
 
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        key = st.data_ptr()
-        if key and key not in skip and key not in seen:
-            seen[key] = st
-            totals[stack[-1] if stack else ""] += st.nbytes()
-        return t
+    def add(t, st):
+        totals[stack[-1] if stack else ""] += st.nbytes()
+
+    pack = new_storage_hook(weight_storages(*modules.values()), add)
 
     def enter(path):
         def hook(module, args):

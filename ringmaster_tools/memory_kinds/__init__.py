@@ -55,10 +55,43 @@ def kind_model(kind: str):
     return importlib.import_module(f".{_MODULES[kind]}", __name__)
 
 
+def ring_chunks(P: int, backend: str) -> int:
+    """Kernel calls a rank makes (chunks it holds): 2 under pure Ring's ``head_tail`` layout, else 1."""
+    return 2 if P > 1 and backend in ("ring", "ring-allgather") else 1
+
+
+def cp_layout(P: int, backend: str, strategy: str | None = None) -> tuple[int, str]:
+    """(kernel calls per rank, state passing) as ``RingmasterConfig.resolve`` picks them by default
+    (``strategy``: ``RingmasterConfig.recurrent`` when set): sequential up to P=2, else scan; P=1:
+    ``(1, "none")``."""
+    if P <= 1:
+        return 1, "none"
+    if strategy in (None, "auto"):
+        strategy = "sequential" if P <= 2 else "scan"
+    return ring_chunks(P, backend), strategy
+
+
+def stored_chunks(P: int, backend: str) -> int:
+    """Chunks a rank stores, as the conv / RG-LRU / RWKV / mLSTM formulas count them: 0 without CP, 1 under
+    Ulysses, else 2 (Ring balances with ``head_tail``; USP is counted the same)."""
+    if P <= 1:
+        return 0
+    return 1 if backend == "ulysses" else 2
+
+
+def receiving_share(P: int, backend: str, worst: bool) -> float:
+    """Share of a rank's chunks that take a state in: rank 0 (what the benchmark measures) none, or its
+    second chunk under Ring's head_tail; ``worst``: every chunk (a middle rank)."""
+    if P <= 1:
+        return 0.0
+    return 1.0 if worst else (0.0 if ring_chunks(P, backend) == 1 else 0.5)
+
+
 def norm_bytes(width: int, b: int) -> float:
     """HF RMSNorm saves its input upcast to fp32 (pow, mul) and the normalised value in the
     activation dtype (the weight multiply): (4 + b) bytes per channel; rsqrt adds one fp32 per token."""
     return (4 + b) * width + 4
 
 
-__all__ = ["Bytes", "KERNELS", "kind_model", "norm_bytes"]
+__all__ = ["Bytes", "KERNELS", "cp_layout", "kind_model", "norm_bytes", "receiving_share", "ring_chunks",
+           "stored_chunks"]

@@ -80,7 +80,7 @@ it returns): ``w, u`` (``recompute_w_u_fwd``), ``h`` and ``dh`` (``b hv dk dv / 
 
 from __future__ import annotations
 
-from . import Bytes
+from . import Bytes, cp_layout
 
 NAME = "gated_deltanet"
 CHUNK = 64          # torch_chunk_gated_delta_rule's default chunk_size (the layer passes none); FLA's BT = 64
@@ -107,15 +107,6 @@ def dims(module) -> dict:
             "chunk": CHUNK}
 
 
-def _layout(P: int, backend: str, strategy: str | None = None) -> tuple[int, str]:
-    """(rule calls per rank, recurrent strategy) as ``RingmasterConfig.resolve`` picks them by default
-    (``strategy``: ``RingmasterConfig.recurrent`` when set)."""
-    if P <= 1:
-        return 1, "none"
-    n = 2 if backend in ("ring", "ring-allgather") else 1     # pure Ring: head_tail, two chunks per rank
-    if strategy in (None, "auto"):
-        strategy = "sequential" if P <= 2 else "scan"
-    return n, strategy
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
@@ -124,7 +115,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     k, C = d["conv_width"], d.get("chunk", CHUNK)
     K, V = hk * dk, hv * dv
     D = 2 * K + V
-    n, strategy = _layout(P, backend, strategy)
+    n, strategy = cp_layout(P, backend, strategy)
     dvw = dv + dk if strategy == "scan" else dv            # scan: values [v | 0], state [0 | I]
     halo = 0 if P <= 1 else 1                               # conv on [halo | chunk]: a cat input
 

@@ -56,7 +56,7 @@ recomputed ``w, u, qg, kg, v_new`` and ``h``, then ``dAqk, dv, dh, dq, dk, db, d
 
 from __future__ import annotations
 
-from . import Bytes
+from . import Bytes, cp_layout
 
 NAME = "kda"
 CHUNK = 64          # chunk_kimi_delta_attention's default chunk_size (the layer passes none); FLA chunk_kda's BT
@@ -76,20 +76,13 @@ def dims(module) -> dict:
     return {"hidden": hidden, "heads": h, "head_dim": d, "conv_width": width, "chunk": CHUNK}
 
 
-def _layout(P: int, backend: str, strategy: str | None = None) -> tuple[int, str]:
-    if P <= 1:
-        return 1, "none"
-    n = 2 if backend in ("ring", "ring-allgather") else 1     # pure Ring: head_tail, two chunks per rank
-    if strategy in (None, "auto"):
-        strategy = "sequential" if P <= 2 else "scan"
-    return n, strategy
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           strategy: str | None = None) -> Bytes:
     H, h, hd, k, C = d["hidden"], d["heads"], d["head_dim"], d["conv_width"], d.get("chunk", CHUNK)
     Q = h * hd
-    n, strategy = _layout(P, backend, strategy)
+    n, strategy = cp_layout(P, backend, strategy)
     halo = 0 if P <= 1 else 1
     dvw = 2 * hd if strategy == "scan" else hd                 # scan: values [v | 0]
     Qw = h * dvw

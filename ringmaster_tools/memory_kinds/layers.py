@@ -106,21 +106,16 @@ def _traced_saved(module: nn.Module, width: int, dtype, tokens: int) -> int:
 
     import torch
 
+    from ..memory_probe import new_storage_hook, weight_storages
+
     traced = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
-    skip = {t.untyped_storage().data_ptr() for t in (*traced.parameters(), *traced.buffers())}
-    keep: dict[int, object] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            keep.setdefault(st.data_ptr(), st)
-        return t
-
+    sizes: list[int] = []
+    pack = new_storage_hook(weight_storages(traced), lambda t, st: sizes.append(st.nbytes()))
     x = torch.zeros(1, tokens, width, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module_out = traced(x)
     del module_out
-    return sum(st.nbytes() for st in keep.values())
+    return sum(sizes)
 
 
 def norm_dims(module: nn.Module) -> dict:

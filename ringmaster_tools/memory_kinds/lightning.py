@@ -40,7 +40,7 @@ new tensors beside the bf16 ones).
 
 from __future__ import annotations
 
-from . import Bytes
+from . import Bytes, cp_layout
 
 NAME = "lightning"
 CASES = [("minimax", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=16))]
@@ -55,20 +55,13 @@ def dims(module) -> dict:
     return {"hidden": hidden, "heads": h, "head_dim": d, "block": block}
 
 
-def _layout(P: int, backend: str, strategy: str | None = None) -> tuple[int, str]:
-    if P <= 1:
-        return 1, "none"
-    n = 2 if backend in ("ring", "ring-allgather") else 1     # pure Ring: head_tail, two chunks per rank
-    if strategy in (None, "auto"):
-        strategy = "sequential" if P <= 2 else "scan"
-    return n, strategy
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           strategy: str | None = None) -> Bytes:
     H, h, hd, Bs = d["hidden"], d["heads"], d["head_dim"], d["block"]
     Q = h * hd
-    n, strategy = _layout(P, backend, strategy)
+    n, strategy = cp_layout(P, backend, strategy)
 
     out = b * H                                   # the layer input (qkv_proj, output_gate)
     out += 2 * b * 3 * Q                          # silu's input; its output (q, k, v are views of it)

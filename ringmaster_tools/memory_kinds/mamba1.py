@@ -49,7 +49,7 @@ contiguous ``2b·n``, the chunk states), ringmaster's segment terms as above, th
 
 from __future__ import annotations
 
-from . import Bytes
+from . import Bytes, receiving_share, ring_chunks
 
 NAME = "mamba1"
 TILE = 256   # ringmaster.recurrent.mamba1.TILE: a chunk longer than this is corrected in checkpointed tiles
@@ -74,26 +74,10 @@ def dims(module) -> dict:
             "conv_kernel": int(module.conv1d.weight.shape[-1]), "heads": heads, "norm": norm}
 
 
-def layout_chunks(P: int, backend: str) -> int:
-    return 2 if P > 1 and backend in ("ring", "ring-allgather") else 1
 
 
-def strategy(P: int, recurrent: str | None = None) -> str:
-    if recurrent in ("scan", "sequential"):
-        return recurrent
-    return "sequential" if P <= 2 else "scan"
 
 
-def _roles(P: int, backend: str, recurrent: str | None, worst: bool) -> float:
-    """Fraction of this rank's chunks that take a state in. Rank 0 (what the benchmark measures): its first
-    chunk none; under Ring's head_tail its second (the last chunk) does. ``worst``: a middle rank, every chunk.
-    Every chunk computes its end state from zero (``local_map``), even the last, whose map nobody uses (its
-    tensors are packed for backward, then freed with the unused graph when the chunk's call returns)."""
-    if P <= 1:
-        return 0.0
-    if worst:
-        return 1.0
-    return 0.0 if layout_chunks(P, backend) == 1 else 0.5
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
@@ -116,7 +100,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
         out += 4 * di + 4 * n                    # x.float(), B.float()
         fixed += 4 * di                          # D.float()
     out += 8 * di * n                            # discrete_A, discrete_B
-    calls = layout_chunks(P, backend)            # kernel calls on this rank
+    calls = ring_chunks(P, backend)            # kernel calls on this rank
     if fp32:
         out += 4 * di * n                        # the state after every step
         fixed += 4 * di * n * calls              # the zero initial state
@@ -149,8 +133,8 @@ def _cp_scan(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst
     product, C in fp32 for bf16). Tiles of ``TILE`` = 256 tokens are recomputed in backward (checkpointed)
     when a chunk is longer: then only the tiles' inputs stay (not modelled)."""
     di, n = d["intermediate"], d["state"]
-    recv = _roles(P, backend, recurrent, worst)
-    tiled = tokens is not None and tokens / layout_chunks(P, backend) > TILE
+    recv = receiving_share(P, backend, worst)
+    tiled = tokens is not None and tokens / ring_chunks(P, backend) > TILE
     big = 0 if tiled else 8 * di * n             # exp(·A) and its product, unless checkpointed in tiles
     out = 12 * di + big + (0 if b == 4 else 4 * di + 4 * n)
     out += recv * (big + (0 if b == 4 else 4 * n))
@@ -161,8 +145,8 @@ def _cp_fixed(d: dict, P: int, backend: str, recurrent: str | None, worst: bool)
     """Per layer: each chunk's total decay ``exp(Σdt·A)`` (fp32 ``4dn``); where a state comes in, the state
     (``4dn``) and the chunk's packed map ``[d, 2n]`` (``8dn``, saved by ``combine``)."""
     di, n = d["intermediate"], d["state"]
-    calls = layout_chunks(P, backend)
-    recv = _roles(P, backend, recurrent, worst)
+    calls = ring_chunks(P, backend)
+    recv = receiving_share(P, backend, worst)
     return 4 * di * n * calls + 12 * di * n * calls * recv
 
 
@@ -220,7 +204,7 @@ def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: b
         fixed += 8 * di                          # D.float(), delta_bias.float()
         return Bytes(out, fixed, backward, source="mamba-ssm mamba_ssm/ops/selective_scan_interface.py "
                                                   "MambaInnerFn.forward")
-    calls = layout_chunks(P, backend)
+    calls = ring_chunks(P, backend)
     out = b * H + 2 * b * di                     # in_proj's input; its output (z for SiLU(z))
     out += b * di                                # CausalConv1dFn's input [halo | chunk]
     fixed += b * di * (K - 1) * calls

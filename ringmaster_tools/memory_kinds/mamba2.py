@@ -69,7 +69,7 @@ Kernel "fast" (mamba-ssm + causal-conv1d on GPU; cannot run here: read from thei
 
 from __future__ import annotations
 
-from . import Bytes
+from . import Bytes, receiving_share, ring_chunks
 
 NAME = "mamba2"
 # a scan chunk of 16: every scan call holds >= 2 chunks at S=128 (Ring's head_tail at P=2: 32 tokens a call)
@@ -104,9 +104,6 @@ def dims(module) -> dict:
             "chunk": int(module.chunk_size), "norm_groups": groups}
 
 
-def layout_chunks(P: int, backend: str) -> int:
-    """Chunks a rank holds: 2 under Ring's default ``head_tail`` layout, else 1."""
-    return 2 if P > 1 and backend in ("ring", "ring-allgather") else 1
 
 
 def strategy(P: int, recurrent: str | None = None) -> str:
@@ -116,12 +113,6 @@ def strategy(P: int, recurrent: str | None = None) -> str:
     return "sequential" if P <= 2 else "scan"
 
 
-def _recv(P: int, backend: str, worst: bool) -> float:
-    """Fraction of this rank's chunks that take a state in: rank 0 (what the benchmark measures) none, or
-    its second chunk under Ring's head_tail; ``worst``: every chunk (a middle rank)."""
-    if P <= 1:
-        return 0.0
-    return 1.0 if worst else (0.0 if layout_chunks(P, backend) == 1 else 0.5)
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
@@ -135,7 +126,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     G = d["norm_groups"]
     fp32 = b == 4
     cp = P > 1
-    calls = layout_chunks(P, backend)            # conv and scan calls per layer on this rank
+    calls = ring_chunks(P, backend)            # conv and scan calls per layer on this rank
     out = b * H                                  # in_proj's input
     fixed = 0.0
     if not cp or fp32 or not G:
@@ -163,7 +154,7 @@ def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ul
     out += 4 * di                                # C·states
     fixed += (2 * Q * Q + 4 * h * p * n) * calls  # segment_sum's masks, the initial state of the inter-chunk einsum
     if cp and strategy(P, recurrent) == "scan":  # ringmaster's chunk map and the incoming state's correction
-        recv = _recv(P, backend, worst)
+        recv = receiving_share(P, backend, worst)
         out += 12 * h                            # mamba2_dt recomputed in fp32 (softplus, clamp, A·dt)
         out += recv * (4 * h * n + 4 * h + 4 * di)   # C in fp32, exp(cumsum A·dt), the correction C·S_in
         fixed += 4 * h * calls                   # exp of the chunk's total decay
@@ -203,7 +194,7 @@ def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: b
     g, n, conv, K, Q = d["groups"], d["state"], d["conv_dim"], d["conv_kernel"], d["chunk"]
     G = d["norm_groups"]
     fp32 = b == 4
-    calls = layout_chunks(P, backend)
+    calls = ring_chunks(P, backend)
     # the backward (estimate from _mamba_chunk_scan_combined_bwd / MambaSplitConv1dScanCombinedFn.backward):
     # dzxbcdt, the recomputed conv output and its gradient, the recomputed norm output and dout, CB in fp32
     # [c, g, Q, Q], chunk states and their gradient in fp32, ddt / ddA_cumsum
@@ -233,7 +224,7 @@ def _fast(d: dict, b: int, P: int, backend: str, recurrent: str | None, worst: b
     out += 4 * h                                 # dA_cumsum [h, c, Q] fp32
     fixed += 4 * h * p * n * calls               # initial_states (the incoming state, fp32)
     if strategy(P, recurrent) == "scan":         # ringmaster's chunk map and correction (torch ops, as above)
-        recv = _recv(P, backend, worst)
+        recv = receiving_share(P, backend, worst)
         out += 12 * h + recv * (4 * h * n + 4 * h + 4 * di)
         fixed += 4 * h * calls
         if recv:

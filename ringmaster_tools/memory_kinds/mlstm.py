@@ -59,8 +59,7 @@ under CP alike: the formula is given with ``b`` as written, not measured there.
 
 from __future__ import annotations
 
-from . import Bytes
-from .attention import split
+from . import Bytes, stored_chunks
 
 NAME = "mlstm"
 CASES = [("xlstm", dict(embedding_dim=32, hidden_size=32, num_blocks=1, num_heads=2, chunk_size=16))]
@@ -74,18 +73,13 @@ def dims(module) -> dict:
             "chunk": int(config.chunk_size)}
 
 
-def _chunks(P: int, backend: str) -> int:
-    if P <= 1:
-        return 0
-    u, r = split(1, 1, P, backend)
-    return 2 if (r > 1 and u == 1) else 1
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           strategy: str | None = None) -> Bytes:
     h, H, qk, v, C = d["hidden"], d["heads"], d["qk"], d["v"], d["chunk"]
     dk, dv = qk // H, v // H
-    n = _chunks(P, backend)
+    n = stored_chunks(P, backend)
     outer = b * h + 4 * b * v + 8 * v + 4 * H + 2 * b * H          # input, norm + output gate, tanh(i), tanh(f)
     core = (10 * b * H + 3 * b * H * C + 4 * b * qk + 2 * b * v + 8 * H
             + (b * H * (2 * dk * dv + 2 * dk + 3) + 8 * H) / C)

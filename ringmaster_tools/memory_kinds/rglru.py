@@ -45,8 +45,7 @@ output fp32 and the bool ``~reset``: ``8 w + 1`` per token) and ``finish``'s ``d
 
 from __future__ import annotations
 
-from . import Bytes
-from .attention import split
+from . import Bytes, stored_chunks
 
 NAME = "rglru"
 CASES = [("recurrent_gemma", dict(hidden_size=32, lru_width=32, num_attention_heads=2, num_key_value_heads=1,
@@ -59,18 +58,13 @@ def dims(module) -> dict:
             "conv": int(module.conv_1d.kernel_size[0]), "heads": int(lru.num_attention_heads)}
 
 
-def _chunks(P: int, backend: str) -> int:
-    if P <= 1:
-        return 0
-    u, r = split(1, 1, P, backend)
-    return 2 if (r > 1 and u == 1) else 1
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           strategy: str | None = None) -> Bytes:
     h, w, K = d["hidden"], d["width"], d["conv"]
     halo = K - 1
-    n = _chunks(P, backend)
+    n = stored_chunks(P, backend)
     per = b * h + 14 * b * w + 8 * w + 2
     fixed = b * w                                    # softplus(recurrent_param), in the parameter dtype
     if n == 0:

@@ -52,8 +52,7 @@ here (no GPU): read from the source.
 
 from __future__ import annotations
 
-from . import Bytes
-from .attention import split
+from . import Bytes, stored_chunks
 
 NAME = "rwkv"
 CASES = [("rwkv", dict(hidden_size=32, attention_hidden_size=32, intermediate_size=64, num_hidden_layers=2))]
@@ -70,16 +69,11 @@ def dims(module) -> dict:
     return {"block": "channel_mix", "hidden": h, "intermediate": int(module.key.out_features)}
 
 
-def _chunks(P: int, backend: str) -> int:
-    if P <= 1:
-        return 0
-    u, r = split(1, 1, P, backend)
-    return 2 if (r > 1 and u == 1) else 1
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses",
           strategy: str | None = None) -> Bytes:
-    n = _chunks(P, backend)
+    n = stored_chunks(P, backend)
     h = d["hidden"]
     shift_fixed = b * h if n == 1 else 0            # one chunk: the shift is a slice of its [halo | chunk] output
     if d["block"] == "channel_mix":

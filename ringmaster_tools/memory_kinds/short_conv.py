@@ -55,8 +55,7 @@ two a new concatenation. There is no GPU kernel for it: "fast" = "torch".
 
 from __future__ import annotations
 
-from . import Bytes
-from .attention import split
+from . import Bytes, stored_chunks
 
 NAME = "short_conv"
 CASES = [("lfm2", dict(hidden_size=64, num_hidden_layers=2, full_attn_idxs=[1], layer_types=["conv", "full_attention"])),
@@ -84,16 +83,10 @@ def dims(module) -> dict:
     return {"style": "residual", **d}
 
 
-def _chunks(P: int, backend: str) -> int:
-    """Chunks a rank stores: Ring alone balances with ``head_tail`` (two chunks), otherwise one."""
-    if P <= 1:
-        return 0
-    u, r = split(1, 1, P, backend)
-    return 2 if (r > 1 and u == 1) else 1
 
 
 def saved(d: dict, b: int, kernel: str = "torch", P: int = 1, backend: str = "ulysses") -> Bytes:
-    n = _chunks(P, backend)
+    n = stored_chunks(P, backend)
     K, c = d["taps"], d["channels"]
     w = K - 1
     fast = kernel == "fast"
