@@ -32,6 +32,7 @@ offload and FSDP2 are not measured.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field, replace
@@ -307,6 +308,12 @@ class LayerBytes:
         return peak
 
 
+@functools.lru_cache(maxsize=None)
+def _saved_parameters(kind: str) -> frozenset[str]:
+    """The keyword arguments ``kind``'s ``saved`` takes (read once: ``max_seq`` plans hundreds of times)."""
+    return frozenset(inspect.signature(kind_model(kind).saved).parameters)
+
+
 def _forward_order(parts: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     norms = [p for p in parts if p[0] == "norm"]
     mixers = [p for p in parts if p[0] not in ("norm", "mlp", "moe")]
@@ -325,7 +332,7 @@ def layer_bytes(parts: list[tuple[str, dict]], b: int, tokens: int, kernel: str,
             out.append((per_token * tokens + fixed, 0.0, False))
             continue
         model = kind_model(kind)
-        accepts = inspect.signature(model.saved).parameters
+        accepts = _saved_parameters(kind)
         kwargs = {"ulysses": ulysses} if kind == "attention" else {}
         if "tokens" in accepts:   # Mamba1 under CP: chunks longer than a tile keep their decays out of the graph
             kwargs["tokens"] = tokens
