@@ -92,9 +92,11 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gloo",
-            sys_path: tuple = (), solo: bool = False) -> None:
+            sys_path: tuple = (), solo: bool = False, init: Callable | None = None) -> None:
     # before anything imports transformers' modeling modules (their kernels resolve once, at import)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    if init is not None:
+        init()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -124,11 +126,13 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
 
 class LocalPool:
     def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo",
-                 sys_path: tuple = (), solo: bool = False):
+                 sys_path: tuple = (), solo: bool = False, init: Callable | None = None):
         """``backend``: what every rank passes to ``init_process_group`` (``"cuda:gloo"`` builds a CUDA-only
         group on CPU, the stand-in for NCCL in tests/test_devices.py). ``sys_path``: folders each worker puts
         first on its ``sys.path`` before it runs anything (the kernel stand-in packages,
-        :data:`standins.kernels.SITE`); the parent process is left alone. ``solo``: a job on a CP size
+        :data:`standins.kernels.SITE`); the parent process is left alone. ``init``: a module-level function each
+        worker calls next, before torch.distributed starts (tests/realkernels.enable_in_worker: the real kernel
+        packages under Triton's interpreter). ``solo``: a job on a CP size
         smaller than the world runs on its first CP group only (:class:`RankContext`)."""
         self.world, self.timeout, self.grace = world, timeout, grace
         ctx = mp.get_context("spawn")
@@ -136,7 +140,7 @@ class LocalPool:
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend,
-                                                                    tuple(sys_path), solo), daemon=True)
+                                                                    tuple(sys_path), solo, init), daemon=True)
                        for r in range(world)]
         for p in self._procs:
             p.start()

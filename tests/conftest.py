@@ -11,6 +11,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# flash-linear-attention (and mamba-ssm / causal-conv1d, where installed) are hidden from this process, the
+# default pool and every subprocess: transformers then runs its torch kernels, which need no GPU. Their real
+# kernels run only in the pools of tests/test_real_kernels.py, under Triton's interpreter (tests/realkernels).
+import realkernels  # noqa: E402
+
+realkernels.hide()
+
 # The hub flash kernels resolve to ringmaster's CPU stand-in (``kernels``' LOCAL_KERNELS mechanism).
 # Set before the pool starts, so every worker rank inherits it; entries the caller set win.
 from standins.flash_repos import local_kernels  # noqa: E402
