@@ -95,8 +95,12 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
             sys_path: tuple = (), solo: bool = False, init: Callable | None = None) -> None:
     # before anything imports transformers' modeling modules (their kernels resolve once, at import)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    init_error = None
     if init is not None:
-        init()
+        try:
+            init()
+        except BaseException:  # every job then reports it (a worker that died would leave the caller waiting)
+            init_error = f"the pool's init {getattr(init, '__name__', init)} failed:\n{traceback.format_exc()}"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -113,6 +117,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
         if job is None:
             break
         job_id, fn, args, kwargs = job
+        if init_error is not None:
+            results.put((job_id, rank, False, init_error))
+            continue
         ctx._solo_cp = None
         ctx._job_all_groups = bool(getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "ALL_GROUPS", False))
         try:

@@ -1,22 +1,23 @@
 """``recurrent="fla_cp"``: hand gated DeltaNet / KDA state passing to flash-linear-attention's own
-context parallelism instead of ringmaster's ``scan`` / ``sequential`` (opt-in, GPU-only).
+context parallelism instead of ringmaster's ``scan`` / ``sequential`` (opt-in).
 
-FLA ships a context-parallel entry point for its delta-rule chunk kernels (``fla.ops.cp``, since FLA
-0.4.2; read at 0.5.2): ``build_cp_context(cu_seqlens, group)`` describes how a varlen token stream of
-batch 1, split into equal *contiguous* parts over the ranks of ``group``, maps onto this rank, and
-``chunk_gated_delta_rule(..., cp_context=)`` / ``chunk_kda(..., cp_context=)`` exchange the states
-themselves (no ``initial_state`` / ``output_final_state`` in that mode). ringmaster uses it per batch row:
-the row's global document starts (from the ``ringmaster_batch``; one document for a dense row) become
-the context's ``cu_seqlens``, and the layer's own kernel (transformers' wrapper around FLA's function) is
-called with ``cp_context``. The short convolution keeps ringmaster's halo exchange.
+FLA ships a context-parallel entry point for its delta-rule chunk kernels (``fla.ops.cp``; read at 0.6.0):
+``build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=None, layout=)`` describes how
+a varlen token stream of batch 1, split over the ranks of ``group``, maps onto this rank, and
+``chunk_gated_delta_rule(..., cp_context=)`` / ``chunk_kda(..., cp_context=)`` exchange the states themselves
+(no ``initial_state`` / ``output_final_state`` in that mode). FLA's two layouts are ringmaster's two static
+ones: ``"contiguous"`` (one part per rank) and ``"zigzag"`` (rank r holds parts r and 2P-1-r, stored
+[front; back]: ringmaster's ``head_tail``). ringmaster uses it per batch row: the row's global document starts
+(the batch's host runs; one document for a dense row) become the context's ``cu_seqlens`` and
+``cu_seqlens_cpu`` (so FLA reads no boundary back from the device), and the layer's own kernel (transformers'
+wrapper around FLA's function) is called with ``cp_context``. The short convolution keeps ringmaster's halo
+exchange (no ``conv1d_kernel_size``).
 
 Requirements, each refused at ``wire`` with the reason: the layer's kernel must be FLA's (transformers
 resolved ``fla``, and the function takes ``cp_context``: through the torch fallback it would be filtered
-out and the rows silently computed without the other ranks' state), ``fla.ops.cp`` must import, and the
-layout must be ``contiguous`` (FLA's parts are contiguous; ``head_tail`` is not). The parity of this path
-against ringmaster's ``scan`` is a GPU check (benchmarks/gpu_check.py): on CPU it runs only against the
-stand-in ``fla`` (``tests/standins/kernels``, whose ``cp_context`` gathers the stream; it looks like the real
-package to this module), not yet against the real FLA on a GPU.
+out and the rows silently computed without the other ranks' state), and ``fla.ops.cp.build_cp_context`` must
+take ``layout`` (flash-linear-attention >= 0.6.0). Checked on CPU against the real FLA 0.6.0 (its Triton
+kernels and its CP under Triton's interpreter, tests/test_real_kernels.py), both layouts; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 STRATEGY = "fla_cp"
+FLA_LAYOUTS = {"contiguous": "contiguous", "head_tail": "zigzag"}   # ringmaster's static layout -> FLA's
 
 
 def kernel_implementation(fn: Callable):
@@ -39,45 +41,59 @@ def kernel_implementation(fn: Callable):
     return fn
 
 
+def _params(fn) -> dict:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
 def unavailable_reason(kernel: Callable) -> str | None:
     """Why ``recurrent="fla_cp"`` cannot run with this layer kernel (None: it can)."""
     impl = kernel_implementation(kernel)
     module = getattr(impl, "__module__", "") or ""
+    name = f"{module}.{getattr(impl, '__name__', impl)}"
     if not (module == "fla" or module.startswith("fla.")):
-        return (f"the layer's kernel is {module}.{getattr(impl, '__name__', impl)}, not flash-linear-attention's "
+        return (f"the layer's kernel is {name}, not flash-linear-attention's "
                 "(install flash-linear-attention before transformers imports the model)")
+    if "cp_context" not in _params(impl):
+        return f"{name} takes no cp_context (flash-linear-attention >= 0.6.0 does)"
     try:
-        params = inspect.signature(impl).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "cp_context" not in params:
-        return f"{module}.{getattr(impl, '__name__', impl)} takes no cp_context (flash-linear-attention >= 0.4.2 does)"
-    try:
-        importlib.import_module("fla.ops.cp")
-    except ImportError as exc:
-        return f"fla.ops.cp does not import ({exc}); flash-linear-attention >= 0.4.2 ships it"
+        build = importlib.import_module("fla.ops.cp").build_cp_context
+    except (ImportError, AttributeError) as exc:
+        return f"fla.ops.cp.build_cp_context is unavailable ({exc}); flash-linear-attention >= 0.6.0 ships it"
+    if not {"layout", "cu_seqlens_cpu"} <= set(_params(build)):
+        return ("fla.ops.cp.build_cp_context takes no layout / cu_seqlens_cpu (flash-linear-attention >= 0.6.0 "
+                "does)")
     return None
 
 
-def cu_seqlens_of_row(runs, row: int, seq_len: int, device) -> torch.Tensor:
-    """The global ``cu_seqlens`` of one batch row: its document starts (``runs``: the batch's host copy of its
-    documents, ``sharding.documents.Runs``), or one document spanning the row."""
+def fla_layout(path: str, layout: str) -> str:
+    """FLA's name for ringmaster's static ``layout``; raises naming the fix for any other."""
+    if layout not in FLA_LAYOUTS:
+        raise NotImplementedError(f"{path}: recurrent='fla_cp' runs on the contiguous or head_tail layout "
+                                  f"(FLA's 'contiguous' / 'zigzag' parts), got {layout!r}; use recurrent='scan'")
+    return FLA_LAYOUTS[layout]
+
+
+def cu_seqlens_of_row(runs, row: int, seq_len: int) -> torch.Tensor:
+    """The global ``cu_seqlens`` of one batch row, on the host: its document starts (``runs``: the batch's host
+    copy of its documents, ``sharding.documents.Runs``), or one document spanning the row."""
     starts = [0] if runs is None else list(runs.row(row))
-    return torch.tensor([*starts, seq_len], dtype=torch.long).to(device, non_blocking=True)
+    return torch.tensor([*starts, seq_len], dtype=torch.long)
 
 
 def fla_cp_rule(kernel: Callable, path: str, group, layout: str, runs, query, key, value, g, beta, kwargs: dict):
     """The layer's chunk kernel under FLA's own CP, one batch row at a time; returns the outputs ``[b, l, hv, dv]``."""
-    if layout != "contiguous":
-        raise NotImplementedError(f"{path}: recurrent='fla_cp' needs the contiguous layout (FLA's context "
-                                  f"parallelism splits the stream into contiguous parts), got {layout!r}; set "
-                                  "load_balance='contiguous' or use recurrent='scan'")
+    fla = fla_layout(path, layout)
     build_cp_context = importlib.import_module("fla.ops.cp").build_cp_context
     b, l = query.shape[:2]
     seq_len = l * torch.distributed.get_world_size(group)
     outs = []
     for r in range(b):
-        cp_context = build_cp_context(cu_seqlens_of_row(runs, r, seq_len, query.device), group=group)
+        host = cu_seqlens_of_row(runs, r, seq_len)
+        cp_context = build_cp_context(host.to(query.device, non_blocking=True), group=group, cu_seqlens_cpu=host,
+                                      layout=fla)
         o, _ = kernel(query[r:r + 1], key[r:r + 1], value[r:r + 1], g=g[r:r + 1], beta=beta[r:r + 1],
                       cp_context=cp_context, **kwargs)
         outs.append(o)

@@ -15,13 +15,14 @@ initial state ``[0 | I]`` returns
 so ``scan`` needs no second kernel call: ``y_t = y0_t + S_inᵀ w_t`` once the prefix ``S_in``
 is known (all-gathered maps, composed in fp32). ``sequential`` runs the kernel with
 ``initial_state=S_in`` and passes the final state on. ``fla_cp`` (opt-in) hands the state passing to
-flash-linear-attention's own context parallelism (:mod:`ringmaster.recurrent.fla_cp`; GPU only, not yet
-run on a GPU).
+flash-linear-attention's own context parallelism (:mod:`ringmaster.recurrent.fla_cp`; contiguous and
+head_tail layouts).
 
 With flash-linear-attention / causal-conv1d installed transformers resolves the kernel names to their
 functions (``chunk_gated_delta_rule``, ``causal_conv1d_fn``); the same code calls them (FLA's final state is
 fp32, its ``cu_seqlens`` is not used: packed rows keep the document cutting below). Verified on CPU against
-the stand-in packages (tests/test_kernel_standins.py), not yet run on a GPU.
+the real flash-linear-attention (its Triton kernels under Triton's interpreter, tests/test_real_kernels.py);
+causal-conv1d against its stand-in (tests/test_kernel_standins.py); not yet run on a GPU.
 
 Packed or padded rows: conv taps and the recurrence never cross a document start (global
 document ids from the ``ringmaster_batch`` kwarg; :class:`~ringmaster.recurrent.documents.
@@ -118,11 +119,6 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
-        if ctx.strategy == FLA_CP and batch.assignment.split_layout != "contiguous":
-            raise NotImplementedError(
-                f"{ctx.path}: recurrent='fla_cp' with load_balance='documents' under pure Ring: the split documents "
-                f"are cut {batch.assignment.split_layout!r}, and FLA's context parallelism needs contiguous parts; "
-                "use load_balance='auto' (contiguous) or recurrent='scan'")
         return by_parts(batch, lambda part, q, k, v, g_, b_: cp_chunk_gated_delta_rule(
             kernel, ctx, q, k, v, g_, b_, initial_state, output_final_state, **{**kwargs, BATCH_KWARG: part}),
             (query, key, value, g, beta), (1,) * 5, 1)

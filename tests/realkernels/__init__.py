@@ -5,13 +5,16 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs Triton kernels on CPU tensors
 kernels and its context parallelism (``fla.ops.cp``) from running there; :func:`bridge` closes them:
 
 1. the autotuner times every config through a GPU driver (``RuntimeError: 0 active drivers``): under the
-   interpreter every config scores the same, so the first one runs;
+   interpreter no config is timed, the one with the largest blocks runs (the fewest program instances);
 2. a dynamic loop's induction variable (``for i in range(n)`` / ``tl.range``) is a plain Python int under the
    interpreter, and FLA's kernels call ``.to(tl.int64)`` on it: the interpreter's AST rewrite is extended so
    those loops yield interpreter tensors, as compiled Triton does (``tl.static_range`` keeps its ints);
 3. FLA's CP refuses any device but CUDA / Ascend (``_check_cp_device``) and allocates its all-gathers as
    ``[world, *shape]``, which gloo rejects (NCCL accepts it): the device check lets CPU through and the
    gather goes into the same memory viewed as the concatenation along dim 0.
+
+A fourth change is for speed only: the interpreter's re-patching of ``triton.language`` at every helper call
+is skipped where the launch already patched it (a third of its time on FLA's kernels).
 
 A process picks one of two worlds before transformers imports a modeling module (transformers resolves
 ``fla`` / ``mamba_ssm`` / ``causal_conv1d`` once, at that import): :func:`enable` (the real kernels, under the
@@ -63,6 +66,15 @@ def installed(package: str = "fla") -> bool:
     return PathFinder.find_spec(package, [p for p in sys.path if p != HIDDEN]) is not None
 
 
+def enable() -> None:
+    """Run the real kernel packages under Triton's interpreter in this process: sets ``TRITON_INTERPRET=1``
+    (before triton is imported) and applies :func:`bridge`."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; enable() must run first")
+    os.environ["TRITON_INTERPRET"] = "1"
+    bridge()
+
+
 def enable_in_worker() -> None:
     """A pool worker's ``init`` (``LocalPool(init=...)``): the real kernels under the interpreter."""
     unhide()
@@ -80,16 +92,23 @@ def bridge() -> None:
     _bridge_autotuner()
     _bridge_loop_variables()
     _bridge_fla_cp()
+    _bridge_repatching()
     _BRIDGED = True
 
 
 def _bridge_autotuner() -> None:
+    """No config is timed: the one with the largest blocks wins (its product of integer meta-parameters; ties
+    keep the first). Every config computes the same thing; under the interpreter the largest blocks mean the
+    fewest program instances, each a Python loop."""
+    import math
+
     from triton.runtime import autotuner
 
-    def do_bench(self):   # every config ties; Autotuner keeps the first of equal timings
-        return lambda kernel_call, quantiles: [0.0, 0.0, 0.0]
+    def _bench(self, *args, config, **meta):
+        size = math.prod(v for v in config.kwargs.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0)
+        return [1.0 / size] * 3
 
-    autotuner.Autotuner.do_bench = property(do_bench)
+    autotuner.Autotuner._bench = _bench
 
 
 def _bridge_loop_variables() -> None:
@@ -116,6 +135,42 @@ def _bridge_loop_variables() -> None:
 
     interpreter._ringmaster_loop = loop   # the rewriter copies the interpreter's globals into the kernel's
     interpreter.FunctionRewriter.ast_transformer = Transformer()
+
+
+def _bridge_repatching() -> None:
+    """Speed only: the interpreter re-patches ``triton.language`` (an ``inspect.getmembers`` walk of it) at every
+    call of a ``@triton.jit`` helper, once per program instance, though the launch around it already patched the
+    same modules: a third of the interpreter's time on FLA's kernels. A helper whose language modules are all
+    patched already skips it."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    lang_modules = (interpreter.tl, interpreter.tl.core)
+    patched: set[int] = set()
+    langs: dict[int, frozenset] = {}
+
+    def langs_of(fn) -> frozenset:
+        if id(fn) not in langs:
+            langs[id(fn)] = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules))
+        return langs[id(fn)]
+
+    def patch_lang(fn):
+        mine = langs_of(fn)
+        if mine and mine <= patched:
+            return interpreter._LangPatchScope()   # nothing to patch, nothing to restore
+        scope = original(fn)
+        added = mine - patched
+        patched.update(added)
+        restore = scope.restore
+
+        def restore_and_forget():
+            restore()
+            patched.difference_update(added)
+
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_lang
 
 
 def _bridge_fla_cp() -> None:

@@ -1,0 +1,229 @@
+"""Jobs for tests/test_real_kernels.py. They run only in the real-kernel pool: a LocalPool whose workers call
+``realkernels.enable_in_worker`` before anything imports transformers, so transformers' modeling modules
+resolve ``fla`` to the installed flash-linear-attention (its Triton kernels run under Triton's interpreter)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+import torch
+
+import ringmaster as rm
+
+# model_type -> (modeling module, the chunk kernel name it calls, the FLA function it must resolve to)
+FAMILIES = {
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule",
+                     "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "qwen3_5_moe_text": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "torch_chunk_gated_delta_rule",
+                         "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule",
+                   "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "olmo_hybrid": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "torch_chunk_gated_delta_rule",
+                    "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "lara_mini": ("transformers.models.lara_mini.modeling_lara_mini", "torch_chunk_gated_delta_rule",
+                  "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "qwen4_exp_text": ("transformers.models.qwen4_exp.modeling_qwen4_exp", "torch_chunk_gated_delta_rule",
+                       "fla.ops.gated_delta_rule.chunk_gated_delta_rule"),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention",
+                    "fla.ops.kda.chunk_kda"),
+    "bailing_hybrid": ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "chunk_kimi_delta_attention",
+                       "fla.ops.kda.chunk_kda"),
+    "glm5_next_text": ("transformers.models.glm5_next.modeling_glm5_next", "chunk_kimi_delta_attention",
+                       "fla.ops.kda.chunk_kda"),
+}
+# Smaller than ringmaster_tools.parity.TINY (the interpreter runs every program instance in Python): one recurrent
+# layer before one attention layer; gated DeltaNet with 2 value heads over 1 key head, KDA with 2 heads
+_GDN = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+            linear_num_value_heads=2)
+_KDA = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+            linear_num_heads=2)
+SMALL = {"qwen3_5_text": _GDN, "qwen3_5_moe_text": _GDN, "qwen3_next": _GDN, "olmo_hybrid": _GDN,
+         "lara_mini": {**_GDN, "layer_types": ["linear_attention", "sliding_attention"]},
+         "kimi_linear": _KDA, "bailing_hybrid": _KDA}
+DOC_LENS = (5, 67, 10, 14)                 # a packed row of 96 tokens: documents cross every shard boundary
+DOCUMENTS_DOC_LENS = [7, 41, 9, 13, 4, 22]   # documents mode: two long documents split, the rest whole
+
+
+def implementation(wrapped: Callable):
+    """What transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper calls."""
+    return inspect.getclosurevars(wrapped).nonlocals["implementation"]
+
+
+def _qualname(fn) -> str:
+    return f"{fn.__module__}.{fn.__name__}"
+
+
+def resolution(ctx) -> dict:
+    """Per family: the function transformers resolved for its chunk kernel and where its package lives
+    (``fla``'s file must be the installed package's, not a stand-in or the hidden shadow)."""
+    import fla
+
+    out = {"fla_file": fla.__file__, "triton_interpret": __import__("os").environ.get("TRITON_INTERPRET")}
+    for model_type, (module_name, name, _) in FAMILIES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            out[model_type] = f"ImportError: {exc}"
+            continue
+        impl = implementation(getattr(module, name))
+        out[model_type] = _qualname(impl)
+        out[f"{model_type}.conv"] = _qualname(implementation(module.causal_conv1d_fn))
+    return out
+
+
+def kernels_match_naive(ctx) -> dict:
+    """FLA's chunked gated delta rule and KDA under the interpreter (as bridged: the autotuner's pick, the loop
+    variables) against FLA's own token-by-token references (``fla.ops.*.naive``), fp32, with an initial state and
+    two varlen documents: the relative max error of the outputs, final states and every input's gradient."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    gen = torch.Generator().manual_seed(0)
+    T, H, D, cut = 40, 2, 8, 17
+    out = {}
+    for name, fast, naive, g_shape in (("gdn", chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, (1, T, H)),
+                                       ("kda", chunk_kda, naive_recurrent_kda, (1, T, H, D))):
+        q, v = (torch.randn(1, T, H, D, generator=gen) for _ in range(2))
+        k = torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1)
+        g = -torch.rand(*g_shape, generator=gen) * 0.3
+        beta = torch.rand(1, T, H, generator=gen)
+        h0 = torch.randn(2, H, D, D, generator=gen)
+        do = torch.randn(1, T, H, D, generator=gen)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = fast(*leaves[:3], g=leaves[3], beta=leaves[4], initial_state=leaves[5], output_final_state=True,
+                     cu_seqlens=torch.tensor([0, cut, T]))
+        ((o * do).sum() + ht.sum()).backward()
+        ref_leaves = [x.clone().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        outs, finals = [], []
+        for i, (a, b) in enumerate(((0, cut), (cut, T))):   # each document alone
+            qq, kk, vv, gg, bb = (x[:, a:b] for x in ref_leaves[:5])
+            kwargs = dict(initial_state=ref_leaves[5][i:i + 1], output_final_state=True)
+            oo, hh = naive(qq, kk, vv, beta=bb, g=gg, **kwargs)
+            outs.append(oo)
+            finals.append(hh)
+        ro, rht = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+        ((ro * do.double()).sum() + rht.sum()).backward()
+
+        def rel(a, b):
+            return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+        out[name] = {"o": rel(o, ro), "ht": rel(ht, rht),
+                     **{f"d{n}": rel(x.grad, y.grad) for n, x, y in zip("qkvgbh", leaves, ref_leaves)}}
+    return out
+
+
+def _slim(r: dict) -> dict:
+    keep = ("cp_size", "backend", "layout", "split_fraction", "loss_err", "logits_err", "grad_err", "worst_param",
+            "grad_err_total", "recurrent_layers", "attention_layers", "n_grads", "n_params", "missing_grads")
+    out = {k: r[k] for k in keep if k in r}
+    out["grad_errs"] = {k: v for k, v in r["grad_errs"].items()
+                        if v > 1e-6 or any(s in k for s in ("A_log", "dt_bias", "conv1d"))}
+    return out
+
+
+def family_cases(ctx, model_type, P, mode, cases, seq_len=64, overrides=None) -> list[dict]:
+    """fp32 parity of ``model_type`` at CP size ``P`` on FLA's kernels against the same model without CP (also on
+    FLA's kernels), one reference run shared by every case. ``mode``: ``dense`` (``seq_len`` tokens), ``packed``
+    (a row of documents against every document alone) or ``documents`` (the same under
+    ``load_balance="documents"``). ``cases``: ``(backend, recurrent[, mutation])``; the mutation (one of
+    :data:`MUTATIONS`) is applied for that case only. A case that ringmaster refuses comes back as
+    ``{"raised": message}``."""
+    import copy
+
+    from jobs_mamba1 import slow_decay
+    from ringmaster_tools.parity import (compare, packed_batch, per_document_forward, tiny_batch, tiny_model,
+                                         _plain_forward)
+
+    base = tiny_model(model_type, **{**SMALL.get(model_type, {}), **(overrides or {})})
+    slow_decay(base)
+    vocab = base.config.vocab_size
+    if mode == "dense":
+        batch, forward = tiny_batch(vocab, seq_len, seed=1), _plain_forward
+    else:
+        batch = packed_batch(vocab, list(DOC_LENS if mode == "packed" else DOCUMENTS_DOC_LENS))
+        forward = per_document_forward
+    reference = copy.deepcopy(base)
+    out = forward(reference, batch)
+    out.loss.backward()
+    extra = dict(load_balance="documents", documents_threshold=16) if mode == "documents" else {}
+    results = []
+    for backend, strategy, *mutation in cases:
+        undo = MUTATIONS[mutation[0]]() if mutation else (lambda: None)
+        cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=strategy, **extra)
+        try:
+            r = compare(model_type, cfg, device_mesh=ctx.mesh(P), batch=batch, build=lambda *a, **k: copy.deepcopy(base),
+                        reference=(reference, out))
+            results.append(_slim(r))
+        except (rm.UnsupportedLayerError, NotImplementedError) as exc:
+            rm.teardown()
+            results.append({"raised": f"{type(exc).__name__}: {exc}"})
+        finally:
+            undo()
+    return results
+
+
+def builds(ctx, model_type) -> str:
+    """Whether the tiny model of ``model_type`` builds and runs a forward without CP: "ok" or the error."""
+    from ringmaster_tools.parity import tiny_batch, tiny_model
+
+    try:
+        model = tiny_model(model_type)
+        model(**tiny_batch(model.config.vocab_size, 32))
+    except Exception as exc:  # noqa: BLE001 - the reason is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def wire_error(ctx, model_type) -> str:
+    """``wire`` on the tiny model of ``model_type`` at P=2 (Ulysses): the error it raises, or "wired"."""
+    from ringmaster_tools.parity import tiny_model
+
+    model = tiny_model(model_type)
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        rm.unwire(model)
+        rm.teardown()
+    return "wired"
+
+
+# --------------------------------------------------------------------------- mutations
+
+
+def no_state_passing() -> Callable[[], None]:
+    """ringmaster's state passing turned off: every chunk starts from a zero state (``scan`` and
+    ``sequential`` both go through ``pass_state``)."""
+    from ringmaster.recurrent import gated_deltanet
+
+    original = gated_deltanet.pass_state
+
+    def local_only(segments, strategy, group, layout, path):
+        return [seg.run(None) for seg in segments]
+
+    gated_deltanet.pass_state = local_only
+    return lambda: setattr(gated_deltanet, "pass_state", original)
+
+
+def no_fla_cp_context() -> Callable[[], None]:
+    """FLA's CP context dropped: each rank's part runs alone through FLA's varlen kernel (its local document
+    boundaries kept), so no state crosses a rank boundary."""
+    from ringmaster.recurrent import gated_deltanet
+
+    original = gated_deltanet.fla_cp_rule
+
+    def mutated(kernel, path, group, layout, runs, query, key, value, g, beta, kwargs):
+        outs = [kernel(query[r:r + 1], key[r:r + 1], value[r:r + 1], g=g[r:r + 1], beta=beta[r:r + 1], **kwargs)[0]
+                for r in range(query.shape[0])]
+        return torch.cat(outs, dim=0)
+
+    gated_deltanet.fla_cp_rule = mutated
+    return lambda: setattr(gated_deltanet, "fla_cp_rule", original)
+
+
+MUTATIONS = {"no_state_passing": no_state_passing, "no_fla_cp_context": no_fla_cp_context}
