@@ -1,7 +1,7 @@
 """Jobs for tests/test_kernel_standins.py. They run only in the stand-in pool: a separate LocalPool whose
 workers put ``standins.kernels.SITE`` first on ``sys.path`` before anything imports
-transformers, so its ``use_kernel_func_from_hub_with_fallback`` resolves ``mamba_ssm``, ``causal_conv1d``
-and ``fla`` to the CPU stand-ins, exactly as it resolves the real packages on a GPU machine."""
+transformers, so its ``use_kernel_func_from_hub_with_fallback`` resolves ``mamba_ssm`` and ``causal_conv1d`` to
+the CPU stand-ins, exactly as it resolves the real packages on a GPU machine."""
 
 from __future__ import annotations
 
@@ -18,12 +18,6 @@ RESOLVED = {
         "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
     "mamba": ("transformers.models.mamba.modeling_mamba", {
         "mamba_selective_scan": ("mamba_ssm", "selective_scan_fn"),
-        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
-    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", {
-        "torch_chunk_gated_delta_rule": ("fla", "chunk_gated_delta_rule"),
-        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
-    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", {
-        "chunk_kimi_delta_attention": ("fla", "chunk_kda"),
         "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
 }
 
@@ -46,8 +40,7 @@ def resolution(ctx) -> dict:
             impl = implementation(getattr(module, name))
             pkg = importlib.import_module(package)
             sub = {"mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
-                   "selective_scan_fn": "mamba_ssm.ops.selective_scan_interface",
-                   "chunk_gated_delta_rule": "fla.ops.gated_delta_rule", "chunk_kda": "fla.ops.kda"}.get(func, package)
+                   "selective_scan_fn": "mamba_ssm.ops.selective_scan_interface"}.get(func, package)
             exported = getattr(importlib.import_module(sub), func)
             out[f"{model_type}.{name}"] = {"module": impl.__module__, "standin": is_standin(impl),
                                            "exported": impl is exported,
@@ -83,51 +76,7 @@ def _require_standins(model_type) -> None:
         raise RuntimeError(f"{model_type}: the kernels did not resolve to the stand-ins; not the stand-in pool?")
 
 
-def documents_parity(ctx, model_type, backend, strategy="fla_cp"):
-    """``load_balance="documents"`` at P=2 with the stand-in kernels: fp64 parity of a packed row (two long
-    documents split, the rest whole) against every document alone, or ``{"raised": message}`` when refused."""
-    import jobs_documents as jd
-
-    _require_standins(model_type)
-    try:
-        return jd.documents_parity(ctx, 2, model_type, backend, [7, 41, 9, 13, 4, 22], 16, fp64=True,
-                                   cfg_kwargs=dict(recurrent=strategy))
-    except NotImplementedError as exc:
-        return {"raised": str(exc)}
-
-
-def fla_cp_refused_for(ctx, model_type) -> str:
-    """``wire`` with ``recurrent="fla_cp"`` on a model whose recurrent kind does not offer it: the error."""
-    import ringmaster as rm
-    from ringmaster_tools.parity import tiny_model
-
-    model = tiny_model(model_type)
-    try:
-        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses", recurrent="fla_cp"), device_mesh=ctx.mesh(2))
-    except Exception as exc:  # noqa: BLE001 - the refusal is the result
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        rm.unwire(model)
-        rm.teardown()
-    return "wired"
-
-
 # --------------------------------------------------------------------------- mutations
-
-
-def standin_ignores_initial_state() -> Callable[[], None]:
-    """The FLA stand-in's delta rule drops ``initial_state`` (as a kernel that ignored it would): both of
-    ringmaster's strategies hand the incoming state to the kernel through it, so ``wire``'s probe (a
-    random incoming state must change the output) refuses the layer before any CP step."""
-    from standins.kernels import reference
-
-    rule = reference.delta_rule
-
-    def mutated(q, k, v, g, beta, scale, initial_state, *args):
-        return rule(q, k, v, g, beta, scale, None, *args)
-
-    reference.delta_rule = mutated
-    return lambda: setattr(reference, "delta_rule", rule)
 
 
 def mamba1_map_from_last_state() -> Callable[[], None]:
@@ -153,5 +102,4 @@ def mamba1_map_from_last_state() -> Callable[[], None]:
     return lambda: setattr(cls, "local_map", local_map)
 
 
-MUTATIONS = {"standin_ignores_initial_state": standin_ignores_initial_state,
-             "mamba1_map_from_last_state": mamba1_map_from_last_state}
+MUTATIONS = {"mamba1_map_from_last_state": mamba1_map_from_last_state}

@@ -178,16 +178,19 @@ def builds(ctx, model_type) -> str:
     return "ok"
 
 
-def wire_error(ctx, model_type) -> str:
-    """``wire`` on the tiny model of ``model_type`` at P=2 (Ulysses): the error it raises, or "wired"."""
+def wire_error(ctx, model_type, recurrent="auto", mutation=None) -> str:
+    """``wire`` on the tiny model of ``model_type`` at P=2 (Ulysses): the error it raises, or "wired".
+    ``mutation``: one of :data:`MUTATIONS`, applied while wiring."""
     from ringmaster_tools.parity import tiny_model
 
-    model = tiny_model(model_type)
+    model = tiny_model(model_type, **SMALL.get(model_type, {}))
+    undo = MUTATIONS[mutation]() if mutation else (lambda: None)
     try:
-        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses"), device_mesh=ctx.mesh(2))
+        rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses", recurrent=recurrent), device_mesh=ctx.mesh(2))
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         return f"{type(exc).__name__}: {exc}"
     finally:
+        undo()
         rm.unwire(model)
         rm.teardown()
     return "wired"
@@ -226,4 +229,20 @@ def no_fla_cp_context() -> Callable[[], None]:
     return lambda: setattr(gated_deltanet, "fla_cp_rule", original)
 
 
-MUTATIONS = {"no_state_passing": no_state_passing, "no_fla_cp_context": no_fla_cp_context}
+def kernel_ignores_initial_state() -> Callable[[], None]:
+    """Qwen3.5's chunk kernel (FLA's, as transformers resolved it) drops ``initial_state``, as a kernel that ignored
+    it would: ringmaster's ``scan`` and ``sequential`` hand the incoming state to the kernel through it, so
+    ``wire``'s probe (a random incoming state must change the output) has to refuse the layer."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    original = m.torch_chunk_gated_delta_rule
+
+    def mutated(*args, initial_state=None, **kwargs):
+        return original(*args, initial_state=None, **kwargs)
+
+    m.torch_chunk_gated_delta_rule = mutated
+    return lambda: setattr(m, "torch_chunk_gated_delta_rule", original)
+
+
+MUTATIONS = {"no_state_passing": no_state_passing, "no_fla_cp_context": no_fla_cp_context,
+             "kernel_ignores_initial_state": kernel_ignores_initial_state}

@@ -10,7 +10,8 @@ A_log / dt_bias / conv1d.weight among them):
   2x2 and Ring at P=4;
 - ``recurrent="fla_cp"`` through FLA's own CP for gated DeltaNet and KDA: contiguous (Ulysses) and
   ``head_tail`` (Ring: FLA's ``layout="zigzag"``), packed rows and the documents mode;
-- mutations with the real kernels: ringmaster's state passing off, FLA's CP context dropped.
+- mutations with the real kernels: ringmaster's state passing off, FLA's CP context dropped, the kernel ignoring
+  its initial state (refused by ``wire``'s probe).
 
 The models are smaller than the rest of the suite's (one recurrent layer, two heads: the interpreter runs every
 program instance in Python; jobs_real_kernels.SMALL). The real kernels on a GPU: benchmarks/gpu_check.py.
@@ -97,6 +98,35 @@ def test_bridged_kernels_match_flas_naive_references(fla_pool):
     got = fla_pool.run(jr.kernels_match_naive)[0]
     for kernel, errs in got.items():
         assert max(errs.values()) <= 1e-4, (kernel, errs)
+
+
+def test_fla_cp_is_refused_where_it_cannot_run(fla_pool):
+    """Without FLA (this process hides it) the kernel is transformers' torch fallback: ``fla_cp`` would compute
+    every rank alone, so it is refused naming why; a recurrent kind FLA's CP does not cover (Mamba2) too."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from ringmaster.recurrent.fla_cp import unavailable_reason
+
+    reason = unavailable_reason(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    assert reason and "not flash-linear-attention's" in reason, reason
+    for err in fla_pool.run(jr.wire_error, "nemotron_h", "fla_cp"):
+        assert "UnsupportedLayerError" in err and "does not offer recurrent='fla_cp'" in err, err
+        assert "gated_deltanet" in err and "kda" in err, err
+
+
+def test_flas_own_mamba_models_are_refused_by_name(fla_pool):
+    """``import fla`` re-registers the model types ``mamba`` and ``mamba2`` in transformers' Auto classes with
+    FLA's own models (``exist_ok=True``): with FLA installed, ``AutoModelForCausalLM`` builds FLA's Mamba2, whose
+    mixer is no class the mamba2 family declares. ringmaster refuses it by name before any collective."""
+    for err in fla_pool.run(jr.wire_error, "mamba2"):
+        assert "UnsupportedLayerError" in err and "backbone.layers.0.mixer' (Mamba2)" in err, err
+
+
+def test_a_kernel_ignoring_its_initial_state_is_refused_by_the_wire_probe(fla_pool):
+    """FLA's kernel with ``initial_state`` dropped: the probe sees the incoming state change nothing and refuses
+    the layer, naming it and the kernel, before any CP step."""
+    for err in fla_pool.run(jr.wire_error, "qwen3_5_text", "scan", "kernel_ignores_initial_state"):
+        assert "model.layers.0.linear_attn" in err and "torch_chunk_gated_delta_rule" in err, err
 
 
 # (model_type, P, mode, cases, kwargs): each row shares one reference run

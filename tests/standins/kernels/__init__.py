@@ -1,5 +1,6 @@
-"""CPU stand-ins for the optional recurrent-kernel packages (``mamba_ssm``, ``causal_conv1d``, ``fla``),
-loaded through transformers' *own* mechanism.
+"""CPU stand-ins for the optional recurrent-kernel packages ``mamba_ssm`` and ``causal_conv1d``, loaded through
+transformers' *own* mechanism. (flash-linear-attention has none: its real kernels run on CPU under Triton's
+interpreter, tests/realkernels and tests/test_real_kernels.py.)
 
 transformers 5.x decorates the module-level kernels of its recurrent layers with
 ``use_kernel_func_from_hub_with_fallback(func_name, package)``: when the modeling module is imported it
@@ -11,13 +12,11 @@ like the real ones and provide only the functions that lookup resolves for the t
 * ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (Mamba2's SSD scan),
 * ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (Mamba1's selective scan),
 * ``causal_conv1d.causal_conv1d_fn``,
-* ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` and ``fla.ops.kda.chunk_kda``,
 
 with the real packages' signatures, return values and the behaviours a CP wrapper can trip over:
-mamba-ssm's ``selective_scan_fn`` drops the gradient of its last state, FLA's ``chunk_kda`` asserts an
-fp32 initial state, ``causal_conv1d_fn`` takes widths 2..4 and ``activation`` None/silu/swish only,
-``seq_idx`` / ``cu_seqlens`` keep packed documents apart. The fused and cached-decoding kernels
-(``mamba_split_conv1d_scan_combined``, ``mamba_inner_fn``, ``*_update``, ``fused_recurrent_*``) are not
+mamba-ssm's ``selective_scan_fn`` drops the gradient of its last state, ``causal_conv1d_fn`` takes widths
+2..4 and ``activation`` None/silu/swish only, ``seq_idx`` keeps packed documents apart. The fused and
+cached-decoding kernels (``mamba_split_conv1d_scan_combined``, ``mamba_inner_fn``, ``*_update``) are not
 stood in: they keep transformers' torch fallbacks (the fused ones return None, so the mixers take
 their unfused path, which is the one ringmaster intercepts under CP anyway).
 
@@ -25,7 +24,7 @@ The math (:mod:`.reference`) is written here, token by token in pure torch, in f
 inputs stay float64): a test double for exactness checks on CPU, not a fast kernel. Every stand-in module
 carries ``__ringmaster_standin__ = True`` (for the tests' :func:`is_standin`; ringmaster itself never looks:
 to it the stand-in must look like the real package). So each exported kernel is a thin function whose
-``__module__`` is the package module it stands in (``fla.ops.gated_delta_rule``, ...), as the real one's is,
+``__module__`` is the package module it stands in (``mamba_ssm.ops.triton.ssd_combined``, ...), as the real one's is,
 with the reference's signature (:func:`as_package_function`).
 
 To use them, put :data:`SITE` first on ``sys.path`` *before* transformers imports the modeling module:
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 SITE = str(Path(__file__).resolve().parent / "site")
-PACKAGES = ("mamba_ssm", "causal_conv1d", "fla")
+PACKAGES = ("mamba_ssm", "causal_conv1d")
 
 
 def is_standin(fn) -> bool:
