@@ -27,7 +27,8 @@ What it runs (every row is caught on its own: an error is a row that says so, ne
    DeltaNet / KDA flash-linear-attention's own context parallelism, ``recurrent="fla_cp"``, which also
    reports its distance to ``scan``), dense and packed rows, against the fp32 truth, same rule as 1.
    A row says "skipped" naming the package transformers did not find. On CPU these rows run only with
-   ``--recurrent-standins`` (ringmaster's stand-in packages; the plumbing, not the kernels).
+   ``--recurrent-standins``: flash-linear-attention's real kernels under Triton's interpreter (tests/realkernels)
+   and ringmaster's stand-ins of mamba-ssm and causal-conv1d (the plumbing, not those kernels).
 
 Record the printed table in docs/benchmarks.md ("GPU check") with the date and the GPU.
 """
@@ -363,9 +364,12 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
 
     if standins:
         sys.path.append(TESTS)
+        import realkernels
         from standins.kernels import SITE
 
-        sys.path.insert(0, SITE)          # before transformers imports the modeling modules
+        realkernels.unhide()              # a test run hides FLA from its subprocesses
+        realkernels.enable()              # FLA's real kernels under Triton's interpreter
+        sys.path.insert(0, SITE)          # mamba-ssm / causal-conv1d stand-ins, before transformers imports them
     import ringmaster as rm
     from ringmaster_tools.parity import per_document_forward, tiny_model
 
@@ -559,7 +563,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq", type=int, default=131072)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--recurrent-standins", action="store_true",
-                        help="on CPU: run the recurrent-kernel rows with ringmaster's stand-in packages (plumbing)")
+                        help="on CPU: run the recurrent-kernel rows with FLA's real kernels under Triton's "
+                             "interpreter and ringmaster's mamba-ssm / causal-conv1d stand-ins (plumbing)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu --quick for the CPU smoke run", file=sys.stderr)
