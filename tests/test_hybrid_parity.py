@@ -22,7 +22,7 @@ MODELS = ["qwen3_5_text", "qwen3_next", "nemotron_h"]
 STRATEGIES = ["scan", "sequential"]
 
 TOTAL_TOL = 2e-4      # whole gradient (all parameters concatenated), relative max-norm
-# every single parameter against its own norm, fp32: measured max 1.5e-5 over the 12 grid cases below
+# every single parameter against its own norm, fp32: measured max 1.5e-5 over the grid below at P=2 and P=4
 # (qwen3_next P=4, layers.2 linear_attn.dt_bias / A_log: the cancelling sums of the decay gradient)
 PARAM_TOL = 1e-4
 TOL = 1e-4            # loss and gathered logits
@@ -34,7 +34,7 @@ NEEDED = ("A_log", "dt_bias", "conv1d.weight")
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2])   # P=4: the fp64 test below, the stricter check of the same paths
 @pytest.mark.parametrize("model_type", MODELS)
 def test_hybrid_matches_single_device(pool, model_type, P, strategy, backend):
     results = pool.run(jr.hybrid_parity, model_type, P, strategy, backend)
