@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.5, help="lognormal sigma of the document lengths")
     args = parser.parse_args()
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     lens = lengths(args.seq, args.P, args.seed, args.mu, args.sigma)
     torch.set_num_threads(2)
@@ -151,7 +151,7 @@ def main() -> None:
     print(f"row: {args.seq} tokens, {len(lens)} documents (longest {max(lens)}, median {sorted(lens)[len(lens) // 2]}),"
           f" P={args.P}, llama hidden {args.hidden} x {args.layers} layers, fp32, CPU gloo\n")
     results = {}
-    with LocalPool(args.P, timeout=1800) as pool:
+    with LocalPool(args.P, timeout=1800, init=torch_kernels_only) as pool:
         for backend, name, kw in SYSTEMS:
             if backend.startswith("usp") and args.P != 4:
                 continue

@@ -122,6 +122,10 @@ def _rank_main(rank, world, port, backend, device, job, args, out_q):
         torch.cuda.set_device(0)
     else:
         torch.set_num_threads(1)
+        if job is not recurrent_kernel_job:   # that one runs FLA under Triton's interpreter
+            from ringmaster_tools.pool import torch_kernels_only
+
+            torch_kernels_only()   # installed GPU kernel packages would fail on CPU tensors
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = job(rank, world, device, *args)

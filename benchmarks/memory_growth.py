@@ -33,7 +33,7 @@ def main() -> None:
     import test_memory
 
     from ringmaster.sharding.balancers import schedule_work
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     print("causal work max/mean per rank (diagonal block counted as half a block)")
     print(f"{'P':>3} {'contiguous':>11} {'head_tail':>10} {'distflash':>10}")
@@ -46,7 +46,7 @@ def main() -> None:
     rows = [r for r in test_memory.ROWS if not wanted or r[0] in wanted]
     print(f"\nper-rank memory of one CP step (rank 0), S = {sizes} (flex: halved; forward only)")
     print(f"{'row':<24} {'peak MiB per S':<30} {'growth':<14} {'largest tensor MiB':<26} {'growth':<12}")
-    with LocalPool(4, timeout=600) as pool:
+    with LocalPool(4, timeout=600, init=torch_kernels_only) as pool:
         for row_id, backend, P, kind, cfg, attn, backward, _ in rows:
             row_sizes = tuple(s // 2 for s in sizes) if attn == "flex_attention" else sizes
             res = pool.run(jobs_memory.peak_growth, P, backend, kind, row_sizes, attn=attn, cfg_kwargs=cfg,

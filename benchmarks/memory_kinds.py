@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     import torch
 
     from ringmaster_tools.memory_kinds import kind_model
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     seqs = [int(s) for s in args.seqs.split(",")]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                             rows = jobs_memory_kinds.measure_saved(model_type, overrides, seqs, dtype=dt)
                         else:
                             if pool is None:
-                                pool = LocalPool(2, timeout=600).__enter__()
+                                pool = LocalPool(2, timeout=600, init=torch_kernels_only).__enter__()
                             rows = pool.run(jobs_memory_kinds.measure_saved_job, model_type, overrides, seqs, P,
                                             args.backend, dt)[0]
                         for r in rows:

@@ -68,7 +68,7 @@ def main() -> None:
     import torch
 
     from ringmaster_tools.memory_plan import ModelShape, PlanOptions, plan
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     wanted = set(args.models.split(","))
     if args.quick:
@@ -89,7 +89,7 @@ def main() -> None:
                                              dtype=torch_dtype)
             else:
                 if pool is None:
-                    pool = LocalPool(2, timeout=900).__enter__()
+                    pool = LocalPool(2, timeout=900, init=torch_kernels_only).__enter__()
                 ranks = pool.run(jobs_plan.measure_job, model_type, overrides, seqs, P, backend, loss, ckpt,
                                  torch_dtype)
                 # the rank that holds the most (a plan must fit on every rank): the planner predicts that one

@@ -212,7 +212,7 @@ def main() -> None:
     if latencies[0] != 0:
         latencies = [0.0] + latencies
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     print(f"causal attention, seq={args.seq} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
           f"fp32, one layer, forward + backward, slowest rank, median of {args.reps}\n")
@@ -222,7 +222,7 @@ def main() -> None:
     notes = []
     start = time.perf_counter()
     for P in (int(p) for p in args.sizes.split(",")):
-        with LocalPool(P) as pool:
+        with LocalPool(P, init=torch_kernels_only) as pool:
             results = pool.run(job, P, args.seq, args.heads, args.kv_heads, args.head_dim, latencies, args.reps)
         lines = table(P, args.seq, args.heads, args.kv_heads, args.head_dim, results, latencies)
         notes.append(lines[0])

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     print(f"causal attention, seq={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} fp32, one layer, per rank\n")
@@ -96,7 +96,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for P in (int(p) for p in args.sizes.split(",")):
-        with LocalPool(P) as pool:
+        with LocalPool(P, init=torch_kernels_only) as pool:
             results = pool.run(job, P, args.seq, args.heads, args.kv_heads, args.head_dim, args.reps)
         kv = results[0]["kv_local"]
         base = max(res["ring p2p head_tail"]["time"] for res in results)

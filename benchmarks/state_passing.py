@@ -295,9 +295,9 @@ def main() -> None:
         args.skip_pool, args.seq = True, 1024
     analytic(32768)
     if not args.skip_pool:
-        from ringmaster_tools.pool import LocalPool
+        from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
-        with LocalPool(4, timeout=300) as pool:
+        with LocalPool(4, timeout=300, init=torch_kernels_only) as pool:
             measured(pool)
     compute(args.seq, set(filter(None, args.only.split(","))) or None)
 

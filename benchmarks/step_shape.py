@@ -35,11 +35,11 @@ def main() -> None:
     parser.add_argument("--out", default="step_shape")
     args = parser.parse_args()
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
     from ringmaster_tools import step_shape
 
     rows = []
-    pool = LocalPool(4, timeout=1800)
+    pool = LocalPool(4, timeout=1800, init=torch_kernels_only)
     try:
         for model in args.models.split(","):
             for backend in args.backends.split(","):
@@ -64,7 +64,7 @@ def main() -> None:
                             row.update(compiles="no: " + str(exc).strip().splitlines()[-1][:120])
                             if pool.broken:   # a rank failed: the next row gets fresh ranks
                                 pool.close()
-                                pool = LocalPool(4, timeout=1800)
+                                pool = LocalPool(4, timeout=1800, init=torch_kernels_only)
                     row["seconds"] = round(time.time() - t0, 1)
                     rows.append(row)
                     print(row, flush=True)

@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4")
     args = parser.parse_args()
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     D = args.hidden // args.heads
     print(f"Llama hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} head_dim={D} "
@@ -48,7 +48,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for P in (int(p) for p in args.sizes.split(",")):
-        with LocalPool(P) as pool:
+        with LocalPool(P, init=torch_kernels_only) as pool:
             r = pool.run(job, P, args.seq, args.hidden, args.heads, args.kv_heads, args.layers)[0]
         kv_eff = args.kv_heads if args.kv_heads % P == 0 else P
         per_direction = (2 * args.heads + 2 * kv_eff) * D * (args.seq // P) * 4 * (P - 1) / P

@@ -29,14 +29,17 @@ def _fmt_bytes(n: float) -> str:
 
 
 def demo(args) -> int:
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, cpu_kernels_note, torch_kernels_only
 
     overrides = dict(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     print(f"ringmaster demo: {args.world} CPU gloo ranks, tiny random {args.model} "
           f"(heads={args.heads}, kv_heads={args.kv_heads}, attn={args.attn}), sequence {args.seq} tokens, "
           f"backend={args.backend}")
     start = time.perf_counter()
-    with LocalPool(args.world, timeout=args.timeout) as pool:
+    note = cpu_kernels_note()
+    if note:
+        print(note)
+    with LocalPool(args.world, timeout=args.timeout, init=torch_kernels_only) as pool:
         results = pool.run(_demo_job, args.model, args.world, args.backend, args.seq, args.attn, overrides)
     r0 = results[0]
     print(f"one CP forward+backward vs the same model without CP ({time.perf_counter() - start:.1f}s incl. spawn)\n")
@@ -186,6 +189,11 @@ def check(args) -> int:
     if result["status"] != "run":
         print(f"not run: {result['reason']}")
         return rc
+    from ringmaster_tools.pool import cpu_kernels_note
+
+    note = cpu_kernels_note()
+    if note:
+        print(note)
     keys = list(result["cases"])
     width = max(len(k) for k in result["layer_kinds"]) + 2
     print("\n" + "layer kind".ljust(width) + "".join(k.ljust(10) for k in keys))

@@ -90,10 +90,10 @@ def make_pool(world: int, timeout: float = 600.0):
     high-water mark of each step measures that step (not memory an earlier, larger step left)."""
     if under_torchrun():
         return TorchrunPool()
-    from .pool import LocalPool
+    from .pool import LocalPool, torch_kernels_only
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    return LocalPool(world, timeout=timeout, grace=15.0)
+    return LocalPool(world, timeout=timeout, grace=15.0, init=torch_kernels_only)
 
 
 def is_main(pool) -> bool:

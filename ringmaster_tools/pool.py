@@ -85,6 +85,45 @@ class RankContext:
         return mesh
 
 
+# optional kernel packages whose kernels take no CPU tensors, yet transformers calls them whenever they import
+GPU_KERNEL_PACKAGES = ("fla", "mamba_ssm", "causal_conv1d")
+
+
+def installed_gpu_kernel_packages() -> list[str]:
+    """Which of :data:`GPU_KERNEL_PACKAGES` are installed (looked up, not imported)."""
+    import importlib.util
+
+    found = []
+    for name in GPU_KERNEL_PACKAGES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                found.append(name)
+        except (ImportError, ValueError):
+            pass
+    return found
+
+
+def torch_kernels_only() -> None:
+    """A :class:`LocalPool` ``init`` for runs on CPU tensors (``ringmaster demo``, ``check``, the zoo sweep): the
+    packages of :data:`GPU_KERNEL_PACKAGES` become unimportable in the worker before transformers imports a
+    modeling module, so its recurrent layers run transformers' torch kernels. Installed, they would be resolved
+    and fail at their first CPU call (flash-linear-attention's Triton kernels: ``RuntimeError: 0 active
+    drivers``). Left alone under Triton's interpreter (``TRITON_INTERPRET=1``), which runs FLA on CPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    for name in GPU_KERNEL_PACKAGES:
+        sys.modules.setdefault(name, None)   # `import name` raises ModuleNotFoundError; find_spec returns None
+
+
+def cpu_kernels_note() -> str | None:
+    """The line a CPU run prints when it ran transformers' torch kernels in place of installed GPU packages."""
+    found = installed_gpu_kernel_packages()
+    if not found or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (f"note: {', '.join(found)} installed: their kernels need a GPU, so these CPU ranks run transformers' "
+            "torch kernels in their place (the same ringmaster wiring)")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

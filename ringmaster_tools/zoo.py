@@ -328,10 +328,10 @@ class RestartingPool:
         self.world, self.timeout, self._pool = world, timeout, None
 
     def run(self, fn, *args, **kwargs):
-        from .pool import LocalPool
+        from .pool import LocalPool, torch_kernels_only
 
         if self._pool is None or self._pool.broken:
-            self._pool = LocalPool(self.world, timeout=self.timeout, grace=15)
+            self._pool = LocalPool(self.world, timeout=self.timeout, grace=15, init=torch_kernels_only)
         return self._pool.run(fn, *args, **kwargs)
 
     def close(self):

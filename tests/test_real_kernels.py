@@ -129,6 +129,32 @@ def test_a_kernel_ignoring_its_initial_state_is_refused_by_the_wire_probe(fla_po
         assert "model.layers.0.linear_attn" in err and "torch_chunk_gated_delta_rule" in err, err
 
 
+def test_cpu_tools_run_torch_kernels_where_fla_is_installed():
+    """FLA installed (the dev extra) and no GPU: transformers would resolve FLA's kernels, which fail on CPU tensors
+    (``RuntimeError: 0 active drivers``). ``ringmaster demo`` / ``check`` and the CPU benchmarks start their workers
+    with ``torch_kernels_only``: transformers' torch kernels, and a note saying so."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from ringmaster_tools.pool import cpu_kernels_note, torch_kernels_only\n"
+            "note = cpu_kernels_note()\n"
+            "torch_kernels_only()\n"
+            "import inspect\n"
+            "from transformers.models.qwen3_5 import modeling_qwen3_5 as m\n"
+            "impl = inspect.getclosurevars(m.torch_chunk_gated_delta_rule).nonlocals['implementation']\n"
+            "print(impl.__module__)\n"
+            "print(note)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and p != realkernels.HIDDEN)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    module, note = out.stdout.strip().splitlines()[-2:]
+    assert module == "transformers.models.qwen3_5.modeling_qwen3_5", module
+    assert note.startswith("note: fla") and "torch kernels" in note, note
+
+
 # (model_type, P, mode, cases, kwargs): each row shares one reference run
 CASES = [
     # the mutations share this row's reference: ringmaster's state passing off (scan), FLA's CP context dropped

@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 def main() -> None:
     import bad_inputs
 
-    from ringmaster_tools.pool import LocalPool
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
 
     rows = []
-    with LocalPool(4, timeout=120) as pool:
+    with LocalPool(4, timeout=120, init=torch_kernels_only) as pool:
         pool.run(bad_inputs.warm_up)
         for s in bad_inputs.SCENARIOS:
             start = time.monotonic()
