@@ -21,6 +21,16 @@ A process picks one of two worlds before transformers imports a modeling module 
 interpreter; :func:`enable_in_worker` in a pool) or :func:`hide` (no kernel package importable: transformers' torch fallbacks, what the rest of the
 suite measures; FLA installed on a machine without a GPU would otherwise crash every hybrid model at its first
 kernel call).
+
+mamba-ssm's Triton SSD scan runs here too, from its sdist: :mod:`realkernels.mamba` (what of mamba-ssm and
+causal-conv1d cannot run, and why, is listed there). No Triton flash attention from PyPI does (checked with
+Triton 3.9): flash-attn's Triton backend ships only in the flash-attn sdist, whose build compiles CUDA;
+``flash-attn-triton`` 0.1.1 (a ``flash_attn`` look-alike) fails at import (``triton.tools.experimental_descriptor``
+is gone) and its ``flash_attn_varlen_func`` raises NotImplementedError; ``flash-attention-triton`` 0.1.1 asserts
+CUDA tensors and has no varlen / LSE API; ``jvp-flash-attention`` 0.14.0 fails inside the interpreter
+(``AssertionError`` in a kernel) and has no varlen / LSE API either. ringmaster's flash paths call
+``flash_attn_varlen_func`` with the LSE (and ``_flash_attn_forward`` / ``_backward`` for Ring): the CPU flash
+stand-in (tests/standins/flash_repos) stays what they run on here.
 """
 
 from __future__ import annotations

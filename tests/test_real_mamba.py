@@ -1,0 +1,102 @@
+"""ringmaster's Mamba2 on mamba-ssm's real Triton SSD scan, on CPU.
+
+mamba-ssm ships as an sdist whose build compiles CUDA; its Triton kernels are plain Python inside it.
+tests/realkernels/mamba.py downloads the sdist once (PyPI, sha256 pinned; ``$RINGMASTER_SDIST_CACHE``, default
+``~/.cache/ringmaster/sdists``) and registers ``mamba_ssm`` as a bare package (its ``__init__``, which imports the
+CUDA extension, not run). A pool of two ranks runs Triton's interpreter with realkernels' bridges and mamba-ssm's
+(no CUDA device guard, one SM, a grid-aware autotune pick) before transformers imports ``modeling_mamba2``, which
+then resolves ``mamba_chunk_scan_combined`` to mamba-ssm's own function. Skipped only when the sdist cannot be
+downloaded.
+
+Checked, fp32 on both sides, tolerances of tests/test_real_kernels.py:
+- what transformers resolves: the SSD scan is mamba-ssm's; the fused block, causal-conv1d and Mamba1's selective
+  scan keep transformers' torch fallbacks (they need the CUDA extensions: realkernels.mamba.CANNOT_RUN);
+- the kernel against the stand-in's token-by-token fp64 reference, with ``initial_states`` and ``seq_idx``;
+- Mamba2 under CP at P=2 (``scan`` and ``sequential``; Ulysses' contiguous and Ring's head_tail layout) against
+  the same model without CP, a scan chunk of 12 that divides no shard; state passing off must miss;
+- causal-conv1d's own ``causal_conv1d_ref`` equals the torch conv ringmaster's CP conv runs here.
+"""
+
+import jobs_real_mamba as jm
+import pytest
+
+TOL = 1e-4          # loss and gathered logits
+TOTAL_TOL = 2e-4    # the whole gradient, relative max-norm
+PARAM_TOL = 1e-4    # every parameter against its own norm (measured max 9.2e-7)
+KERNEL_TOL = 1e-5   # the kernel vs the fp64 reference (measured max 6e-7)
+MUTATION_FLOOR = 1e-2
+NEEDED = ("A_log", "dt_bias", "conv1d.weight")
+# one Mamba2 layer, 40 tokens: shards of 20 (Ulysses) and 10 (Ring's head_tail chunks) against a scan chunk of 12
+SEQ_LEN = 40
+OVERRIDES = dict(num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def mamba_pool():
+    import importlib.util
+
+    import realkernels.mamba as rkm
+    from ringmaster_tools.pool import LocalPool
+
+    missing = [m for m in ("triton", "einops", "packaging") if importlib.util.find_spec(m) is None]
+    assert not missing, f"mamba-ssm's Triton kernels need {missing} installed (Triton runs them on CPU, interpreted)"
+    try:
+        rkm.extract("mamba-ssm", "mamba_ssm")   # the workers load it from the cache, no download there
+    except rkm.Unavailable as exc:
+        pytest.skip(f"mamba-ssm's sdist is not cached and cannot be downloaded (no network?): {exc}")
+    pool = LocalPool(2, timeout=300, grace=15, init=rkm.enable_in_worker)
+    yield pool
+    pool.close(force=True)
+
+
+def test_transformers_resolves_mamba_ssms_scan(mamba_pool):
+    got = mamba_pool.run(jm.resolution)[0]
+    assert got["triton_interpret"] == "1" and got["mamba_ssm"].endswith("mamba_ssm"), got
+    for module, names in jm.RESOLVED.items():
+        for name, want in names.items():
+            assert got[f"{module}.{name}"] == want, (name, got)
+
+
+def test_kernel_matches_the_fp64_reference(mamba_pool):
+    """``mamba_chunk_scan_combined`` as bridged (no device guard, one SM, the grid-aware pick): output, final state
+    and every input's gradient, with and without initial states, with three documents in ``seq_idx``."""
+    for case, r in mamba_pool.run(jm.kernel_matches_reference)[0].items():
+        print(f"{case}: forward {r['fwd_s']:.2f} s, backward {r['bwd_s']:.2f} s, worst "
+              f"{max(r['errs'].values()):.1e}")
+        assert max(r["errs"].values()) <= KERNEL_TOL, (case, r)
+
+
+CASES = [("ulysses", "scan"), ("ulysses", "sequential"), ("ring", "scan"),
+         ("ulysses", "scan", "mamba2_state_not_passed")]
+
+
+def test_mamba2_exact_on_mamba_ssms_kernel(mamba_pool):
+    for rank, per_case in enumerate(mamba_pool.run(jm.mamba2_cases, CASES, seq_len=SEQ_LEN, overrides=OVERRIDES)):
+        assert len(per_case) == len(CASES), per_case
+        for (backend, strategy, *mutation), r in zip(CASES, per_case):
+            assert "raised" not in r, (rank, backend, strategy, r)
+            assert r["cp_size"] == 2 and r["backend"] == backend, r
+            assert r["layout"] == ("head_tail" if backend == "ring" else "contiguous"), r
+            if mutation:
+                print(f"{mutation[0]} rank {rank}: logits {r['logits_err']:.2e}, worst {r['worst_param']} "
+                      f"{r['grad_err']:.2e}")
+                assert r["logits_err"] >= MUTATION_FLOOR and r["grad_err"] >= MUTATION_FLOOR, (rank, r)
+                continue
+            assert r["recurrent_layers"] == 1 and not r["missing_grads"] and r["n_grads"] == r["n_params"], r
+            for name in NEEDED:
+                assert any(name in k for k in r["grad_errs"]), (name, sorted(r["grad_errs"]))
+            assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, backend, strategy, r)
+            assert r["grad_err_total"] <= TOTAL_TOL, (rank, backend, strategy, r)
+            worst = {k: v for k, v in r["grad_errs"].items() if v > PARAM_TOL}
+            assert not worst, (rank, backend, strategy, worst)
+        print(f"rank {rank}: {len(CASES)} cases in {per_case[-1]['job_s']:.1f} s")
+
+
+def test_causal_conv1d_reference_is_the_conv_run_here(mamba_pool):
+    """causal-conv1d's compiled ``causal_conv1d_fn`` cannot run (no ``causal_conv1d_cuda``); its pure-torch
+    ``causal_conv1d_ref`` (which transformers never resolves: it looks up ``causal_conv1d_fn``) equals transformers'
+    torch conv, and its ``initial_states`` equals the halo ringmaster concatenates."""
+    got = mamba_pool.run(jm.conv_reference)[0]
+    assert got["fallback_module"] == "transformers.models.mamba2.modeling_mamba2", got
+    assert max(got["err_None"], got["err_silu"], got["err_initial_states_vs_halo"]) <= 1e-6, got
+    assert got["causal_conv1d_fn"].startswith("TypeError"), got
