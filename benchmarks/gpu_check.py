@@ -369,15 +369,23 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
     if standins:
         sys.path.append(TESTS)
         import realkernels
+        import realkernels.mamba
         from standins.kernels import SITE
 
         realkernels.unhide()              # a test run hides FLA from its subprocesses
-        realkernels.enable()              # FLA's real kernels under Triton's interpreter
-        sys.path.insert(0, SITE)          # mamba-ssm / causal-conv1d stand-ins, before transformers imports them
+        realkernels.enable()              # FLA's Triton kernels under the interpreter
+        try:
+            realkernels.mamba.load_mamba_ssm()   # mamba-ssm's Triton SSD scan from its sdist (Mamba1: no CPU code)
+        except realkernels.mamba.Unavailable as e:
+            print(f"mamba-ssm's sdist unavailable ({e}): its rows use transformers' torch kernels", file=sys.stderr)
+        sys.path.insert(0, SITE)          # the causal-conv1d stand-in, before transformers imports the models
     import ringmaster as rm
     from ringmaster_tools.parity import per_document_forward, tiny_model
 
     S = 64 if quick else 4096
+    # Triton's interpreter computes FLA's bf16 kernels wrongly on CPU (gradients off by 1e25 with or without CP):
+    # the CPU plumbing runs fp32 against the fp32 truth; a GPU runs bf16
+    low = torch.float32 if standins else torch.bfloat16
     rows = []
     for model_type, (module_name, kernels, strategies) in RECURRENT_KERNEL_FAMILIES.items():
         try:
@@ -408,12 +416,12 @@ def recurrent_kernel_job(rank, world, device, quick, standins):
                     out.loss.backward()
                     t_loss, t_logits, t_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(truth)
                     del truth, out
-                    ref = copy.deepcopy(base).to(torch.bfloat16)
+                    ref = copy.deepcopy(base).to(low)
                     out = forward(ref)
                     out.loss.backward()
                     r_loss, r_logits, r_grads = out.loss.detach().float(), out.logits.detach().float(), _grads(ref)
                     del ref, out
-                    model = copy.deepcopy(base).to(torch.bfloat16)
+                    model = copy.deepcopy(base).to(low)
                     loss, logits, grads = _cp_step(
                         model, rm.RingmasterConfig(size=world, backend="ulysses", recurrent=strategy,
                                                    load_balance="none"), batch, world)

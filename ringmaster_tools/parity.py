@@ -127,6 +127,20 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def transformers_classes(model_type: str):
+    """transformers' own (config class, causal-LM class) of ``model_type``, or None where it has none. Another
+    package may re-register a model type in the Auto classes (``import fla`` maps ``mamba`` and ``mamba2`` to
+    flash-linear-attention's own models): the families here are transformers' own."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config_name = CONFIG_MAPPING_NAMES.get(model_type)
+    model_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return (getattr(transformers, config_name, None) if isinstance(config_name, str) else None,
+            getattr(transformers, model_name, None) if isinstance(model_name, str) else None)
+
+
 def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
                dtype: torch.dtype = torch.float32, **overrides):
     """A random tiny causal LM of ``model_type``, identical for a given seed: initialised in fp32,
@@ -135,17 +149,18 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {**COMMON, "use_cache": False, **TINY.get(model_type, {}), **overrides}
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config_cls, model_cls = transformers_classes(model_type)
+    config = config_cls(**kwargs) if config_cls is not None else AutoConfig.for_model(model_type, **kwargs)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    build = model_cls._from_config if model_cls is not None else AutoModelForCausalLM.from_config
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32, **extra)
+        model = build(config, attn_implementation=attn_implementation, dtype=torch.float32, **extra)
     except ValueError:
         if attn_implementation != "sdpa":
             raise
         torch.manual_seed(seed)   # a family without attention (Mamba) has no SDPA path: eager
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32, **extra)
+        model = build(config, attn_implementation="eager", dtype=torch.float32, **extra)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model.train()

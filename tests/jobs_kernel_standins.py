@@ -13,9 +13,6 @@ import jobs_mamba1 as jm1
 
 # model_type -> (modeling module, {module-level kernel name: (package, function it must resolve to)})
 RESOLVED = {
-    "mamba2": ("transformers.models.mamba2.modeling_mamba2", {
-        "mamba2_chunk_scan": ("mamba_ssm", "mamba_chunk_scan_combined"),
-        "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
     "mamba": ("transformers.models.mamba.modeling_mamba", {
         "mamba_selective_scan": ("mamba_ssm", "selective_scan_fn"),
         "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
@@ -39,8 +36,7 @@ def resolution(ctx) -> dict:
         for name, (package, func) in names.items():
             impl = implementation(getattr(module, name))
             pkg = importlib.import_module(package)
-            sub = {"mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
-                   "selective_scan_fn": "mamba_ssm.ops.selective_scan_interface"}.get(func, package)
+            sub = {"selective_scan_fn": "mamba_ssm.ops.selective_scan_interface"}.get(func, package)
             exported = getattr(importlib.import_module(sub), func)
             out[f"{model_type}.{name}"] = {"module": impl.__module__, "standin": is_standin(impl),
                                            "exported": impl is exported,

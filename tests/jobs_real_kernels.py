@@ -178,12 +178,18 @@ def builds(ctx, model_type) -> str:
     return "ok"
 
 
-def wire_error(ctx, model_type, recurrent="auto", mutation=None) -> str:
+def wire_error(ctx, model_type, recurrent="auto", mutation=None, auto_classes=False) -> str:
     """``wire`` on the tiny model of ``model_type`` at P=2 (Ulysses): the error it raises, or "wired".
-    ``mutation``: one of :data:`MUTATIONS`, applied while wiring."""
-    from ringmaster_tools.parity import tiny_model
+    ``mutation``: one of :data:`MUTATIONS`, applied while wiring; ``auto_classes``: the model built through
+    transformers' Auto classes as a user's ``from_pretrained`` would (whatever a package registered there)."""
+    from ringmaster_tools.parity import COMMON, tiny_model
 
-    model = tiny_model(model_type, **SMALL.get(model_type, {}))
+    if auto_classes:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON))
+    else:
+        model = tiny_model(model_type, **SMALL.get(model_type, {}))
     undo = MUTATIONS[mutation]() if mutation else (lambda: None)
     try:
         rm.wire(model, rm.RingmasterConfig(size=2, backend="ulysses", recurrent=recurrent), device_mesh=ctx.mesh(2))

@@ -1,5 +1,7 @@
-"""ringmaster's Mamba kinds with the optional kernel packages mamba-ssm and causal-conv1d *installed*, on CPU
-stand-ins (flash-linear-attention's real kernels run instead: tests/test_real_kernels.py).
+"""ringmaster's Mamba1 with the optional kernel packages mamba-ssm and causal-conv1d *installed*, on CPU stand-ins
+of ``selective_scan_fn`` and ``causal_conv1d_fn`` (their real code is CUDA C++; what does run on CPU runs for real
+instead: flash-linear-attention in tests/test_real_kernels.py, mamba-ssm's Triton SSD scan in
+tests/test_real_mamba.py).
 
 transformers resolves ``mamba_ssm`` / ``causal_conv1d`` once, when a modeling module is imported
 (``use_kernel_func_from_hub_with_fallback``). A separate 2-rank pool puts the CPU stand-ins of those
@@ -8,7 +10,7 @@ torch, fp64) first on its workers' ``sys.path`` before transformers runs, so the
 GPU machine takes picks them up; the session's default pool and this process never see them.
 
 Checked: every kernel name resolves to the stand-in; per-parameter fp64 parity at P=2, dense and packed,
-for one family per kind (Mamba2, Mamba1); a mutation (ringmaster's Mamba1 map taken from mamba-ssm's
+for Mamba1 (``mamba``); a mutation (ringmaster's Mamba1 map taken from mamba-ssm's
 ``return_last_state``, whose gradient the real kernel drops) that the check must catch. The real kernels on a
 GPU: benchmarks/gpu_check.py.
 """
@@ -25,7 +27,6 @@ P = 2
 FP64_PARAM_TOL = 1e-5
 FP64_TOL = 1e-10
 FAMILIES = {   # model_type -> gradients that must be among the checked ones
-    "mamba2": ("A_log", "dt_bias", "conv1d.weight"),
     "mamba": ("A_log", "dt_proj.bias", "conv1d.weight"),
 }
 
@@ -71,11 +72,6 @@ def test_kernels_resolve_to_the_standins(standin_pool):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_exact_with_the_standin_kernels_fp64(standin_pool, model_type, packed):
     check_fp64(standin_pool.run(jk.parity, model_type, "scan", packed), FAMILIES[model_type])
-
-
-def test_sequential_hands_the_state_to_mamba_chunk_scan_combined(standin_pool):
-    """Mamba2's sequential strategy passes the state as the kernel's ``initial_states``."""
-    check_fp64(standin_pool.run(jk.parity, "mamba2", "sequential"), FAMILIES["mamba2"])
 
 
 MARGIN = 100

@@ -1,6 +1,8 @@
 """CPU stand-ins for the optional recurrent-kernel packages ``mamba_ssm`` and ``causal_conv1d``, loaded through
-transformers' *own* mechanism. (flash-linear-attention has none: its real kernels run on CPU under Triton's
-interpreter, tests/realkernels and tests/test_real_kernels.py.)
+transformers' *own* mechanism, for what has no CPU code of its own: Mamba1's ``selective_scan_fn`` and
+``causal_conv1d_fn`` (CUDA C++). flash-linear-attention and mamba-ssm's Triton SSD scan (``mamba_chunk_scan_combined``)
+have none: their real kernels run on CPU under Triton's interpreter (tests/realkernels, tests/test_real_kernels.py,
+tests/test_real_mamba.py).
 
 transformers 5.x decorates the module-level kernels of its recurrent layers with
 ``use_kernel_func_from_hub_with_fallback(func_name, package)``: when the modeling module is imported it
@@ -9,7 +11,6 @@ path in ``_KERNELS_INTERNAL_PATH_MAPPINGS``), calls it instead of the torch fall
 arguments filtered by the package function's signature. The packages under ``site/`` are named exactly
 like the real ones and provide only the functions that lookup resolves for the training path:
 
-* ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (Mamba2's SSD scan),
 * ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (Mamba1's selective scan),
 * ``causal_conv1d.causal_conv1d_fn``,
 
@@ -24,7 +25,7 @@ The math (:mod:`.reference`) is written here, token by token in pure torch, in f
 inputs stay float64): a test double for exactness checks on CPU, not a fast kernel. Every stand-in module
 carries ``__ringmaster_standin__ = True`` (for the tests' :func:`is_standin`; ringmaster itself never looks:
 to it the stand-in must look like the real package). So each exported kernel is a thin function whose
-``__module__`` is the package module it stands in (``mamba_ssm.ops.triton.ssd_combined``, ...), as the real one's is,
+``__module__`` is the package module it stands in (``mamba_ssm.ops.selective_scan_interface``, ...), as the real one's is,
 with the reference's signature (:func:`as_package_function`).
 
 To use them, put :data:`SITE` first on ``sys.path`` *before* transformers imports the modeling module:
