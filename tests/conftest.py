@@ -50,3 +50,24 @@ def pool():
     holder = PoolHolder(WORLD)
     yield holder
     holder.close()
+
+
+@pytest.fixture(scope="session")
+def real_pool():
+    """One solo pool of 4 ranks for the real optional kernels (tests/test_real_kernels.py, tests/test_real_mamba.py):
+    each worker runs Triton's interpreter with the bridges, flash-linear-attention importable, and mamba-ssm's Triton
+    kernels from its sdist (fetched here first; ``real_pool.mamba_unavailable`` says why not, where not)."""
+    import realkernels.mamba as rkm
+    from ringmaster_tools.pool import LocalPool
+
+    assert realkernels.installed("fla"), ("flash-linear-attention is not installed: the dev extra installs it "
+                                          "(pip install -e '.[dev]')")
+    unavailable = None
+    try:
+        rkm.extract("mamba-ssm", "mamba_ssm")   # the workers load it from the cache, no download there
+    except rkm.Unavailable as exc:
+        unavailable = str(exc)
+    pool = LocalPool(4, timeout=300, grace=15, solo=True, init=realkernels.enable_all_in_worker)
+    pool.mamba_unavailable = unavailable
+    yield pool
+    pool.close(force=True)

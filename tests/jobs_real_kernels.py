@@ -60,6 +60,7 @@ def resolution(ctx) -> dict:
     (``fla``'s file must be the installed package's, not a stand-in or the hidden shadow)."""
     import fla
 
+    ctx.mesh(2)   # the solo pool's other ranks leave
     out = {"fla_file": fla.__file__, "triton_interpret": __import__("os").environ.get("TRITON_INTERPRET")}
     for model_type, (module_name, name, _) in FAMILIES.items():
         try:
@@ -77,6 +78,9 @@ def kernels_match_naive(ctx) -> dict:
     """FLA's chunked gated delta rule and KDA under the interpreter (as bridged: the autotuner's pick, the loop
     variables) against FLA's own token-by-token references (``fla.ops.*.naive``), fp32, with an initial state and
     two varlen documents: the relative max error of the outputs, final states and every input's gradient."""
+    ctx.mesh(2)   # the solo pool's other ranks leave
+    if ctx.rank != 0:
+        return {}
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
     from fla.ops.kda import chunk_kda
@@ -138,6 +142,7 @@ def family_cases(ctx, model_type, P, mode, cases, seq_len=64, overrides=None) ->
     from ringmaster_tools.parity import (compare, packed_batch, per_document_forward, tiny_batch, tiny_model,
                                          _plain_forward)
 
+    ctx.mesh(P)   # in the solo pool, ranks outside the first CP group leave now, before the reference run
     base = tiny_model(model_type, **{**SMALL.get(model_type, {}), **(overrides or {})})
     slow_decay(base)
     vocab = base.config.vocab_size
@@ -184,6 +189,7 @@ def wire_error(ctx, model_type, recurrent="auto", mutation=None, auto_classes=Fa
     transformers' Auto classes as a user's ``from_pretrained`` would (whatever a package registered there)."""
     from ringmaster_tools.parity import COMMON, tiny_model
 
+    ctx.mesh(2)   # the solo pool's other ranks leave
     if auto_classes:
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -32,21 +32,16 @@ OVERRIDES = dict(num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
-def mamba_pool():
+def mamba_pool(real_pool):
+    """The session's real-kernel pool (tests/conftest.py: FLA and mamba-ssm's Triton kernels, interpreted)."""
     import importlib.util
-
-    import realkernels.mamba as rkm
-    from ringmaster_tools.pool import LocalPool
 
     missing = [m for m in ("triton", "einops", "packaging") if importlib.util.find_spec(m) is None]
     assert not missing, f"mamba-ssm's Triton kernels need {missing} installed (Triton runs them on CPU, interpreted)"
-    try:
-        rkm.extract("mamba-ssm", "mamba_ssm")   # the workers load it from the cache, no download there
-    except rkm.Unavailable as exc:
-        pytest.skip(f"mamba-ssm's sdist is not cached and cannot be downloaded (no network?): {exc}")
-    pool = LocalPool(2, timeout=300, grace=15, init=rkm.enable_in_worker)
-    yield pool
-    pool.close(force=True)
+    if real_pool.mamba_unavailable:
+        pytest.skip(f"mamba-ssm's sdist is not cached and cannot be downloaded (no network?): "
+                    f"{real_pool.mamba_unavailable}")
+    return real_pool
 
 
 def test_transformers_resolves_mamba_ssms_scan(mamba_pool):

@@ -85,6 +85,18 @@ def enable() -> None:
     bridge()
 
 
+def enable_all_in_worker() -> None:
+    """A pool worker's ``init`` for every real kernel at once: FLA (:func:`enable_in_worker`) and mamba-ssm's Triton
+    kernels from its sdist where the cache holds it (:func:`realkernels.mamba.load_mamba_ssm`)."""
+    enable_in_worker()
+    from . import mamba
+
+    try:
+        mamba.load_mamba_ssm()
+    except mamba.Unavailable:   # the session fixture says so (real_pool.mamba_unavailable)
+        pass
+
+
 def enable_in_worker() -> None:
     """A pool worker's ``init`` (``LocalPool(init=...)``): the real kernels under the interpreter."""
     unhide()
