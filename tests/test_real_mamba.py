@@ -26,8 +26,8 @@ PARAM_TOL = 1e-4    # every parameter against its own norm (measured max 9.2e-7)
 KERNEL_TOL = 1e-5   # the kernel vs the fp64 reference (measured max 6e-7)
 MUTATION_FLOOR = 1e-2
 NEEDED = ("A_log", "dt_bias", "conv1d.weight")
-# one Mamba2 layer, 40 tokens: shards of 20 (Ulysses) and 10 (Ring's head_tail chunks) against a scan chunk of 12
-SEQ_LEN = 40
+# one Mamba2 layer, 32 tokens: shards of 16 (Ulysses) and chunks of 8 (Ring's head_tail) against a scan chunk of 12
+SEQ_LEN = 32
 OVERRIDES = dict(num_hidden_layers=1)
 
 
