@@ -158,7 +158,7 @@ CASES = [
     # the mutations share this row's reference: ringmaster's state passing off (scan), FLA's CP context dropped
     ("qwen3_5_text", 2, "dense", [("ulysses", "auto"), ("ring", "fla_cp"), ("ulysses", "scan", "no_state_passing"),
                                   ("ring", "fla_cp", "no_fla_cp_context")], {}),
-    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ring", "fla_cp")], {}),
+    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ulysses", "fla_cp"), ("ring", "fla_cp")], {}),
     ("qwen3_5_text", 2, "documents", [("ulysses", "fla_cp"), ("ring", "fla_cp")], {}),
     ("qwen3_5_moe_text", 2, "dense", [("ulysses", "scan"), ("ring", "auto")], {}),
     ("qwen3_next", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], {}),
