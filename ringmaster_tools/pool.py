@@ -177,7 +177,7 @@ class LocalPool:
         group on CPU, the stand-in for NCCL in tests/test_devices.py). ``sys_path``: folders each worker puts
         first on its ``sys.path`` before it runs anything (the kernel stand-in packages,
         :data:`standins.kernels.SITE`); the parent process is left alone. ``init``: a module-level function each
-        worker calls next, before torch.distributed starts (tests/realkernels.enable_in_worker: the real kernel
+        worker calls next, before torch.distributed starts (tests/realkernels.enable_all_in_worker: the real kernel
         packages under Triton's interpreter). ``solo``: a job on a CP size
         smaller than the world runs on its first CP group only (:class:`RankContext`)."""
         self.world, self.timeout, self.grace = world, timeout, grace

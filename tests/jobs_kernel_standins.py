@@ -6,10 +6,11 @@ the CPU stand-ins, exactly as it resolves the real packages on a GPU machine."""
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Callable
 
 import jobs_mamba1 as jm1
+
+from ringmaster.recurrent.fla_cp import kernel_implementation   # what transformers' kernel wrapper calls
 
 # model_type -> (modeling module, {module-level kernel name: (package, function it must resolve to)})
 RESOLVED = {
@@ -17,12 +18,6 @@ RESOLVED = {
         "mamba_selective_scan": ("mamba_ssm", "selective_scan_fn"),
         "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn")}),
 }
-
-
-def implementation(wrapped: Callable):
-    """What transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper calls: its closure's
-    ``implementation`` (the package function, or the torch fallback it wraps)."""
-    return inspect.getclosurevars(wrapped).nonlocals["implementation"]
 
 
 def resolution(ctx) -> dict:
@@ -34,7 +29,7 @@ def resolution(ctx) -> dict:
     for model_type, (module_name, names) in RESOLVED.items():
         module = importlib.import_module(module_name)
         for name, (package, func) in names.items():
-            impl = implementation(getattr(module, name))
+            impl = kernel_implementation(getattr(module, name))
             pkg = importlib.import_module(package)
             sub = {"selective_scan_fn": "mamba_ssm.ops.selective_scan_interface"}.get(func, package)
             exported = getattr(importlib.import_module(sub), func)
@@ -67,8 +62,8 @@ def _require_standins(model_type) -> None:
     module_name, names = RESOLVED[model_type]
     module = importlib.import_module(module_name)
     scan_name = [n for n in names if n != "causal_conv1d_fn"][0]
-    if not (is_standin(implementation(getattr(module, scan_name))) and
-            is_standin(implementation(getattr(module, "causal_conv1d_fn")))):
+    if not (is_standin(kernel_implementation(getattr(module, scan_name))) and
+            is_standin(kernel_implementation(getattr(module, "causal_conv1d_fn")))):
         raise RuntimeError(f"{model_type}: the kernels did not resolve to the stand-ins; not the stand-in pool?")
 
 

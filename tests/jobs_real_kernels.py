@@ -1,16 +1,16 @@
 """Jobs for tests/test_real_kernels.py. They run only in the real-kernel pool: a LocalPool whose workers call
-``realkernels.enable_in_worker`` before anything imports transformers, so transformers' modeling modules
+``realkernels.enable_all_in_worker`` before anything imports transformers, so transformers' modeling modules
 resolve ``fla`` to the installed flash-linear-attention (its Triton kernels run under Triton's interpreter)."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Callable
 
 import torch
 
 import ringmaster as rm
+from ringmaster.recurrent.fla_cp import kernel_implementation   # what transformers' kernel wrapper calls
 
 # model_type -> (modeling module, the chunk kernel name it calls, the FLA function it must resolve to)
 FAMILIES = {
@@ -46,11 +46,6 @@ DOC_LENS = (5, 67, 10, 14)                 # a packed row of 96 tokens: document
 DOCUMENTS_DOC_LENS = [7, 41, 9, 13, 4, 22]   # documents mode: two long documents split, the rest whole
 
 
-def implementation(wrapped: Callable):
-    """What transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper calls."""
-    return inspect.getclosurevars(wrapped).nonlocals["implementation"]
-
-
 def _qualname(fn) -> str:
     return f"{fn.__module__}.{fn.__name__}"
 
@@ -68,9 +63,9 @@ def resolution(ctx) -> dict:
         except ImportError as exc:
             out[model_type] = f"ImportError: {exc}"
             continue
-        impl = implementation(getattr(module, name))
+        impl = kernel_implementation(getattr(module, name))
         out[model_type] = _qualname(impl)
-        out[f"{model_type}.conv"] = _qualname(implementation(module.causal_conv1d_fn))
+        out[f"{model_type}.conv"] = _qualname(kernel_implementation(module.causal_conv1d_fn))
     return out
 
 

@@ -1,5 +1,5 @@
-"""Jobs for tests/test_real_mamba.py. They run only in the mamba pool: a LocalPool whose workers call
-``realkernels.mamba.enable_in_worker`` (Triton's interpreter, the bridges, ``mamba_ssm`` from its sdist) before
+"""Jobs for tests/test_real_mamba.py. They run only in the real-kernel pool (tests/conftest.py ``real_pool``), whose
+workers call ``realkernels.enable_all_in_worker`` (Triton's interpreter, the bridges, ``mamba_ssm`` from its sdist) before
 anything imports transformers, so ``modeling_mamba2`` resolves ``mamba_chunk_scan_combined`` to mamba-ssm's own
 Triton kernel."""
 
@@ -10,6 +10,8 @@ import inspect
 import time
 
 import torch
+
+from ringmaster.recurrent.fla_cp import kernel_implementation   # what transformers' kernel wrapper calls
 
 # modeling module -> {module-level kernel name: what it must resolve to (a qualified name) or "fallback"}
 RESOLVED = {
@@ -28,10 +30,6 @@ RESOLVED = {
 }
 
 
-def _implementation(wrapped):
-    return inspect.getclosurevars(wrapped).nonlocals["implementation"]
-
-
 def resolution(ctx) -> dict:
     """Every kernel name of :data:`RESOLVED`: the qualified name transformers resolved (``fallback`` for its own
     torch function), plus where ``mamba_ssm`` comes from."""
@@ -45,7 +43,7 @@ def resolution(ctx) -> dict:
         module = importlib.import_module(module_name)
         for name in names:
             wrapped = getattr(module, name)
-            impl = _implementation(wrapped)
+            impl = kernel_implementation(wrapped)
             out[f"{module_name}.{name}"] = ("fallback" if impl is inspect.unwrap(wrapped) or
                                             impl.__module__ == module_name else f"{impl.__module__}.{impl.__name__}")
     return out
@@ -127,7 +125,7 @@ def conv_reference(ctx) -> dict:
     import realkernels.mamba as rkm
 
     interface = rkm.load_causal_conv1d_ref()
-    fallback = _implementation(modeling_mamba2.causal_conv1d_fn)
+    fallback = kernel_implementation(modeling_mamba2.causal_conv1d_fn)
     gen = torch.Generator().manual_seed(3)
     x, w, bias = torch.randn(2, 6, 19, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
     out = {"fallback_module": fallback.__module__}

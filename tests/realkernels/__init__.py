@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-PACKAGES = ("fla", "mamba_ssm", "causal_conv1d")
+from ringmaster_tools.pool import GPU_KERNEL_PACKAGES as PACKAGES   # the packages hidden here
 
 
 HIDDEN = str(Path(__file__).resolve().parent / "hidden")   # shadow packages whose import raises ImportError

@@ -7,7 +7,7 @@ downloads the sdist once into a cache folder (``PyPI``'s JSON API, the archive's
 folder, its ``__init__`` never run: that ``__init__`` imports ``selective_scan_cuda`` through
 ``mamba_ssm.ops.selective_scan_interface``). Submodules then import as usual from the archive's own files.
 Call it with :func:`realkernels.enable` (``TRITON_INTERPRET=1``, the bridges) before anything imports triton or
-transformers' modeling modules; :func:`enable_in_worker` does both in a pool worker.
+transformers' modeling modules; :func:`realkernels.enable_all_in_worker` does both in a pool worker.
 
 What runs and what does not (transformers 5.24 resolves these names; measured on CPU, Triton 3.9's interpreter):
 
@@ -288,19 +288,3 @@ def load_causal_conv1d_ref(cache_dir: str | os.PathLike | None = None) -> types.
     exec(compile(io.StringIO(source).read(), module.__file__, "exec"), module.__dict__)
     sys.modules[module.__name__] = module
     return module
-
-
-def enable_in_worker() -> None:
-    """A pool worker's ``init``: Triton's interpreter and the bridges (:func:`realkernels.enable`), ``mamba_ssm``
-    from its sdist (the default cache folder, which the test filled: no download here).
-
-    flash-linear-attention stays hidden (:func:`realkernels.hide`; ``causal_conv1d`` too, which is not
-    installable anyway): importing ``fla`` registers FLA's own ``mamba2`` / ``mamba`` models with transformers'
-    ``AutoConfig`` / ``AutoModelForCausalLM`` (``exist_ok=True``), so a tiny ``mamba2`` would be FLA's model
-    (whose fused cross-entropy asserts CUDA tensors), not transformers'. The bare ``mamba_ssm`` is registered in
-    ``sys.modules`` and is not affected by the shadow packages."""
-    import realkernels
-
-    realkernels.hide()
-    realkernels.enable()
-    load_mamba_ssm()
