@@ -34,8 +34,9 @@ def _map(obj: Any, fn: Callable) -> Any:
         return type(obj)(*(_map(o, fn) for o in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_map(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, dict):   # a transformers ModelOutput keeps its type
+        out = {k: _map(v, fn) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(**out)
     return obj
 
 

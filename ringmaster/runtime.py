@@ -49,6 +49,7 @@ class Runtime:
     # context_parallel_region(batch, runtime=...) sets for its step when it is not given the model
     carriers: list = field(default_factory=list, repr=False)
     cost: Any = None                   # rm.wire's sharding.assignment.Cost for the model (load_balance="documents")
+    mixing: Any = None                 # rm.wire's token-mixing check (architectures.mixing.MixingCheck)
     undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property

@@ -309,13 +309,18 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention},
                 positions=positions, tables={p: modules[p] for p, _ in positions.modules} if positions else None)
             undo.append(rt.binding.ledger.disarm)
-        # every module it does not route must be per-token: shown on the first CP forward (architectures.mixing)
+        # everything it does not route must be per-token: checked on the first CP forward of each mode, on the
+        # decoder as it runs with the routed modules standing in (architectures.mixing)
         routed = list(layers.attention) + list(cross) + [p for p, _, _ in layers.recurrent] + list(spec.vision_modules)
-        routed += [p for p, _ in positions.modules] if positions else []
-        routed += site_paths(model, spec) if spec.self_attention else []
-        probe = mixing.MixingProbe(mixing.candidates(model, routed), rt.cp_group, carrier, rt.report)
-        mixing.arm(probe, model)
-        undo.append(probe.disarm)
+        replayed = [p for p, _ in positions.modules] if positions else []
+        replayed += site_paths(model, spec) if spec.self_attention else []
+        modules = dict(model.named_modules())
+        check = mixing.MixingCheck(model, mixing.decoder_path(model, spec),
+                                   {p: modules[p] for p in routed + replayed if p in modules}, set(replayed),
+                                   rt.cp_group, carrier, rt.report, loss=not spec.multimodal)
+        mixing.arm(check, model)
+        rt.mixing = check
+        undo.append(check.disarm)
         model._ringmaster_runtime = rt
         undo.append(lambda: model.__dict__.pop("_ringmaster_runtime", None))
     except BaseException:

@@ -1,4 +1,5 @@
-"""Rank-side jobs of tests/test_token_mixing.py: modules no registry knows, on a tiny Llama, under CP."""
+"""Rank-side jobs of tests/test_token_mixing.py: a tiny Llama edited the way user code and ``trust_remote_code``
+repositories do, under CP (issues 27 and 37)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,59 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ringmaster as rm
-from ringmaster.architectures import mixing
-from ringmaster_tools.parity import compare
+from ringmaster_tools.parity import compare, packed_batch, tiny_batch, tiny_model
 
 
-class RunningMean(nn.Module):
-    """Wraps an MLP and adds the running mean of its input over the sequence (``x.cumsum(1) / arange``)."""
+# ---- modules that mix tokens, each a sample of a class
+class Wrap(nn.Module):
+    """``inner`` (an MLP, a norm, the embedding) followed by ``fn(input, output)``."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, fn):
+        super().__init__()
+        self.inner, self.fn = inner, fn
+
+    def forward(self, x, *args, **kwargs):
+        return self.fn(x, self.inner(x, *args, **kwargs))
+
+
+def running_mean(x):
+    n = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[None, :, None]
+    return x.cumsum(1) / n
+
+
+def fft_lowpass(x):
+    f = torch.fft.rfft(x.float(), dim=1)
+    keep = torch.linspace(1, 0, f.shape[1], device=x.device)[None, :, None]
+    return torch.fft.irfft(f * keep, n=x.shape[1], dim=1).to(x.dtype)
+
+
+def shift(x, lag):
+    return torch.cat([torch.zeros_like(x[:, :lag]), x[:, :-lag]], dim=1)
+
+
+class CumsumFn(torch.autograd.Function):
+    """A custom autograd function mixing tokens (a running sum, its true backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.cumsum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(1).cumsum(1).flip(1)
+
+
+class ChannelsFirstConv(nn.Module):
+    """A causal depthwise ``nn.Conv1d`` called channels-first (``[B, hidden, S]``)."""
+
+    def __init__(self, inner, hidden):
         super().__init__()
         self.inner = inner
+        self.conv = nn.Conv1d(hidden, hidden, 3, groups=hidden, padding=2)
 
     def forward(self, x):
-        n = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[None, :, None]
-        return self.inner(x) + x.cumsum(1) / n
-
-
-class SequenceCentredNorm(nn.Module):
-    """The final norm, after subtracting the mean over the sequence."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x - x.mean(dim=1, keepdim=True))
+        y = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        return self.inner(x) + 0.5 * y
 
 
 class LocalSinusoid(nn.Module):
@@ -85,62 +114,173 @@ class RemoteAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(B, S, -1)), None
 
 
-def _edit(case: str):
-    def prepare(model):
-        layers = model.model.layers
-        if case == "running_mean_mlp":
-            layers[0].mlp = RunningMean(layers[0].mlp)
-        elif case == "sequence_centred_norm":
-            model.model.norm = SequenceCentredNorm(model.model.norm)
-        elif case == "local_positions":
-            model.model.embed_tokens = LocalSinusoid(model.model.embed_tokens)
-        elif case in ("remote_sdpa", "remote_alibi"):
-            layers[1].self_attn = RemoteAttention(model.config, alibi=case == "remote_alibi")
-        elif case in ("remote_sdpa_everywhere",):
-            for layer in layers:
-                layer.self_attn = RemoteAttention(model.config)
-        elif case != "plain":
-            raise ValueError(case)
-    return prepare
+def _layer_forward(layer, fn):
+    """The decoder layer's own forward, edited: ``fn`` applied to its output hidden states (code in the layer,
+    no module of its own)."""
+    cls = type(layer)
+
+    class Edited(cls):
+        def forward(self, hidden_states, *args, **kwargs):
+            out = super().forward(hidden_states, *args, **kwargs)
+            if isinstance(out, tuple):
+                return (fn(self, out[0]),) + out[1:]
+            return fn(self, out)
+    Edited.__name__ = cls.__name__ + "Edited"
+    layer.__class__ = Edited
 
 
-def llama_case(ctx, case: str, P: int = 2, backend: str = "ulysses", probe: bool = True) -> dict:
-    """The tiny Llama edited by ``case`` under CP against itself without CP: ``refused`` (the error, raised
-    before any backward: ``grads`` counts the CP model's parameters with a gradient then) or the errors.
-    ``probe=False`` is the mutation: the token-mixing probe sees no module."""
-    original = mixing.candidates
-    if not probe:
-        mixing.candidates = lambda model, routed: {}
-    seen: dict = {}
+def _mlp(fn):
+    return lambda model: setattr(model.model.layers[0], "mlp", Wrap(model.model.layers[0].mlp, fn))
 
-    def prepare(model):
-        _edit(case)(model)
-        seen["model"] = model
+
+def _loss(kind):
+    def edit(model):
+        cls = type(model)
+
+        class Edited(cls):
+            def forward(self, *args, **kwargs):
+                out = super().forward(*args, **kwargs)
+                if out.loss is not None:
+                    if kind == "statistic":      # a sequence statistic of the logits in the loss
+                        out.loss = out.loss + 0.1 * out.logits.float().mean(dim=1).pow(2).mean()
+                    elif kind == "local_mean":   # num_items_in_batch dropped: a mean over the shard
+                        labels = kwargs.get("shift_labels")
+                        logits = out.logits.float()
+                        out.loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+                    elif kind == "shifts_labels":   # the labels it is given, shifted in the shard: a target lost at a cut
+                        labels, n = kwargs["labels"], kwargs["num_items_in_batch"]
+                        logits = out.logits.float()[:, :-1]
+                        out.loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                                                   reduction="sum") / n
+                return out
+        Edited.__name__ = cls.__name__ + "Edited"
+        model.__class__ = Edited
+    return edit
+
+
+EDITS = {
+    "plain": lambda model: None,
+    # issue 27's table
+    "running_mean_mlp": _mlp(lambda x, y: y + running_mean(x)),
+    "sequence_centred_norm": lambda model: setattr(model.model, "norm", Wrap(model.model.norm, lambda x, y: y - y.mean(1, keepdim=True))),
+    "local_positions": lambda model: setattr(model.model, "embed_tokens", LocalSinusoid(model.model.embed_tokens)),
+    "remote_sdpa": lambda model: setattr(model.model.layers[1], "self_attn", RemoteAttention(model.config)),
+    "remote_alibi": lambda model: setattr(model.model.layers[1], "self_attn", RemoteAttention(model.config, alibi=True)),
+    # issue 37's table
+    "layer_running_mean": lambda model: _layer_forward(model.model.layers[0], lambda self, h: h + running_mean(h)),
+    "layer_shift": lambda model: _layer_forward(model.model.layers[1], lambda self, h: h + 0.5 * shift(h, 1)),
+    "long_lag": _mlp(lambda x, y: y + 0.5 * shift(x, 20)),
+    "longer_than_16": _mlp(lambda x, y: y + running_mean(x) if x.shape[1] > 16 else y),
+    "channels_first_conv": lambda model: setattr(model.model.layers[0], "mlp", ChannelsFirstConv(
+        model.model.layers[0].mlp, model.config.hidden_size)),
+    # more of their classes
+    "local_scale": _mlp(lambda x, y: y * math.log(x.shape[1])),
+    "first_token_state": _mlp(lambda x, y: y + x[:, :1]),
+    "fft_filter": _mlp(lambda x, y: y + fft_lowpass(x)),
+    "unfold_window": _mlp(lambda x, y: y + F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1)),
+    "custom_function": _mlp(lambda x, y: y + 0.1 * CumsumFn.apply(x)),
+    "loss_statistic": _loss("statistic"),
+    "loss_local_mean": _loss("local_mean"),
+    "loss_shifts_labels": _loss("shifts_labels"),
+}
+
+
+def _training_only(model):
+    """``training_only``: the MLP mixes only in training mode (eval mode, as a probe that re-runs it there, sees
+    a per-token MLP)."""
+    mlp = model.model.layers[0].mlp
+    model.model.layers[0].mlp = Wrap(mlp, lambda x, y: y + running_mean(x) if model.training else y)
+
+
+EDITS["training_only"] = _training_only
+
+LAYOUTS = {
+    "ulysses": dict(backend="ulysses"),
+    "ring": dict(backend="ring"),
+    "usp": dict(backend="usp", ulysses_size=2),  # P=4
+    "documents": dict(backend="ring", load_balance="documents"),
+}
+
+
+def _batch(layout, vocab, S=64):
+    if layout == "documents":   # one long document split over the group and short ones kept whole
+        return packed_batch(vocab, [S - 24, 8, 9, 7])
+    return tiny_batch(vocab, S)
+
+
+def refusals(ctx, cases: list[str], layout: str, P: int = 2) -> dict:
+    """Each edit of ``cases`` on a tiny Llama, one CP step under ``layout``: the error it was refused with (on
+    this rank), and how many parameters had a gradient then (0: refused before backward); None when it ran."""
+    from ringmaster.adapters.raw import context_parallel_region
+
+    out = {}
+    mesh = ctx.mesh(P)
+    for case in cases:
+        torch.manual_seed(0)
+        model = tiny_model("llama", num_hidden_layers=2)
+        EDITS[case](model)
+        model.train()
+        rm.wire(model, rm.RingmasterConfig(size=P, **LAYOUTS[layout]), device_mesh=mesh)
+        try:
+            with context_parallel_region(_batch(layout, model.config.vocab_size)) as shard:
+                loss = model(**shard).loss
+            loss.backward()
+            out[case] = None
+        except rm.UnsupportedLayerError as exc:
+            out[case] = {"error": str(exc), "grads": sum(p.grad is not None for p in model.parameters())}
+        finally:
+            rm.unwire(model)
+    return out
+
+
+def exactness(ctx, case: str, layout: str = "ulysses", P: int = 2, mutation: str | None = None) -> dict:
+    """The tiny Llama edited by ``case`` under CP against itself without CP: ``refused`` (the error) or the
+    errors. ``mutation="skip"``: the check stands in for the MLP of layer 0 as if ringmaster routed it (it
+    skips the module); ``mutation="off"``: no check at all."""
+    from ringmaster.architectures import mixing
+
+    original = mixing.MixingCheck.__init__
+
+    def init(self, model, decoder, routed, replayed, *args, **kwargs):
+        if mutation == "skip":
+            routed = dict(routed, **{"model.layers.0.mlp": model.model.layers[0].mlp})
+        original(self, model, decoder, routed, replayed, *args, **kwargs)
+        if mutation == "off":
+            self.done = {True, False}
+    mixing.MixingCheck.__init__ = init
     try:
-        r = compare("llama", rm.RingmasterConfig(size=P, backend=backend), seq_len=64, device_mesh=ctx.mesh(P),
-                    prepare=prepare, num_hidden_layers=2)
+        batch = _batch(layout, tiny_model("llama", num_hidden_layers=2).config.vocab_size)
+        ref = None
+        if layout == "documents":
+            from ringmaster_tools.parity import per_document_forward
+            ref = per_document_forward
+        r = compare("llama", rm.RingmasterConfig(size=P, **LAYOUTS[layout]), device_mesh=ctx.mesh(P),
+                    prepare=EDITS[case], num_hidden_layers=2, batch=batch,
+                    reference_forward=ref if case == "plain" else None)
     except rm.UnsupportedLayerError as exc:
-        model = seen.get("model")
-        grads = sum(p.grad is not None for p in model.parameters()) if model is not None else 0
-        return {"refused": str(exc), "grads": grads}
+        return {"refused": str(exc)}
     finally:
-        mixing.candidates = original
-        if "model" in seen and getattr(seen["model"], "_ringmaster_runtime", None) is not None:
-            rm.unwire(seen["model"])
+        mixing.MixingCheck.__init__ = original
     return {"refused": None, "loss": r["loss_err"], "logits": r["logits_err"], "grad": r["grad_err_total"]}
 
 
-def probe_report(ctx, P: int = 2) -> str:
-    """The wiring report of a tiny Llama after its first CP forward (the probe's line)."""
+def check_report(ctx, P: int = 2, layers: int = 2, seq_len: int = 64) -> dict:
+    """The wiring report of a tiny Llama before and after its first CP forward in training and in eval mode."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster_tools.parity import tiny_batch, tiny_model
 
-    model = tiny_model("llama", num_hidden_layers=2)
+    model = tiny_model("llama", num_hidden_layers=layers)
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
     try:
         before = runtime.report.token_probe
-        with context_parallel_region(tiny_batch(model.config.vocab_size, 64), runtime=runtime) as shard:
+        batch = tiny_batch(model.config.vocab_size, seq_len)
+        model.train()
+        with context_parallel_region(batch, runtime=runtime) as shard:
             model(**shard)
-        return {"before": before, "after": runtime.report.token_probe, "text": str(runtime.report)}
+        train = runtime.report.token_probe
+        model.eval()
+        with context_parallel_region(batch, runtime=runtime) as shard:
+            model(**shard)
+        return {"before": before, "train": train, "after": runtime.report.token_probe, "text": str(runtime.report),
+                "disarmed": not runtime.mixing.handles}
     finally:
         rm.unwire(model)

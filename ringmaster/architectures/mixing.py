@@ -1,230 +1,658 @@
-"""The token-mixing probe: every module ``rm.wire`` does not route must be shown per-token.
+"""The token-mixing check: the computation CP runs, shown per-token outside what ringmaster routes.
 
 CP is exact when everything that mixes tokens goes through what ringmaster routes: the attention
-modules, the recurrent layers it wires, the declared self-attention sites, the absolute position
-tables it numbers, the vision towers it leaves whole. Everything else on the path from the embeddings
-to the head runs on the rank's shard alone, so it must be per-token. A module nobody registered (a
-remote-code attention that calls ``F.scaled_dot_product_attention`` itself, a wrapper that adds a
-running mean over the sequence, a norm over the sequence, a position computed from the local length)
-would otherwise train silently wrong.
+modules, the recurrent layers it wires, the declared self-attention sites, the position tables it
+numbers. Everything else on the path from the embeddings to the loss runs on the rank's shard alone, so
+it must be per-token: a module nobody registered, code in a decoder layer's own ``forward``, a
+position or a scale computed from the local length, a loss that is not a sum over tokens would
+otherwise train silently wrong.
 
-``rm.wire`` lists the **candidates**: the largest subtrees of the model that hold no routed module,
-minus the layers known to be per-token (``nn.Linear``, ``nn.Embedding``, the norms and activations
-of ``torch.nn``, dropout). On the first CP forward each candidate's forward hook re-runs it on the
-first :data:`TOKENS` positions of its real input and on two pieces of them
-(:func:`ringmaster.per_token.split_probe`, no grad, eval mode: the probe ``rm.tiled_mlp`` uses), inside
-the candidate's own forward (so an FSDP2 unit's parameters are gathered). Its verdicts are agreed over
-the CP group (one all-reduce of a flag per candidate, once), and a module that mixes tokens, or that
-cannot run on a piece of its input, raises on every rank before any backward, naming its path, class
-and the fix. That first forward's compiled blocks run eagerly (:func:`ringmaster.compat.run_eagerly`, as
-for the attention accounting). The cost is three forwards of :data:`TOKENS` tokens per candidate, once; the wiring
-report says how many modules were probed and how long it took.
+**What runs.** On the first CP forward of each mode (training, eval), after the model's forward and before
+anything can use its loss, each rank re-runs its own **decoder** (the module that takes the shard and feeds
+the head: the base model, a VLM's language model) on its real inputs, at its real length, in the real mode,
+with every routed module standing in as a per-token map (attention and recurrent layers: ``tanh`` of their
+input, shaped as their real output; position and rotary tables and other declared sites: their real outputs,
+replayed). With routed work taken out, the decoder must be per-token. Three tests, no collective, no grad:
+
+- **before/after the cut** (two runs at the real length): the tokens of ``[0, c)`` are changed, and the
+  outputs on ``[c, S)`` must not move; then ``[c, S)`` changed and ``[0, c)`` must not move (``c = S // 2``,
+  ``S`` the rank's own shard length: uneven under ``load_balance="documents"``). Any lag, any direction, any
+  length-conditional or training-only path is seen; a per-token decoder gives bit-equal rows (a GEMM row
+  does not read other rows), so the tolerance is tight;
+- **a suffix** (one run on ``[c, S)``): a position or scale read from the local length moves its outputs;
+- **the loss** (the model's head and loss on the first :data:`LOSS_WINDOW` tokens and on two pieces of
+  them, the decoder replayed by its real output): the loss must be a sum over tokens (the pieces add up to
+  the whole, with ``num_items_in_batch`` as ringmaster passes it) and the logits per-token.
+
+Dropout functions are the identity during the check (:class:`_NoDropout`: a per-element mask is per-token;
+draws shared along the sequence are :mod:`.generic`'s concern) and every run starts from the step's random
+state, so other draws repeat. The verdicts are agreed over the CP group (one all-reduce of a flag): a failure
+raises on every rank, naming the innermost module whose inputs agree and whose outputs do not (or the
+decoder's own code), its class and source line, what was measured and the fix. The first forward of each
+mode runs eagerly (:func:`ringmaster.compat.run_eagerly`), so the check's runs at other lengths never
+compile. The report says what was checked, at which length, in how long.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
-from typing import Iterable
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .. import compat, per_token
 from ..comm import collective_device
 from ..errors import UnsupportedLayerError
 
-TOKENS, SPLIT = 16, 5
-_SEQUENCE_SOFTMAX = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.MultiheadAttention)
-_PER_TOKEN = tuple(cls for cls in vars(nn.modules.activation).values()
-                   if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module
-                   and not issubclass(cls, _SEQUENCE_SOFTMAX)) + (
-    nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Identity, nn.modules.dropout._DropoutNd)
+LOSS_WINDOW = 64       # tokens the loss check runs the head and loss on (one target lost at a cut: 1/64 off)
+TRACE_POSITIONS = 8    # positions a failure is traced at, module by module
+# the surrounded run differs from the shard's by GEMM blocking only (the same rows, more of them)
+SURROUND_TOL, SURROUND_TOL_16 = 1e-3, 5e-2
+LOSS_TOL, LOSS_TOL_16 = 1e-5, 5e-3
+
+_DROPOUTS = frozenset(f for f in (
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+    getattr(torch, "native_dropout", None)) if f is not None)
 
 
-def per_token_leaf(module: nn.Module) -> bool:
-    """A torch layer that is per-token by construction (its class's forward is torch's own)."""
-    forward = type(module).forward
-    return isinstance(module, _PER_TOKEN) and getattr(forward, "__module__", "").startswith("torch.nn.modules.")
+class _NoDropout(TorchFunctionMode):
+    """Dropout functions return their input (``native_dropout`` its input and an all-true mask)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            x = args[0] if args else kwargs["input"]
+            return (x, torch.ones_like(x, dtype=torch.bool)) if func is getattr(torch, "native_dropout", None) else x
+        return func(*args, **kwargs)
 
 
-def _lineage(path: str):
-    while path:
-        yield path
-        path = path.rpartition(".")[0]
+class _Stop(Exception):
+    def __init__(self, value):
+        super().__init__("stopped")
+        self.value = value
 
 
-def candidates(model: nn.Module, routed: Iterable[str]) -> dict[str, nn.Module]:
-    """The largest subtrees of ``model`` holding no ``routed`` path (nor inside one), minus per-token
-    torch layers; containers without a forward of their own and the blocks of a layer list are looked into
-    (their children are candidates)."""
-    routed = set(routed)
-    holders = {p for r in routed for p in _lineage(r.rpartition(".")[0])}
-    lists: set[str] = set()
-    out: dict[str, nn.Module] = {}
-    for path, module in model.named_modules():
-        if not path or any(p in routed or p in out for p in _lineage(path)):
-            continue
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            lists.add(path)
-            continue
-        # a block of a layer list is looked into (its attention, MLP, norms: the error names the one that mixes)
-        block = path.rpartition(".")[0] in lists and next(module.children(), None) is not None
-        if path in holders or block or per_token_leaf(module):
-            continue
-        out[path] = module
+def seq_dim(t: torch.Tensor, n: int) -> int | None:
+    """The sequence dimension of a tensor of a call over ``n`` tokens: ``[B, n, ...]``, ``[n, ...]`` or a
+    multimodal rope's ``[3|4, B, n]``; None when it has none."""
+    if t.dim() >= 2 and t.shape[1] == n:
+        return 1
+    if t.dim() >= 1 and t.shape[0] == n:
+        return 0
+    if t.dim() == 3 and t.shape[0] in (3, 4) and t.shape[2] == n:
+        return 2
+    return None
+
+
+def take(obj: Any, n: int, segments) -> Any:
+    """Every tensor of ``obj`` over ``n`` tokens, cut to ``segments`` (``[(start, stop), ...]``) along its
+    sequence dimension, the pieces concatenated in that order."""
+    def one(t):
+        d = seq_dim(t, n)
+        if d is None:
+            return t
+        parts = [t.narrow(d, a, b - a) for a, b in segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+    return per_token._map(obj, one)
+
+
+def _outputs(obj: Any, n: int) -> list[tuple[torch.Tensor, int]]:
+    """The floating tensors of an output over ``n`` tokens, each with its sequence dimension."""
+    out = []
+    for t in per_token.tensors(obj):
+        d = seq_dim(t, n)
+        if d is not None and t.is_floating_point():
+            out.append((t, d))
     return out
 
 
-class MixingProbe:
-    """The first CP forward's per-token check of ``candidates`` (path -> module) of one wired model."""
+def _map_leaves(obj: Any, fn: Callable) -> Any:
+    """``obj`` with every leaf (not a tuple, list or dict) mapped by ``fn``."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_leaves(o, fn) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_leaves(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: _map_leaves(v, fn) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(**out)
+    return fn(obj)
 
-    def __init__(self, candidates: dict[str, nn.Module], group, carrier, report=None):
-        self.candidates, self.group, self.carrier, self.report = candidates, group, carrier, report
-        self.armed = False
-        self.length: int | None = None      # this forward's local length while a first CP forward runs
-        self.results: dict[str, tuple[float, float] | str] = {}
-        self.handles: list = []           # the model's hooks, until the first CP forward passes
-        self.module_handles: list = []    # the candidates' hooks, during a first CP forward only
-        self.stance = None
-        self._inside = False
-        self._spent = 0.0                 # seconds inside the probe's re-runs, this forward
 
-    # ---- per candidate, inside its own forward
-    def check(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.length is None or self._inside or path in self.results:
-            return
-        length = self.length
-        if per_token.sequence_dim(args, kwargs, length) is None:
-            return   # no sequence-shaped input (a vision projector, a config lookup): not on the token path
-        tokens = min(TOKENS, length)
-        if tokens <= SPLIT:
-            return
-        started = time.perf_counter()
-        modes = [(m, m.training) for m in module.modules()]
-        module.eval()
-        self._inside = True
-        devices = sorted({t.device.index or 0 for t in per_token.tensors((args, kwargs)) if t.device.type == "cuda"})
-        try:
-            # the random state as it was: a checkpoint's recomputation (no probe then) draws the same masks
-            with torch.random.fork_rng(devices=devices):
-                err, whole, _ = per_token.split_probe(module, args, kwargs, length, tokens, SPLIT)
-            dtype = next((t.dtype for t in whole if t.is_floating_point()), torch.float32)
-            self.results[path] = (err, per_token.tolerance(dtype))
-        except Exception as exc:   # cannot run on a piece of its input: not shown per-token
-            self.results[path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        finally:
-            self._inside = False
-            for m, mode in modes:
-                m.training = mode
-            self._spent += time.perf_counter() - started
+def _where(fn) -> str:
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return getattr(fn, "__qualname__", repr(fn))
 
-    def problems(self, paths: list[str]) -> list[str]:
-        out = []
-        for path in paths:
-            module = self.candidates[path]
-            found = self.results.get(path)
-            if isinstance(found, tuple):
-                why = (f"its output on {TOKENS} tokens differs from its outputs on two pieces of them (relative "
-                       f"{found[0]:.1e}): it mixes tokens (attention computed in the module, a running statistic or "
-                       "norm over the sequence, a convolution) or numbers them from the local length")
-            elif isinstance(found, str):
-                why = f"it does not run on a piece of its input ({found}), so it cannot be shown per-token"
+
+@dataclass
+class _Meta:
+    """A routed module's real output tensor over the shard: what its stand-in must look like."""
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    dim: int
+
+
+def _primary(args: tuple, kwargs: dict, n: int) -> tuple[torch.Tensor, int] | tuple[None, None]:
+    """A routed module's token input: ``hidden_states`` (or ``x``) when passed by name, else the first
+    floating tensor over ``n`` tokens."""
+    named = [kwargs[k] for k in ("hidden_states", "hidden_state", "x", "input") if isinstance(kwargs.get(k), torch.Tensor)]
+    for t in named + per_token.tensors(args) + per_token.tensors(kwargs):
+        if t.is_floating_point() and seq_dim(t, n) in (0, 1):
+            return t, seq_dim(t, n)
+    return None, None
+
+
+def _per_token_like(meta: _Meta, x: torch.Tensor | None, xdim: int | None, n: int) -> torch.Tensor:
+    """A tensor shaped as ``meta`` over ``n`` tokens whose every token is a function of that token's ``x``."""
+    shape = list(meta.shape)
+    shape[meta.dim] = n
+    if not meta.dtype.is_floating_point or x is None:
+        return torch.zeros(shape, dtype=meta.dtype, device=meta.device)
+    if list(x.shape) == shape and xdim == meta.dim:
+        return torch.tanh(x).to(meta.dtype)
+    z = torch.tanh(x.float().flatten(xdim + 1).mean(-1))          # [B, n] or [n]
+    if xdim == 1 and meta.dim == 1 and z.shape[0] == shape[0]:
+        z = z.view(shape[0], n, *[1] * (len(shape) - 2))
+    else:
+        z = (z.reshape(-1, n).mean(0) if xdim == 1 else z.reshape(n))
+        z = z.view(*[1] * meta.dim, n, *[1] * (len(shape) - meta.dim - 1))
+    return z.expand(shape).to(meta.dtype).contiguous()
+
+
+@dataclass
+class _Routed:
+    """What one routed module did in the real forward: per call, its output (replayed tables) or the shape of
+    its output (stand-ins)."""
+    module: nn.Module
+    replay: bool
+    calls: list = field(default_factory=list)
+    index: int = 0
+
+
+class _StandIns:
+    """During a check run: every routed module's ``forward`` shadowed per instance (and put back)."""
+
+    def __init__(self, routed: dict[str, _Routed], length: int):
+        self.routed, self.length = routed, length
+        self.segments = [(0, length)]
+
+    def _forward(self, entry: _Routed, path: str) -> Callable:
+        def forward(*args, **kwargs):
+            n = sum(b - a for a, b in self.segments)
+            call = entry.calls[min(entry.index, len(entry.calls) - 1)] if entry.calls else None
+            entry.index += 1
+            if entry.replay:
+                if call is None:
+                    raise RuntimeError(f"{path}: not called in the CP forward, so it cannot be replayed")
+                return take(call, self.length, self.segments)
+            x, xdim = _primary(args, kwargs, n)
+            if call is None:
+                if x is None:
+                    raise RuntimeError(f"{path}: not called in the CP forward and no token input to stand in from")
+                return torch.tanh(x)
+            return _map_leaves(call, lambda m: _per_token_like(m, x, xdim, n) if isinstance(m, _Meta) else m)
+        return forward
+
+    def __enter__(self):
+        self.saved = []
+        for path, entry in self.routed.items():
+            entry.index = 0
+            self.saved.append((entry.module, entry.module.__dict__.get("forward")))
+            entry.module.forward = self._forward(entry, path)
+        return self
+
+    def __exit__(self, *exc):
+        for module, forward in self.saved:
+            if forward is None:
+                module.__dict__.pop("forward", None)
             else:
-                why = "another rank of the CP group found it mixes tokens"
-            out.append(f"module {path!r} ({type(module).__name__}): {why}")
-        return out
+                module.forward = forward
 
-    def failed(self) -> list[str]:
-        return [p for p, r in self.results.items()
-                if isinstance(r, str) or (isinstance(r, tuple) and not r[0] <= r[1])]
 
-    # ---- the model's hooks
-    def begin(self, model: nn.Module, kwargs: dict) -> None:
+class MixingCheck:
+    """The first CP forward's token-mixing check of one wired model (per mode)."""
+
+    def __init__(self, model: nn.Module, decoder: str, routed: dict[str, nn.Module], replayed: set[str],
+                 group, carrier, report=None, loss: bool = True):
+        self.loss = loss
+        self.model, self.decoder_path, self.group, self.carrier, self.report = model, decoder, group, carrier, report
+        self.decoder = model.get_submodule(decoder) if decoder else model
+        prefix = decoder + "." if decoder else ""
+        # the routed modules inside the decoder, outermost only
+        inside = {p: m for p, m in routed.items() if (p.startswith(prefix) or not decoder) and p != decoder}
+        self.routed = {p: _Routed(m, replay=p in replayed) for p, m in inside.items()
+                       if not any(q != p and p.startswith(q + ".") for q in inside)}
+        self.done: set[bool] = set()       # the modes checked
+        self.handles: list = []            # the model's hooks, until both modes are checked
+        self.step_handles: list = []       # during a first CP forward of a mode only
+        self.active: dict | None = None    # that forward's record
+        self.stance = None
+        self.results: dict[bool, str] = {}
+
+    # ---- the first CP forward of a mode: record
+    def begin(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if model.training in self.done:
+            return
         batch = self.carrier.batch(kwargs)
         if batch is None:
-            return   # a forward without CP: the probe waits for the first CP one
-        self.length = batch.seq_len // batch.size
-        self.results.clear()
-        self._spent = 0.0
+            return   # a forward without CP: the check waits for the first CP one
+        a = batch.assignment
+        length = a.local_len(batch.rank) if a is not None else batch.seq_len // batch.size
+        self.active = {"mode": model.training, "batch": batch, "length": length, "model_call": (args, dict(kwargs)),
+                       "decoder_call": None, "decoder_out": None, "spent": 0.0}
         if self.stance is None:
             self.stance = compat.run_eagerly(model)
-        if not self.module_handles:   # the candidates are hooked for this forward only
-            for path, module in self.candidates.items():
-                def hook(module, args, kwargs, output, path=path):
-                    self.check(path, module, args, kwargs)
-                self.module_handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        for entry in self.routed.values():
+            entry.calls = []
+        for path, entry in self.routed.items():
+            def record(module, args, output, entry=entry):
+                if self.active is None or self.active.get("inside"):
+                    return
+                if entry.replay:
+                    entry.calls.append(per_token._map(output, lambda t: t.detach()))
+                else:
+                    def meta(t):
+                        d = seq_dim(t, length)
+                        return _Meta(tuple(t.shape), t.dtype, t.device, d) if d is not None else t.detach()
+                    entry.calls.append(per_token._map(output, meta))
+            self.step_handles.append(entry.module.register_forward_hook(record))
+        if self.decoder is not model:
+            def pre(module, args, kwargs):
+                if self.active is not None and not self.active.get("inside") and self.active["decoder_call"] is None:
+                    self.active["decoder_call"] = (args, dict(kwargs))
+
+            def post(module, args, kwargs, output):
+                if self.active is not None and not self.active.get("inside") and self.active["decoder_out"] is None:
+                    self.active["decoder_out"] = output
+            self.step_handles += [self.decoder.register_forward_pre_hook(pre, with_kwargs=True),
+                                  self.decoder.register_forward_hook(post, with_kwargs=True)]
 
     def end_forward(self) -> None:
-        """After a first CP forward (passed, refused or raised): the candidates unhooked, the stance back."""
-        self.length = None
-        for handle in self.module_handles:
+        """After a first CP forward (passed, refused or raised): the step's hooks off, the stance back."""
+        self.active = None
+        for handle in self.step_handles:
             handle.remove()
-        self.module_handles = []
-        self.compile_again()
-
-    def finish(self) -> None:
-        if self.length is None:
-            return
-        self.length = None
-        paths = list(self.candidates)
-        failed = set(self.failed())
-        flags = torch.tensor([1 if p in failed else 0 for p in paths], dtype=torch.int32)
-        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1 and paths:
-            flags = flags.to(collective_device(self.group))
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # every rank refuses alike
-            flags = flags.cpu()
-        bad = [p for p, f in zip(paths, flags.tolist()) if f]
-        if bad:
-            problems = self.problems(bad)
-            self.results.clear()
-            self.end_forward()
-            raise UnsupportedLayerError(
-                "ringmaster's token-mixing probe (first CP forward, before any backward; the loss must not be used): "
-                + "; ".join(problems) + ". Under CP each rank runs such a module on its shard alone, so the result "
-                "is not the single-device one. Fix: make the module per-token, or register the family with an "
-                "ArchitectureSpec that routes it (rm.register_architecture(spec, override=True): its attention "
-                "classes, a declared self-attention site, a recurrent kind), or refuse it (ArchitectureSpec(refuse=...))")
-        probed = len(self.results)
-        if self.report is not None:
-            self.report.token_probe = (f"{probed} of {len(paths)} unrouted modules shown per-token on {TOKENS} tokens "
-                                       f"in {1e3 * self._spent:.0f} ms")
-        self.disarm()
-
-    def compile_again(self) -> None:
+        self.step_handles = []
+        for entry in self.routed.values():
+            entry.calls = []
         if self.stance is not None:
             stance, self.stance = self.stance, None
             stance.__exit__(None, None, None)
 
+    # ---- after it: check, agree, refuse or record
+    def finish(self, output) -> None:
+        rec = self.active
+        if rec is None:
+            return
+        started = time.perf_counter()
+        rec["inside"] = True
+        problem = None
+        try:
+            problem = self._check(rec, output)
+        except Exception as exc:   # the decoder does not run on the check's inputs: not shown per-token
+            problem = (f"the decoder {self._name(self.decoder_path, self.decoder)} does not run on the check's inputs "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}), so it cannot "
+                       "be shown per-token")
+        spent = time.perf_counter() - started
+        flag = torch.tensor([0 if problem is None else self._rank() + 1], dtype=torch.int32)
+        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            flag = flag.to(collective_device(self.group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)   # every rank refuses alike
+            flag = flag.cpu()
+        bad = int(flag.item())
+        if bad:
+            self.end_forward()
+            why = problem if problem is not None else f"rank {bad - 1} of the CP group found token mixing (see its error)"
+            raise UnsupportedLayerError(
+                "ringmaster's token-mixing check (first CP forward in "
+                f"{'training' if rec['mode'] else 'eval'} mode, before any backward; the loss must not be used): "
+                f"{why}. Under CP each rank runs it on its shard alone, so the result is not the single-device one. "
+                "Fix: make it per-token (positions from the position_ids ringmaster passes, no statistic over the "
+                "sequence), or register the family with an ArchitectureSpec that routes it "
+                "(rm.register_architecture(spec, override=True): its attention classes, a declared self-attention "
+                "site, a recurrent kind), or refuse it (ArchitectureSpec(refuse=...))")
+        self.done.add(rec["mode"])
+        note = (f"{self._name(self.decoder_path, self.decoder)} shown per-token at its {rec['length']}-token shard in "
+                f"{'training' if rec['mode'] else 'eval'} mode ({len(self.routed)} routed modules stood in) in "
+                f"{1e3 * spent:.0f} ms")
+        self.results[rec["mode"]] = note
+        if self.report is not None:
+            self.report.token_probe = "; ".join(self.results[m] for m in sorted(self.results, reverse=True))
+        self.end_forward()
+        if len(self.done) == 2:
+            self.disarm()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None and dist.is_initialized() else 0
+
+    @staticmethod
+    def _name(path: str, module: nn.Module) -> str:
+        return f"{path or 'the model'!r} ({type(module).__name__})"
+
+    # ---- the runs
+    def _devices(self, obj) -> list[int]:
+        return sorted({t.device.index or 0 for t in per_token.tensors(obj) if t.device.type == "cuda"})
+
+    def _run(self, fn: Callable, segments: list, length: int, state) -> Any:
+        """``fn()`` with the routed modules standing in over ``segments`` of the shard, dropout off, from the
+        step's random state."""
+        torch.set_rng_state(state[0])
+        for d, s in state[1]:
+            torch.cuda.set_rng_state(s, d)
+        stand = _StandIns(self.routed, length)
+        stand.segments = segments
+        with stand, _NoDropout():
+            return fn()
+
+    def _check(self, rec: dict, model_output) -> str | None:
+        length = rec["length"]
+        if self.decoder is self.model or rec["decoder_call"] is None:
+            call, decoder, path = rec["model_call"], self.model, ""
+        else:
+            call, decoder, path = rec["decoder_call"], self.decoder, self.decoder_path
+        args, kwargs = call
+        key, token = self._token_input(args, kwargs, length)
+        if token is None or length < 2:
+            return None
+        devices = self._devices((args, kwargs))
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings(), \
+                self.carrier_holding(rec["batch"]):
+            warnings.simplefilter("ignore")
+            state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
+            other = self._changed(token)
+            d = 1 if token.dim() > 1 else 0
+
+            def run(plan):
+                """The decoder over ``plan``: shard segments ``(start, stop, changed)`` one after another, the
+                changed ones with other tokens."""
+                segments = [(a, b) for a, b, _ in plan]
+                a, k = take((args, kwargs), length, segments)
+                tokens = torch.cat([(other if changed else token).narrow(d, s, e - s) for s, e, changed in plan], d)
+                a, k = self._with_token(a, k, key, tokens)
+
+                def fn():
+                    try:
+                        return decoder.forward(*a, **k)
+                    except _Stop as stop:
+                        return stop.value
+                return _outputs(self._run(fn, segments, length, state), sum(e - s for s, e in segments))
+            head = self._head_stop(decoder)
+            try:
+                found = self._tests(run, length, decoder, path)
+            finally:
+                if head is not None:
+                    head.remove()
+            if found is None and self.loss and decoder is not self.model and rec["decoder_out"] is not None:
+                found = self._loss_test(rec, length, state)
+        return found
+
+    def carrier_holding(self, batch):
+        from ..sharding.carrier import holding
+        return holding([self.carrier], batch)
+
+    def _head_stop(self, decoder: nn.Module):
+        """With the whole model as the decoder: stop its forward at the head's input (no logits)."""
+        if decoder is not self.model or not hasattr(self.model, "get_output_embeddings"):
+            return None
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Module):
+            return None
+
+        def pre(module, args):
+            raise _Stop(args[0] if args else None)
+        return head.register_forward_pre_hook(pre)
+
+    @staticmethod
+    def _token_input(args: tuple, kwargs: dict, length: int):
+        for key in ("input_ids", "inputs_embeds"):
+            t = kwargs.get(key)
+            if isinstance(t, torch.Tensor) and seq_dim(t, length) == 1:
+                return key, t
+        for i, t in enumerate(args):
+            if isinstance(t, torch.Tensor) and seq_dim(t, length) in (0, 1):
+                return i, t
+        return None, None
+
+    def _vocab(self) -> int | None:
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        return getattr(emb, "num_embeddings", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
+
+    def _changed(self, token: torch.Tensor) -> torch.Tensor:
+        """Other tokens at every position: the next id (embeddings: random, at their scale)."""
+        if token.is_floating_point():
+            scale = float(token.float().std()) if token.numel() > 1 else 1.0
+            g = torch.Generator(device="cpu").manual_seed(1234)
+            return torch.randn(token.shape, generator=g).to(token) * max(scale, 1e-3)
+        vocab = self._vocab()
+        return (token + 1) % vocab if vocab else token + 1
+
+    @staticmethod
+    def _with_token(args, kwargs, key, value):
+        if isinstance(key, int):
+            args = tuple(value if i == key else a for i, a in enumerate(args))
+        else:
+            kwargs = dict(kwargs)
+            kwargs[key] = value
+        return args, kwargs
+
+    def _tests(self, run, length: int, decoder: nn.Module, path: str) -> str | None:
+        c = length // 2
+        base = [(0, length, False)]
+        whole = run(base)
+        if not whole:
+            return None
+        dtype = whole[0][0].dtype
+        tight = per_token.tolerance(dtype)
+        loose = SURROUND_TOL if dtype in (torch.float32, torch.float64) else SURROUND_TOL_16
+        tests = [
+            ([(0, c, True), (c, length, False)], 1, tight,
+             f"with the tokens of [0, {c}) of the rank's {length}-token shard changed, its outputs on [{c}, {length}) "
+             "moved"),
+            ([(0, c, False), (c, length, True)], 0, tight,
+             f"with the tokens of [{c}, {length}) of the rank's {length}-token shard changed, its outputs on [0, {c}) "
+             "moved"),
+            ([(0, length, True), (0, length, False), (0, length, True)], 1, loose,
+             f"run on the rank's {length}-token shard between two other {length}-token stretches (as one device runs "
+             "it, among the other ranks' tokens), its outputs on the shard moved"),
+        ]
+        for plan, kept, tol, what in tests:
+            moved = run(plan)
+            offset = sum(e - s for s, e, _ in plan[:kept])
+            span = plan[kept][:2]
+            err, where = _compare(whole, moved, span, offset)
+            if not err <= tol:
+                culprit = self._trace(run, base, plan, where, offset - span[0], tol, decoder, path)
+                return (f"{culprit}: {what} (relative {err:.1e}, tolerance {tol:.0e}): it mixes tokens (a statistic, "
+                        "scan, convolution, window or attention over the sequence, at any lag or only above some "
+                        "length), or numbers or scales them by the local length (arange(seq_len), a length-dependent "
+                        "scale)")
+        return None
+
+    def _loss_test(self, rec: dict, length: int, state) -> str | None:
+        """The model's own head and loss on a window of the shard, the decoder replayed by its real output."""
+        args, kwargs = rec["model_call"]
+        if not _outputs(rec["decoder_out"], length):
+            return None
+        w = min(length, LOSS_WINDOW)
+        if w < 2:
+            return None
+        c = w // 2
+        decoder, out = self.decoder, rec["decoder_out"]
+        saved = decoder.__dict__.get("forward")
+        segments = [(0, w)]
+
+        def replay(*a, **k):
+            return take(per_token._map(out, lambda t: t.detach()), length, segments)
+        results = []
+        decoder.forward = replay
+        try:
+            for lo, hi in ((0, w), (0, c), (c, w)):
+                segments[:] = [(lo, hi)]
+                a, k = take((args, kwargs), length, [(lo, hi)])
+                o = self._run(lambda: self.model.forward(*a, **k), [(lo, hi)], length, state)
+                loss = o.get("loss") if isinstance(o, dict) else getattr(o, "loss", None)
+                results.append((loss, _outputs(o, hi - lo)))
+        finally:
+            if saved is None:
+                decoder.__dict__.pop("forward", None)
+            else:
+                decoder.forward = saved
+        (whole_loss, whole), (l1, p1), (l2, p2) = results
+        where = type(self.model).forward
+        fp32 = whole[0][0].dtype in (torch.float32, torch.float64) if whole else True
+        if whole and p1 and p2:
+            pieces = [(torch.cat([u, v], dim=d), d) for (u, d), (v, _) in zip(p1, p2)]
+            err, _ = _compare(whole, pieces, (0, w), 0)
+            tol = per_token.tolerance(whole[0][0].dtype)
+            if not err <= tol:
+                return (f"the head of {self._name('', self.model)} (forward at {_where(where)}): its outputs on "
+                        f"{w} tokens differ from those on two pieces of them (relative {err:.1e}): the head mixes "
+                        "tokens or numbers them from the local length")
+        if isinstance(whole_loss, torch.Tensor) and isinstance(l1, torch.Tensor) and isinstance(l2, torch.Tensor):
+            total, parts = whole_loss.double(), l1.double() + l2.double()
+            err = float((total - parts).abs()) / max(float(total.abs()), 1e-12)
+            tol = LOSS_TOL if fp32 else LOSS_TOL_16
+            if not err <= tol:
+                return (f"the loss of {self._name('', self.model)} (forward at {_where(where)}): on the first {w} "
+                        f"tokens of the shard it is {float(total):.6g}, on two pieces of them {float(l1):.6g} + "
+                        f"{float(l2):.6g} (relative {err:.1e}, tolerance {tol:.0e}): under CP the rank losses add up to "
+                        "the model's loss only if it is a sum over tokens divided by the num_items_in_batch ringmaster "
+                        "passes, with the shift_labels it passes (a mean over the shard, labels shifted inside the "
+                        "shard, or a statistic over the sequence in the loss is not)")
+        return None
+
+    def _trace(self, run, base_plan, plan, where: list[int], shift: int, tol: float, decoder: nn.Module,
+               path: str) -> str:
+        """Re-run the base and the failing plan recording every module's inputs and outputs at the row positions
+        ``where`` (``p + shift`` in the failing run): the innermost module whose inputs agree and whose outputs
+        do not, else the decoder's own code."""
+        modules = {}
+        for name, m in decoder.named_modules():
+            full = f"{path}.{name}" if path and name else (name or path)
+            if not name or any(full == r or full.startswith(r + ".") for r in self.routed):
+                continue
+            modules[full] = m
+
+        def traced(plan, positions):
+            n = sum(e - s for s, e, _ in plan)
+            pos = torch.tensor(positions)
+            seen: dict[tuple[str, int], tuple] = {}
+            counts: dict[str, int] = {}
+
+            def digest(obj):
+                return [t.index_select(d, pos.to(t.device)).double().cpu()
+                        for t in per_token.tensors(obj) if (d := seq_dim(t, n)) is not None]
+            handles = []
+            for name, m in modules.items():
+                def hook(module, args, kwargs, output, name=name):
+                    k = counts.get(name, 0)
+                    counts[name] = k + 1
+                    seen[(name, k)] = (digest((args, kwargs)), digest(output))
+                handles.append(m.register_forward_hook(hook, with_kwargs=True))
+            try:
+                run(plan)
+            finally:
+                for h in handles:
+                    h.remove()
+            return seen
+        a, b = traced(base_plan, where), traced(plan, [p + shift for p in where])
+
+        def same(x, y):
+            if len(x) != len(y):
+                return False
+            for u, v in zip(x, y):
+                if u.shape != v.shape:
+                    return False
+                if u.numel() and float((u - v).abs().max()) > tol * max(float(u.abs().max()), 1e-30):
+                    return False
+            return True
+        culprits = [name for (name, k) in a if (name, k) in b and same(a[(name, k)][0], b[(name, k)][0])
+                    and not same(a[(name, k)][1], b[(name, k)][1])]
+        names = set(culprits)
+        inner = [n for n in dict.fromkeys(culprits) if not any(o != n and o.startswith(n + ".") for o in names)]
+        if not inner:
+            return f"the decoder {self._name(path, decoder)}, in its own forward at {_where(type(decoder).forward)}"
+        parts = []
+        for n in inner[:3]:
+            m = modules[n]
+            leaf = not any(o.startswith(n + ".") for o in modules if o != n)
+            kind = "forward" if leaf else "own forward, between its children"
+            parts.append(f"module {n!r} ({type(m).__name__}, {kind} at {_where(type(m).forward)})")
+        return "; ".join(parts)
+
+    # ---- hooks
     def disarm(self) -> None:
-        self.armed = False
         self.end_forward()
         for handle in self.handles:
             handle.remove()
         self.handles = []
 
 
-def arm(probe: MixingProbe, model: nn.Module) -> None:
-    """Hook ``model``'s first CP forward (its pre-hook first of all, its restoring post-hook last of all, so
-    the eager stance nests around the attention accounting's); the candidates are hooked during that forward."""
+def _compare(whole: list, other: list, span: tuple[int, int], offset: int) -> tuple[float, list[int]]:
+    """The worst relative difference of ``other``'s outputs at ``offset...`` against ``whole``'s on the row
+    positions ``span``, and the row positions it is worst at."""
+    a, b = span
+    worst, where = 0.0, [a]
+    for (u, d), (v, _) in zip(whole, other):
+        uu = u.narrow(d, a, b - a).double()
+        if v.dim() <= d or v.shape[d] < offset + b - a:
+            return float("inf"), [a]
+        vv = v.narrow(d, offset, b - a).double()
+        if uu.shape != vv.shape:
+            return float("inf"), [a]
+        diff = (uu - vv).abs()
+        err = float(diff.max()) / max(float(u.abs().max()), 1e-30) if diff.numel() else 0.0
+        if err > worst:
+            worst = err
+            per_pos = diff.movedim(d, 0).reshape(diff.shape[d], -1).amax(-1)
+            top = per_pos.topk(min(TRACE_POSITIONS, per_pos.numel())).indices
+            where = sorted(a + int(i) for i in top)
+    return worst, where
+
+
+def decoder_path(model: nn.Module, spec) -> str:
+    """The module that takes the shard and feeds the head: a VLM's language model, the base model, else the
+    model itself ("")."""
+    if spec.multimodal:
+        return spec.language_model
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return ""
+    for path, m in model.named_modules():
+        if m is base:
+            return path
+    return ""
+
+
+def arm(check: MixingCheck, model: nn.Module) -> None:
+    """Hook ``model``'s first CP forward of each mode (its pre-hook first of all, its post-hook last of all, so
+    the eager stance nests around the attention accounting's and the check runs after its ledger closed)."""
 
     @torch.compiler.disable
     def pre(module, args, kwargs):
-        if probe.armed:
-            probe.begin(module, kwargs)
+        if check.active is None:
+            check.begin(module, args, kwargs)
 
     @torch.compiler.disable
     def post(module, args, kwargs, output):
-        if probe.armed:
-            probe.finish()
+        if check.active is not None:
+            check.finish(output)
 
     @torch.compiler.disable
-    def restore(module, *args):   # always: a forward that raised leaves no hook and the stance as it found it
-        probe.end_forward()
+    def restore(module, *args):   # always: a forward that raised leaves no step hook and the stance as it found it
+        check.end_forward()
 
-    probe.handles = [model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
+    check.handles = [model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
                      model.register_forward_hook(post, with_kwargs=True),
                      model.register_forward_hook(restore, always_call=True)]
-    probe.armed = bool(probe.candidates)
-    if not probe.armed:
-        probe.disarm()
