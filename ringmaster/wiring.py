@@ -157,6 +157,17 @@ def _switch_attention(model, spec, name: str, undo: list) -> None:
         model.set_attn_implementation(name)
 
 
+def _rescaled_loss(spec) -> bool:
+    """A family whose loss ringmaster rescales itself (a self-attention site's ``mean_loss``: a collective in
+    its hook), which the token-mixing check's loss test must not re-run."""
+    return any(site.mean_loss for site in (spec.self_attention or {}).values())
+
+
+def _batch_rule(spec) -> bool:
+    """A family whose per-row statistic (xlm's padding count) a declared batch rule makes exact under CP."""
+    return any(site.batch_rule is not None for site in (spec.self_attention or {}).values())
+
+
 def _refuse_router_logits_kwarg(model, undo: list) -> None:
     """A MoE model can switch its auxiliary load-balancing loss on per call (``output_router_logits=True``
     overrides the config, which ``wire`` already checked): refuse that call before its forward runs."""
@@ -317,7 +328,8 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         modules = dict(model.named_modules())
         check = mixing.MixingCheck(model, mixing.decoder_path(model, spec),
                                    {p: modules[p] for p in routed + replayed if p in modules}, set(replayed),
-                                   rt.cp_group, carrier, rt.report, loss=not spec.multimodal)
+                                   rt.cp_group, carrier, rt.report, loss=not (spec.multimodal or _rescaled_loss(spec)),
+                                   surround=not (spec.multimodal or _batch_rule(spec)))
         mixing.arm(check, model)
         rt.mixing = check
         undo.append(check.disarm)

@@ -199,8 +199,13 @@ def accounting_passes_then_disarms(ctx, P=2, model_type="phi3"):
         for _ in range(2):
             with context_parallel_region(batch) as shard:
                 model(**shard).loss.backward()
-        def others(hooks):   # the per-rank random-state fork (sharding/rng.py) stays for every CP forward
-            return sum(1 for h in hooks.values() if not isinstance(getattr(h, "__self__", None), rng.RankFork))
+        # the per-rank random-state fork (sharding/rng.py) stays for every CP forward; the token-mixing check's
+        # hooks until it has seen a CP forward in eval mode too (architectures/mixing.py)
+        mixing = {h.id for h in rt.mixing.handles}
+
+        def others(hooks):
+            return sum(1 for k, h in hooks.items()
+                       if k not in mixing and not isinstance(getattr(h, "__self__", None), rng.RankFork))
 
         return armed_before, ledger.armed, len(ledger.handles), others(model._forward_hooks), others(
             model._forward_pre_hooks)

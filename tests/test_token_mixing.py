@@ -1,47 +1,67 @@
-"""Modules no registry knows are shown per-token on the first CP forward, or refused on every rank.
+"""Token mixing outside what ringmaster routes is refused on every rank before any backward (issues 27 and 37).
 
-Each case edits a tiny Llama the way user code and ``trust_remote_code`` repositories do (issue 27's table)
-and runs it under CP against the same model without CP (``ringmaster_tools.parity.compare``). Before the
-probe (:mod:`ringmaster.architectures.mixing`) every one of them trained silently wrong; now each is refused
-on every rank, before any gradient, naming the module, and the unedited model stays exact.
+Each case edits a tiny Llama the way user code and ``trust_remote_code`` repositories do. Before the check of
+issue 37 (:mod:`ringmaster.architectures.mixing`), the cases of its table trained silently wrong (mixing in a
+decoder layer's own forward, at lags past 16 tokens, only in training, only above 16 tokens, through a
+channels-first conv, anything under ``load_balance="documents"``); now every one is refused under Ulysses,
+Ring, USP and documents, naming the module (or the loss), and the unedited model stays exact.
 """
 
 import jobs_token_mixing
 import pytest
 
-REFUSED = [
-    ("running_mean_mlp", "model.layers.0.mlp"),          # x.cumsum(1) / arange around an MLP
-    ("sequence_centred_norm", "model.norm"),              # the final norm after subtracting the sequence mean
-    ("local_positions", "model.embed_tokens"),            # sinusoidal positions from the local length
-    ("remote_sdpa", "model.layers.1.self_attn"),          # fused wqkv, local rotary, F.sdpa(is_causal=True)
-    ("remote_alibi", "model.layers.1.self_attn"),         # softmax(QK^T + ALiBi) computed in the module
-]
+# case -> what the refusal names
+EXPECTED = {
+    "running_mean_mlp": "'model.layers.0.mlp'",
+    "sequence_centred_norm": "'model.norm'",
+    "local_positions": "'model.embed_tokens'",
+    "remote_sdpa": "'model.layers.1.self_attn'",
+    "remote_alibi": "'model.layers.1.self_attn'",
+    "layer_running_mean": "'model.layers.0' (LlamaDecoderLayerEdited, own forward",
+    "layer_shift": "'model.layers.1' (LlamaDecoderLayerEdited, own forward",
+    "long_lag": "'model.layers.0.mlp'",
+    "training_only": "'model.layers.0.mlp'",
+    "longer_than_16": "'model.layers.0.mlp'",
+    "channels_first_conv": "'model.layers.0.mlp' (ChannelsFirstConv",
+    "local_scale": "'model.layers.0.mlp'",
+    "first_token_state": "'model.layers.0.mlp'",
+    "fft_filter": "'model.layers.0.mlp'",
+    "unfold_window": "'model.layers.0.mlp'",
+    "custom_function": "'model.layers.0.mlp'",
+    "loss_statistic": "the loss of",
+    "loss_local_mean": "the loss of",
+    "loss_shifts_labels": "the loss of",
+}
 
 
-@pytest.mark.parametrize("case, path", REFUSED)
-def test_token_mixing_module_is_refused_on_every_rank_before_backward(pool, case, path):
-    for r in pool.run(jobs_token_mixing.llama_case, case):
-        assert r["refused"] is not None, r
-        assert "token-mixing probe" in r["refused"] and repr(path) in r["refused"], r["refused"]
-        assert r["grads"] == 0, r   # raised before backward
+@pytest.mark.parametrize("layout, P", [("ulysses", 2), ("ring", 2), ("documents", 2), ("usp", 4)])
+def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
+    cases = ["plain", *EXPECTED]
+    for ranks in [pool.run(jobs_token_mixing.refusals, cases, layout, P=P)]:
+        assert all(r["plain"] is None for r in ranks), [r["plain"] for r in ranks]   # the unedited model runs
+        for case, named in EXPECTED.items():
+            found = [r[case] for r in ranks]
+            assert all(f is not None and f["grads"] == 0 for f in found), (case, found)
+            assert all("token-mixing check" in f["error"] for f in found), (case, found)
+            # the rank(s) that measured it name what mixes; the others say which rank did
+            assert any(named in f["error"] for f in found), (case, [f["error"][:400] for f in found])
 
 
-def test_remote_attention_in_every_layer_is_refused(pool):
-    for r in pool.run(jobs_token_mixing.llama_case, "remote_sdpa_everywhere"):
-        assert r["refused"] is not None and r["grads"] == 0, r
-
-
-def test_unedited_model_is_exact_and_the_probe_reports(pool):
-    for r in pool.run(jobs_token_mixing.llama_case, "plain"):
+def test_unedited_model_is_exact_and_the_check_reports_each_mode(pool):
+    for r in pool.run(jobs_token_mixing.exactness, "plain"):
         assert r["refused"] is None and r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5, r
-    for r in pool.run(jobs_token_mixing.probe_report):
-        assert r["before"] is None and "shown per-token" in r["after"] and "token-mixing probe" in r["text"], r
+    for r in pool.run(jobs_token_mixing.check_report):
+        assert r["before"] is None and "training mode" in r["train"] and "eval mode" in r["after"], r
+        assert "shown per-token at its 32-token shard" in r["after"] and "token-mixing" in r["text"], r
+        assert r["disarmed"], r   # both modes checked: no hook left on the model
 
 
-def test_mutation_without_the_probe_the_running_mean_trains_wrong(pool):
-    """Mutation: the probe sees no module. The edited model is not refused and its CP gradients are wrong,
-    so the refusal test above fails."""
-    for r in pool.run(jobs_token_mixing.llama_case, "running_mean_mlp", probe=False):
+def test_mutation_a_module_the_check_skips_trains_wrong(pool):
+    """Mutation: the check stands in for layer 0's MLP as if ringmaster routed it. The running mean it adds is
+    then not refused and the CP gradients are wrong, so the refusal test above fails."""
+    for r in pool.run(jobs_token_mixing.exactness, "running_mean_mlp", mutation="skip"):
+        assert r["refused"] is None and r["grad"] > 1e-2, r
+    for r in pool.run(jobs_token_mixing.exactness, "running_mean_mlp", layout="documents", mutation="off"):
         assert r["refused"] is None and r["grad"] > 1e-2, r
 
 

@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from .. import compat, per_token
 from ..comm import collective_device
 from ..errors import UnsupportedLayerError
+from ..sharding.carrier import holding
 
 LOSS_WINDOW = 64       # tokens the loss check runs the head and loss on (one target lost at a cut: 1/64 off)
 TRACE_POSITIONS = 8    # positions a failure is traced at, module by module
@@ -99,8 +100,10 @@ def take(obj: Any, n: int, segments) -> Any:
         d = seq_dim(t, n)
         if d is None:
             return t
+        if len(segments) == 1 and segments[0] == (0, n):
+            return t
         parts = [t.narrow(d, a, b - a) for a, b in segments]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=d)
     return per_token._map(obj, one)
 
 
@@ -180,11 +183,31 @@ class _Routed:
     index: int = 0
 
 
-class _StandIns:
-    """During a check run: every routed module's ``forward`` shadowed per instance (and put back)."""
+class _StandIn(nn.Module):
+    """A routed module's place during a check run: ``fn`` instead of its forward and its hooks (a position
+    table's steering, FSDP's or DeepSpeed's gathers); its other attributes read through to it."""
 
-    def __init__(self, routed: dict[str, _Routed], length: int):
-        self.routed, self.length = routed, length
+    def __init__(self, original: nn.Module, fn: Callable):
+        super().__init__()
+        object.__setattr__(self, "_original", original)   # not a child: no parameters of its own
+        object.__setattr__(self, "_fn", fn)
+
+    def forward(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_original"), name)
+
+
+class _StandIns:
+    """During a check run: every routed module swapped, in every parent that holds it, for its stand-in (and
+    put back)."""
+
+    def __init__(self, root: nn.Module, routed: dict[str, _Routed], length: int):
+        self.root, self.routed, self.length = root, routed, length
         self.segments = [(0, length)]
 
     def _forward(self, entry: _Routed, path: str) -> Callable:
@@ -205,27 +228,31 @@ class _StandIns:
         return forward
 
     def __enter__(self):
-        self.saved = []
+        by_id = {}
         for path, entry in self.routed.items():
             entry.index = 0
-            self.saved.append((entry.module, entry.module.__dict__.get("forward")))
-            entry.module.forward = self._forward(entry, path)
+            by_id[id(entry.module)] = _StandIn(entry.module, self._forward(entry, path))
+        self.swapped = [(parent, name, child) for parent in self.root.modules()
+                        for name, child in parent.named_children() if id(child) in by_id]
+        for parent, name, child in self.swapped:
+            setattr(parent, name, by_id[id(child)])
         return self
 
     def __exit__(self, *exc):
-        for module, forward in self.saved:
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = forward
+        for parent, name, child in self.swapped:
+            setattr(parent, name, child)
+        self.swapped = []
 
 
 class MixingCheck:
     """The first CP forward's token-mixing check of one wired model (per mode)."""
 
     def __init__(self, model: nn.Module, decoder: str, routed: dict[str, nn.Module], replayed: set[str],
-                 group, carrier, report=None, loss: bool = True):
-        self.loss = loss
+                 group, carrier, report=None, loss: bool = True, surround: bool = True):
+        # loss: run the loss test (not for a VLM, nor a loss ringmaster rescales itself); surround: run the
+        # decoder on the shard among other tokens (not for a VLM's language model, whose image features are
+        # gathered per shard, nor a family whose per-row count a declared batch rule makes exact: xlm)
+        self.loss, self.surround = loss, surround
         self.model, self.decoder_path, self.group, self.carrier, self.report = model, decoder, group, carrier, report
         self.decoder = model.get_submodule(decoder) if decoder else model
         prefix = decoder + "." if decoder else ""
@@ -297,20 +324,8 @@ class MixingCheck:
             return
         started = time.perf_counter()
         rec["inside"] = True
-        problem = None
-        try:
-            problem = self._check(rec, output)
-        except Exception as exc:   # the decoder does not run on the check's inputs: not shown per-token
-            problem = (f"the decoder {self._name(self.decoder_path, self.decoder)} does not run on the check's inputs "
-                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}), so it cannot "
-                       "be shown per-token")
+        problem, bad = self._check(rec, output)
         spent = time.perf_counter() - started
-        flag = torch.tensor([0 if problem is None else self._rank() + 1], dtype=torch.int32)
-        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            flag = flag.to(collective_device(self.group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)   # every rank refuses alike
-            flag = flag.cpu()
-        bad = int(flag.item())
         if bad:
             self.end_forward()
             why = problem if problem is not None else f"rank {bad - 1} of the CP group found token mixing (see its error)"
@@ -333,6 +348,15 @@ class MixingCheck:
         if len(self.done) == 2:
             self.disarm()
 
+    def _agree(self, failed: bool) -> int:
+        """0 when no rank of the group failed, else 1 + the highest failing rank (one all-reduce)."""
+        flag = torch.tensor([self._rank() + 1 if failed else 0], dtype=torch.int32)
+        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            flag = flag.to(collective_device(self.group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)   # every rank refuses alike
+            flag = flag.cpu()
+        return int(flag.item())
+
     def _rank(self) -> int:
         return dist.get_rank(self.group) if self.group is not None and dist.is_initialized() else 0
 
@@ -350,12 +374,15 @@ class MixingCheck:
         torch.set_rng_state(state[0])
         for d, s in state[1]:
             torch.cuda.set_rng_state(s, d)
-        stand = _StandIns(self.routed, length)
+        stand = _StandIns(self.model, self.routed, length)
         stand.segments = segments
         with stand, _NoDropout():
             return fn()
 
-    def _check(self, rec: dict, model_output) -> str | None:
+    def _check(self, rec: dict, output) -> tuple[str | None, int]:
+        """Every rank runs the same runs whatever it finds (a run may gather parameters: FSDP2, ZeRO-3), agrees,
+        and when any rank failed every rank runs one trace of two runs. Returns this rank's finding and the
+        agreed flag."""
         length = rec["length"]
         if self.decoder is self.model or rec["decoder_call"] is None:
             call, decoder, path = rec["model_call"], self.model, ""
@@ -363,13 +390,13 @@ class MixingCheck:
             call, decoder, path = rec["decoder_call"], self.decoder, self.decoder_path
         args, kwargs = call
         key, token = self._token_input(args, kwargs, length)
-        if token is None or length < 2:
-            return None
         devices = self._devices((args, kwargs))
         with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings(), \
-                self.carrier_holding(rec["batch"]):
+                holding([self.carrier], rec["batch"]):
             warnings.simplefilter("ignore")
             state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
+            if token is None:
+                return None, self._agree(False)
             other = self._changed(token)
             d = 1 if token.dim() > 1 else 0
 
@@ -389,16 +416,27 @@ class MixingCheck:
                 return _outputs(self._run(fn, segments, length, state), sum(e - s for s, e in segments))
             head = self._head_stop(decoder)
             try:
-                found = self._tests(run, length, decoder, path)
+                found, trace = self._tests(run, length, decoder, path)
+                real_loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+                if self.loss and isinstance(real_loss, torch.Tensor) and decoder is not self.model \
+                        and rec["decoder_out"] is not None:
+                    loss = self._loss_test(rec, length, state)
+                    found = found if found is not None else loss
+                bad = self._agree(found is not None)
+                if bad:   # every rank traces (its own failure, or the shard against itself): the same runs
+                    try:
+                        where = self._trace(run, *(trace or ([(0, length, False)], [0], 0, per_token.TOL)), decoder,
+                                            path)
+                    except Exception as exc:   # the finding stands; only its place is unknown
+                        where = f"the decoder {self._name(path, decoder)} (not traced: {type(exc).__name__})"
+                    if found is not None and trace is not None:
+                        found = f"{where}: {found}"
             finally:
                 if head is not None:
                     head.remove()
-            if found is None and self.loss and decoder is not self.model and rec["decoder_out"] is not None:
-                found = self._loss_test(rec, length, state)
-        return found
+        return found, bad
 
     def carrier_holding(self, batch):
-        from ..sharding.carrier import holding
         return holding([self.carrier], batch)
 
     def _head_stop(self, decoder: nn.Module):
@@ -428,14 +466,36 @@ class MixingCheck:
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         return getattr(emb, "num_embeddings", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
 
+    def _special_ids(self) -> set[int]:
+        """The config's special token ids (``*_token_id``, ``*_index``): padding, BOS/EOS, image placeholders."""
+        found: set[int] = set()
+        configs = [getattr(self.model, "config", None)]
+        configs += [getattr(configs[0], k, None) for k in ("text_config", "decoder")] if configs[0] is not None else []
+        for config in configs:
+            for name, value in (vars(config).items() if config is not None else ()):
+                if name.endswith(("_token_id", "_token_ids", "_index", "_id")) and not isinstance(value, bool):
+                    for v in value if isinstance(value, (list, tuple)) else [value]:
+                        if isinstance(v, int):
+                            found.add(v)
+        return found
+
     def _changed(self, token: torch.Tensor) -> torch.Tensor:
-        """Other tokens at every position: the next id (embeddings: random, at their scale)."""
+        """Other tokens at every position: the next ordinary id (special ids, such as padding that a model counts
+        over the row, stay as they are and are never made), embeddings random at their scale."""
         if token.is_floating_point():
             scale = float(token.float().std()) if token.numel() > 1 else 1.0
             g = torch.Generator(device="cpu").manual_seed(1234)
             return torch.randn(token.shape, generator=g).to(token) * max(scale, 1e-3)
-        vocab = self._vocab()
-        return (token + 1) % vocab if vocab else token + 1
+        vocab = self._vocab() or int(token.max()) + 2
+        special = torch.tensor(sorted(self._special_ids()), dtype=token.dtype, device=token.device)
+        out = token.clone()
+        todo = ~torch.isin(token, special)
+        for k in range(1, len(special) + 2):   # the first ordinary id after it
+            candidate = (token + k) % vocab
+            ok = todo & ~torch.isin(candidate, special)
+            out = torch.where(ok, candidate, out)
+            todo = todo & ~ok
+        return out
 
     @staticmethod
     def _with_token(args, kwargs, key, value):
@@ -446,38 +506,48 @@ class MixingCheck:
             kwargs[key] = value
         return args, kwargs
 
-    def _tests(self, run, length: int, decoder: nn.Module, path: str) -> str | None:
+    def _tests(self, run, length: int, decoder: nn.Module, path: str) -> tuple[str | None, tuple | None]:
+        """The base run and the three test runs, all of them; the first failure and what its trace needs."""
         c = length // 2
         base = [(0, length, False)]
-        whole = run(base)
-        if not whole:
-            return None
-        dtype = whole[0][0].dtype
-        tight = per_token.tolerance(dtype)
-        loose = SURROUND_TOL if dtype in (torch.float32, torch.float64) else SURROUND_TOL_16
         tests = [
-            ([(0, c, True), (c, length, False)], 1, tight,
+            ([(0, c, True), (c, length, False)], 1, True,
              f"with the tokens of [0, {c}) of the rank's {length}-token shard changed, its outputs on [{c}, {length}) "
              "moved"),
-            ([(0, c, False), (c, length, True)], 0, tight,
+            ([(0, c, False), (c, length, True)], 0, True,
              f"with the tokens of [{c}, {length}) of the rank's {length}-token shard changed, its outputs on [0, {c}) "
              "moved"),
-            ([(0, length, True), (0, length, False), (0, length, True)], 1, loose,
+            ([(0, length, True), (0, length, False), (0, length, True)], 1, False,
              f"run on the rank's {length}-token shard between two other {length}-token stretches (as one device runs "
              "it, among the other ranks' tokens), its outputs on the shard moved"),
-        ]
-        for plan, kept, tol, what in tests:
-            moved = run(plan)
+        ][:3 if self.surround else 2]
+        outputs = []
+        for plan in [base] + [t[0] for t in tests]:
+            try:
+                outputs.append(run(plan))
+            except Exception as exc:   # every run is tried: each rank runs the same ones
+                outputs.append(exc)
+        whole = outputs[0]
+        for out in outputs:
+            if isinstance(out, Exception):
+                return (f"the decoder {self._name(path, decoder)} does not run on the check's inputs "
+                        f"({type(out).__name__}: {str(out).splitlines()[0][:200] if str(out) else ''}), so it cannot "
+                        "be shown per-token"), None
+        if not whole:
+            return None, None
+        dtype = whole[0][0].dtype
+        for (plan, kept, tight, what), moved in zip(tests, outputs[1:]):
+            tol = per_token.tolerance(dtype) if tight else (
+                SURROUND_TOL if dtype in (torch.float32, torch.float64) else SURROUND_TOL_16)
             offset = sum(e - s for s, e, _ in plan[:kept])
             span = plan[kept][:2]
             err, where = _compare(whole, moved, span, offset)
             if not err <= tol:
-                culprit = self._trace(run, base, plan, where, offset - span[0], tol, decoder, path)
-                return (f"{culprit}: {what} (relative {err:.1e}, tolerance {tol:.0e}): it mixes tokens (a statistic, "
-                        "scan, convolution, window or attention over the sequence, at any lag or only above some "
-                        "length), or numbers or scales them by the local length (arange(seq_len), a length-dependent "
-                        "scale)")
-        return None
+                return (f"{what} (relative {err:.1e}, tolerance {tol:.0e}): it mixes tokens (a statistic, scan, "
+                        "convolution, window or attention over the sequence, at any lag or only above some length), or "
+                        "numbers or scales them by the local length (arange(seq_len), a length-dependent scale)"), \
+                    (plan, where, offset - span[0], tol)
+        return None, None
 
     def _loss_test(self, rec: dict, length: int, state) -> str | None:
         """The model's own head and loss on a window of the shard, the decoder replayed by its real output."""
@@ -500,7 +570,11 @@ class MixingCheck:
             for lo, hi in ((0, w), (0, c), (c, w)):
                 segments[:] = [(lo, hi)]
                 a, k = take((args, kwargs), length, [(lo, hi)])
-                o = self._run(lambda: self.model.forward(*a, **k), [(lo, hi)], length, state)
+                try:   # every run is tried: each rank runs the same ones
+                    o = self._run(lambda: self.model.forward(*a, **k), [(lo, hi)], length, state)
+                except Exception as exc:
+                    results.append(exc)
+                    continue
                 loss = o.get("loss") if isinstance(o, dict) else getattr(o, "loss", None)
                 results.append((loss, _outputs(o, hi - lo)))
         finally:
@@ -508,8 +582,13 @@ class MixingCheck:
                 decoder.__dict__.pop("forward", None)
             else:
                 decoder.forward = saved
-        (whole_loss, whole), (l1, p1), (l2, p2) = results
         where = type(self.model).forward
+        for r in results:
+            if isinstance(r, Exception):
+                return (f"the head and loss of {self._name('', self.model)} (forward at {_where(where)}) do not run on a "
+                        f"piece of the shard ({type(r).__name__}: {str(r).splitlines()[0][:200] if str(r) else ''}), so "
+                        "the loss cannot be shown to be a sum over tokens")
+        (whole_loss, whole), (l1, p1), (l2, p2) = results
         fp32 = whole[0][0].dtype in (torch.float32, torch.float64) if whole else True
         if whole and p1 and p2:
             pieces = [(torch.cat([u, v], dim=d), d) for (u, d), (v, _) in zip(p1, p2)]
@@ -521,6 +600,8 @@ class MixingCheck:
                         "tokens or numbers them from the local length")
         if isinstance(whole_loss, torch.Tensor) and isinstance(l1, torch.Tensor) and isinstance(l2, torch.Tensor):
             total, parts = whole_loss.double(), l1.double() + l2.double()
+            if not (torch.isfinite(total) or torch.isfinite(l1) or torch.isfinite(l2)):
+                return None   # no target to weigh (0/0 everywhere): nothing to compare
             err = float((total - parts).abs()) / max(float(total.abs()), 1e-12)
             tol = LOSS_TOL if fp32 else LOSS_TOL_16
             if not err <= tol:
@@ -532,8 +613,7 @@ class MixingCheck:
                         "shard, or a statistic over the sequence in the loss is not)")
         return None
 
-    def _trace(self, run, base_plan, plan, where: list[int], shift: int, tol: float, decoder: nn.Module,
-               path: str) -> str:
+    def _trace(self, run, plan, where: list[int], shift: int, tol: float, decoder: nn.Module, path: str) -> str:
         """Re-run the base and the failing plan recording every module's inputs and outputs at the row positions
         ``where`` (``p + shift`` in the failing run): the innermost module whose inputs agree and whose outputs
         do not, else the decoder's own code."""
@@ -566,6 +646,7 @@ class MixingCheck:
                 for h in handles:
                     h.remove()
             return seen
+        base_plan = [(0, max(e for _, e, _ in plan), False)]
         a, b = traced(base_plan, where), traced(plan, [p + shift for p in where])
 
         def same(x, y):
