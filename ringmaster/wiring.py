@@ -141,6 +141,28 @@ def _switch_off_cache(model, undo: list) -> bool:
     return switched
 
 
+def _refuse_generate(model, undo: list) -> None:
+    """transformers' ``generate`` decodes unsharded (one token at a time, a growing KV cache), which CP attention
+    cannot run: on the wired instance it raises at once, naming ``rm.unwire``; the undo puts it back."""
+    if not callable(getattr(model, "generate", None)):
+        return
+    saved = model.__dict__.get("generate")
+
+    def generate(*args, **kwargs):
+        raise RuntimeError(
+            f"{type(model).__name__}.generate on a model wired by ringmaster: generation decodes unsharded (one token "
+            "at a time, with a KV cache), which CP attention cannot run. Call rm.unwire(model) before generating and "
+            "rm.wire(model, ...) again to train, or generate with an unwired copy of the model (or vLLM)")
+
+    def undo_generate():
+        if saved is None:
+            model.__dict__.pop("generate", None)
+        else:
+            model.generate = saved
+    model.generate = generate
+    undo.append(undo_generate)
+
+
 def _switch_attention(model, spec, name: str, undo: list) -> None:
     """Point the text model's attention at the runtime's registered name (a VLM's vision tower keeps
     its own kernel); the undo puts every config's original value back."""
@@ -290,6 +312,7 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         if unforked_dropout(forked):
             undo.extend(handle.remove for handle in rng.install(forked, carrier))
         switched = _switch_off_cache(model, undo)
+        _refuse_generate(model, undo)
         _refuse_router_logits_kwarg(model, undo)
         bridged = []
         if rt.attn_implementation is not None and spec.self_attention:

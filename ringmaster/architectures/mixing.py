@@ -274,8 +274,7 @@ class MixingCheck:
         batch = self.carrier.batch(kwargs)
         if batch is None:
             return   # a forward without CP: the check waits for the first CP one
-        a = batch.assignment
-        length = a.local_len(batch.rank) if a is not None else batch.seq_len // batch.size
+        length = batch.local_len   # uneven over the group under load_balance="documents"
         self.active = {"mode": model.training, "batch": batch, "length": length, "model_call": (args, dict(kwargs)),
                        "decoder_call": None, "decoder_out": None, "spent": 0.0}
         if self.stance is None:

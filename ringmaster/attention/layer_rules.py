@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import torch
 
-from ..sharding import balancers
 from . import relbias, token_sinks
 
 # kwargs that carry a bias built for the local shard's scores: nothing here rebuilds them globally
@@ -103,8 +102,7 @@ def global_temperature(module, query: torch.Tensor, cpb) -> torch.Tensor:
         return query
     n = query.shape[2]
     local = _temperature_scales(torch.arange(n, device=query.device), floor_scale, attn_scale)
-    glob = _temperature_scales(balancers.shard_positions(cpb.seq_len, cpb.size, cpb.rank, cpb.layout,
-                                                         device=query.device), floor_scale, attn_scale)
+    glob = _temperature_scales(cpb.local_positions(query.device), floor_scale, attn_scale)
     ratio = (glob / local).to(query.dtype)
     return query * ratio.view(1, 1, n, 1)
 
@@ -112,7 +110,7 @@ def global_temperature(module, query: torch.Tensor, cpb) -> torch.Tensor:
 def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     """``(cpb, query)`` for this layer's CP call: the batch as this layer masks it (chunks) and the
     query as one device computes it; raises (before any collective) what CP cannot make exact."""
-    local = cpb.seq_len // cpb.size if cpb is not None else query.shape[2]
+    local = cpb.local_len if cpb is not None else query.shape[2]
     if key.shape[2] == query.shape[2] != local:
         raise NotImplementedError(
             f"{_where(module)}: an attention call over {query.shape[2]} tokens, but this rank holds {local} of the "

@@ -38,7 +38,8 @@ def require_batch(kwargs: dict, binding: AttentionBinding, module=None) -> CPBat
         raise RuntimeError(
             f"ringmaster CP attention ({binding.name or binding.backend}) was called without the batch's global "
             "structure: shard batches with ringmaster.adapters.raw.context_parallel_region(batch) or "
-            "ContextParallelContextManager, which pass it to the model as the `ringmaster_batch` kwarg"
+            "ContextParallelContextManager, which pass it to the model as the `ringmaster_batch` kwarg (generation and "
+            "other unsharded calls need the model unwired: rm.unwire(model))"
             + (binding.ledger.missing_batch(module) if binding.ledger is not None else "")
         )
     if cpb.size != binding.cp_size or cpb.rank != binding.cp_rank:

@@ -244,6 +244,13 @@ class CPBatch:
         a = self.assignment
         return a.split_share if a is not None else self.seq_len // self.size
 
+    @property
+    def local_len(self) -> int:
+        """Tokens of this rank's shard: ``seq_len / size`` in a static layout; under ``load_balance="documents"``
+        its share of the split sub-row plus its whole documents (uneven over the group)."""
+        a = self.assignment
+        return a.local_len(self.rank) if a is not None else self.seq_len // self.size
+
     def split_part(self) -> "CPBatch | None":
         """Under ``load_balance="documents"``: the split sub-row (the long documents) as a batch of its own,
         cut over the group in the backend's static layout; None when nothing is split. Built once per batch."""

@@ -231,7 +231,7 @@ def token_logprobs(hidden_or_output, labels: torch.Tensor, *, model=None,
     cp = gather and cpb is not None and cpb.size > 1
     if cp:   # every check that can fail runs before the collective
         cp_group = _group_for(cpb, group, runtime, model)
-        mine = cpb.assignment.local_len(cpb.rank) if cpb.assignment is not None else cpb.seq_len // cpb.size
+        mine = cpb.local_len
         if labels.shape[1] != mine or (cpb.assignment is None and labels.shape[1] * cpb.size != cpb.seq_len):
             raise ValueError(f"this shard holds {labels.shape[1]} tokens but the batch gives this rank {mine} of "
                              f"{cpb.seq_len} over {cpb.size} ranks: pass the shard's own hidden states and shift_labels")
