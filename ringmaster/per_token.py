@@ -27,17 +27,22 @@ def tolerance(dtype: torch.dtype) -> float:
     return TOL if dtype in (torch.float32, torch.float64) else TOL_16
 
 
-def _map(obj: Any, fn: Callable) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
+def map_leaves(obj: Any, fn: Callable) -> Any:
+    """``obj`` with every leaf (anything but a tuple, list or dict) mapped by ``fn``; namedtuples and transformers'
+    ModelOutputs keep their type."""
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a namedtuple
-        return type(obj)(*(_map(o, fn) for o in obj))
+        return type(obj)(*(map_leaves(o, fn) for o in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map(o, fn) for o in obj)
-    if isinstance(obj, dict):   # a transformers ModelOutput keeps its type
-        out = {k: _map(v, fn) for k, v in obj.items()}
+        return type(obj)(map_leaves(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        out = {k: map_leaves(v, fn) for k, v in obj.items()}
         return out if type(obj) is dict else type(obj)(**out)
-    return obj
+    return fn(obj)
+
+
+def map_tensors(obj: Any, fn: Callable) -> Any:
+    """``obj`` with every tensor mapped by ``fn``."""
+    return map_leaves(obj, lambda o: fn(o) if isinstance(o, torch.Tensor) else o)
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
@@ -70,7 +75,7 @@ def cut(obj: Any, dim: int, length: int, start: int, stop: int) -> Any:
         if t.dim() > dim and t.shape[dim] == length:
             return t.narrow(dim, start, stop - start).contiguous()
         return t
-    return _map(obj, one)
+    return map_tensors(obj, one)
 
 
 def split_probe(call: Callable, args: tuple, kwargs: dict, length: int, tokens: int, split: int,

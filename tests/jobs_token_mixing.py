@@ -284,3 +284,19 @@ def check_report(ctx, P: int = 2, layers: int = 2, seq_len: int = 64) -> dict:
                 "disarmed": not runtime.mixing.handles}
     finally:
         rm.unwire(model)
+
+
+def generate_while_wired(ctx, P: int = 2) -> dict:
+    """``model.generate`` on a wired model (refused, naming rm.unwire) and after ``rm.unwire`` (runs)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+    try:
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+        wired = None
+    except RuntimeError as exc:
+        wired = str(exc)
+    finally:
+        rm.unwire(model)
+    out = model.generate(prompt, max_new_tokens=2, do_sample=False)
+    return {"wired": wired, "unwired_tokens": int(out.shape[1]), "restored": "generate" not in model.__dict__}

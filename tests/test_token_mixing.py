@@ -79,3 +79,10 @@ def test_attention_that_mixes_before_the_interface_is_refused_precisely():
     spec = rm.get_architecture(zaya)
     with pytest.raises(rm.UnsupportedLayerError, match=r"conv_qk_depthwise.*v_proj_delayed"):
         refuse_if_unsafe(zaya, spec)
+
+
+def test_generate_on_a_wired_model_says_unwire(pool):
+    """Generation decodes unsharded: a wired model refuses it at once, naming rm.unwire; unwired, it generates."""
+    for r in pool.run(jobs_token_mixing.generate_while_wired):
+        assert r["wired"] is not None and "rm.unwire(model)" in r["wired"], r
+        assert r["unwired_tokens"] == 6 and r["restored"], r

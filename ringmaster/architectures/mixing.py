@@ -104,7 +104,7 @@ def take(obj: Any, n: int, segments) -> Any:
             return t
         parts = [t.narrow(d, a, b - a) for a, b in segments]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=d)
-    return per_token._map(obj, one)
+    return per_token.map_tensors(obj, one)
 
 
 def _outputs(obj: Any, n: int) -> list[tuple[torch.Tensor, int]]:
@@ -115,18 +115,6 @@ def _outputs(obj: Any, n: int) -> list[tuple[torch.Tensor, int]]:
         if d is not None and t.is_floating_point():
             out.append((t, d))
     return out
-
-
-def _map_leaves(obj: Any, fn: Callable) -> Any:
-    """``obj`` with every leaf (not a tuple, list or dict) mapped by ``fn``."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_leaves(o, fn) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_leaves(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        out = {k: _map_leaves(v, fn) for k, v in obj.items()}
-        return out if type(obj) is dict else type(obj)(**out)
-    return fn(obj)
 
 
 def _where(fn) -> str:
@@ -224,7 +212,7 @@ class _StandIns:
                 if x is None:
                     raise RuntimeError(f"{path}: not called in the CP forward and no token input to stand in from")
                 return torch.tanh(x)
-            return _map_leaves(call, lambda m: _per_token_like(m, x, xdim, n) if isinstance(m, _Meta) else m)
+            return per_token.map_leaves(call, lambda m: _per_token_like(m, x, xdim, n) if isinstance(m, _Meta) else m)
         return forward
 
     def __enter__(self):
@@ -286,12 +274,12 @@ class MixingCheck:
                 if self.active is None or self.active.get("inside"):
                     return
                 if entry.replay:
-                    entry.calls.append(per_token._map(output, lambda t: t.detach()))
+                    entry.calls.append(per_token.map_tensors(output, lambda t: t.detach()))
                 else:
                     def meta(t):
                         d = seq_dim(t, length)
                         return _Meta(tuple(t.shape), t.dtype, t.device, d) if d is not None else t.detach()
-                    entry.calls.append(per_token._map(output, meta))
+                    entry.calls.append(per_token.map_tensors(output, meta))
             self.step_handles.append(entry.module.register_forward_hook(record))
         if self.decoder is not model:
             def pre(module, args, kwargs):
@@ -562,7 +550,7 @@ class MixingCheck:
         segments = [(0, w)]
 
         def replay(*a, **k):
-            return take(per_token._map(out, lambda t: t.detach()), length, segments)
+            return take(per_token.map_tensors(out, lambda t: t.detach()), length, segments)
         results = []
         decoder.forward = replay
         try:
