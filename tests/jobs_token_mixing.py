@@ -114,6 +114,19 @@ class RemoteAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(B, S, -1)), None
 
 
+class LocalRotary(nn.Module):
+    """The model's rotary table looked up at ``arange(S)`` of the local input, not at the position_ids it is
+    given: every attention layer then rotates by local positions."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, position_ids=None, **kwargs):
+        local = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        return self.inner(x, local, **kwargs)
+
+
 def _layer_forward(layer, fn):
     """The decoder layer's own forward, edited: ``fn`` applied to its output hidden states (code in the layer,
     no module of its own)."""
@@ -179,6 +192,7 @@ EDITS = {
     "fft_filter": _mlp(lambda x, y: y + fft_lowpass(x)),
     "unfold_window": _mlp(lambda x, y: y + F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1)),
     "custom_function": _mlp(lambda x, y: y + 0.1 * CumsumFn.apply(x)),
+    "local_rotary": lambda model: setattr(model.model, "rotary_emb", LocalRotary(model.model.rotary_emb)),
     "loss_statistic": _loss("statistic"),
     "loss_local_mean": _loss("local_mean"),
     "loss_shifts_labels": _loss("shifts_labels"),

@@ -28,6 +28,7 @@ EXPECTED = {
     "fft_filter": "'model.layers.0.mlp'",
     "unfold_window": "'model.layers.0.mlp'",
     "custom_function": "'model.layers.0.mlp'",
+    "local_rotary": "'model.rotary_emb'",
     "loss_statistic": "the loss of",
     "loss_local_mean": "the loss of",
     "loss_shifts_labels": "the loss of",

@@ -144,6 +144,21 @@ def _primary(args: tuple, kwargs: dict, n: int) -> tuple[torch.Tensor, int] | tu
     return None, None
 
 
+def _side_inputs(args: tuple, kwargs: dict, n: int, x: torch.Tensor | None) -> torch.Tensor | None:
+    """``[n]``: a per-token function of a routed call's other floating inputs over its tokens (the rotary
+    ``(cos, sin)`` it is given), so that what the model feeds a routed module from the local length shows."""
+    total = None
+    for t in per_token.tensors(args) + per_token.tensors(kwargs):
+        if t is x or not t.is_floating_point():
+            continue
+        d = seq_dim(t, n)
+        if d not in (0, 1):
+            continue
+        z = torch.tanh(t.detach().float().movedim(d, 0).reshape(n, -1).mean(-1))
+        total = z if total is None else total + z
+    return total
+
+
 def _per_token_like(meta: _Meta, x: torch.Tensor | None, xdim: int | None, n: int) -> torch.Tensor:
     """A tensor shaped as ``meta`` over ``n`` tokens whose every token is a function of that token's ``x``."""
     shape = list(meta.shape)
@@ -212,7 +227,16 @@ class _StandIns:
                 if x is None:
                     raise RuntimeError(f"{path}: not called in the CP forward and no token input to stand in from")
                 return torch.tanh(x)
-            return per_token.map_leaves(call, lambda m: _per_token_like(m, x, xdim, n) if isinstance(m, _Meta) else m)
+            signal = _side_inputs(args, kwargs, n, x)
+
+            def like(m):
+                if not isinstance(m, _Meta):
+                    return m
+                out = _per_token_like(m, x, xdim, n)
+                if signal is not None and out.is_floating_point():
+                    out = out + signal.view(*[1] * m.dim, n, *[1] * (out.dim() - m.dim - 1)).to(out.dtype)
+                return out
+            return per_token.map_leaves(call, like)
         return forward
 
     def __enter__(self):
