@@ -345,7 +345,10 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             undo.append(rt.binding.ledger.disarm)
         # everything it does not route must be per-token: checked on the first CP forward of each mode, on the
         # decoder as it runs with the routed modules standing in (architectures.mixing)
-        routed = list(layers.attention) + list(cross) + [p for p, _, _ in layers.recurrent] + list(spec.vision_modules)
+        # attention modules that call the attention interface run in its runs, CP attention answering per token;
+        # what computes attention itself (sites), cross-attention, recurrent layers and towers stand in whole
+        routed = (list(layers.attention) if spec.self_attention or rt.attn_implementation is None else []) + list(
+            cross) + [p for p, _, _ in layers.recurrent] + list(spec.vision_modules)
         replayed = [p for p, _ in positions.modules] if positions else []
         replayed += site_paths(model, spec) if spec.self_attention else []
         modules = dict(model.named_modules())

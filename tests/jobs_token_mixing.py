@@ -192,6 +192,9 @@ EDITS = {
     "fft_filter": _mlp(lambda x, y: y + fft_lowpass(x)),
     "unfold_window": _mlp(lambda x, y: y + F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1)),
     "custom_function": _mlp(lambda x, y: y + 0.1 * CumsumFn.apply(x)),
+    # in an attention module that calls the attention interface, around the call: its query projection shifted
+    "attention_q_shift": lambda model: setattr(model.model.layers[0].self_attn, "q_proj", Wrap(
+        model.model.layers[0].self_attn.q_proj, lambda x, y: y + 0.5 * shift(y, 1))),
     "local_rotary": lambda model: setattr(model.model, "rotary_emb", LocalRotary(model.model.rotary_emb)),
     "loss_statistic": _loss("statistic"),
     "loss_local_mean": _loss("local_mean"),

@@ -29,6 +29,7 @@ EXPECTED = {
     "unfold_window": "'model.layers.0.mlp'",
     "custom_function": "'model.layers.0.mlp'",
     "local_rotary": "'model.rotary_emb'",
+    "attention_q_shift": "'model.layers.0.self_attn.q_proj'",
     "loss_statistic": "the loss of",
     "loss_local_mean": "the loss of",
     "loss_shifts_labels": "the loss of",

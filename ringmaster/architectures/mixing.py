@@ -51,6 +51,7 @@ from .. import compat, per_token
 from ..comm import collective_device
 from ..errors import UnsupportedLayerError
 from ..sharding.carrier import holding
+from ..sharding.documents import BATCH_KWARG, CPBatch
 
 LOSS_WINDOW = 64       # tokens the loss check runs the head and loss on (one target lost at a cut: 1/64 off)
 TRACE_POSITIONS = 8    # positions a failure is traced at, module by module
@@ -261,6 +262,9 @@ class MixingCheck:
 
     def __init__(self, model: nn.Module, decoder: str, routed: dict[str, nn.Module], replayed: set[str],
                  group, carrier, report=None, loss: bool = True, surround: bool = True):
+        """``routed``: path -> module of what ringmaster routes that the check swaps out (recurrent layers,
+        self-attention sites, towers), ``replayed`` the paths among them replayed (tables). Attention modules
+        that call the attention interface are not among them: they run, and CP attention answers per token."""
         # loss: run the loss test (not for a VLM, nor a loss ringmaster rescales itself); surround: run the
         # decoder on the shard among other tokens (not for a VLM's language model, whose image features are
         # gathered per shard, nor a family whose per-row count a declared batch rule makes exact: xlm)
@@ -399,11 +403,11 @@ class MixingCheck:
             call, decoder, path = rec["model_call"], self.model, ""
         else:
             call, decoder, path = rec["decoder_call"], self.decoder, self.decoder_path
-        args, kwargs = call
+        args, kwargs = self._per_token_batch(call)
         key, token = self._token_input(args, kwargs, length)
         devices = self._devices((args, kwargs))
         with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings(), \
-                holding([self.carrier], rec["batch"]):
+                holding([self.carrier], rec["batch"].per_token()):
             warnings.simplefilter("ignore")
             state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
             if token is None:
@@ -449,6 +453,16 @@ class MixingCheck:
 
     def carrier_holding(self, batch):
         return holding([self.carrier], batch)
+
+    @staticmethod
+    def _per_token_batch(call: tuple) -> tuple:
+        """The call with its ``ringmaster_batch`` (if it passes one) marked for the check: CP attention then
+        answers per token (``CPBatch.stand_in``), and the attention module's own code runs as it is."""
+        args, kwargs = call
+        if isinstance(kwargs.get(BATCH_KWARG), CPBatch):
+            kwargs = dict(kwargs)
+            kwargs[BATCH_KWARG] = kwargs[BATCH_KWARG].per_token()
+        return args, kwargs
 
     def _head_stop(self, decoder: nn.Module):
         """With the whole model as the decoder: stop its forward at the head's input (no logits)."""
@@ -562,7 +576,7 @@ class MixingCheck:
 
     def _loss_test(self, rec: dict, length: int, state) -> str | None:
         """The model's own head and loss on a window of the shard, the decoder replayed by its real output."""
-        args, kwargs = rec["model_call"]
+        args, kwargs = self._per_token_batch(rec["model_call"])
         if not _outputs(rec["decoder_out"], length):
             return None
         w = min(length, LOSS_WINDOW)

@@ -58,7 +58,22 @@ def require_batch(kwargs: dict, binding: AttentionBinding, module=None) -> CPBat
     return cpb
 
 
+def per_token_attention(query, key, value):
+    """The token-mixing check's stand-in for CP attention (``CPBatch.stand_in``): each token's output from that
+    token's q, k and v alone, shaped as attention's ``[B, S, Hq, Dv]``; no collective."""
+    groups = query.shape[1] // key.shape[1] if query.shape[1] % key.shape[1] == 0 else None
+
+    def heads(t):
+        if t.shape[1] == query.shape[1]:
+            return t
+        return t.repeat_interleave(groups, dim=1) if groups else t.mean(1, keepdim=True).expand(-1, query.shape[1], -1, -1)
+    out = heads(value) + torch.tanh(query).mean(-1, keepdim=True) + torch.tanh(heads(key)).mean(-1, keepdim=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _call(fn, binding: AttentionBinding, module, query, key, value, attention_mask, **kwargs):
+    if getattr(kwargs.get(BATCH_KWARG), "stand_in", False):   # the token-mixing check's runs
+        return per_token_attention(query, key, value)
     if local.is_local(module):  # per-token attention over layer depth: the wrapped kernel, no collective
         kwargs.pop(BATCH_KWARG, None)
         return ulysses.inner_attention(binding.inner, module)(module, query, key, value, attention_mask, **kwargs)

@@ -20,6 +20,7 @@ model's one step carrier (:mod:`.carrier`). No module global holds per-batch sta
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -226,6 +227,9 @@ class CPBatch:
         # the step's base seed for dropout: drawn by the shard step (sharding.rng.step_seed), each rank's
         # forward forks its random state from it and the CP rank (sharding.rng); None: drawn at the forward
         self.rng_seed: int | None = None
+        # the token-mixing check's runs (architectures.mixing.MixingCheck.stand_in): CP attention answers per
+        # token (no collective), so the attention module's own code around it is checked too
+        self.stand_in = False
         self._cache: dict = {}
         if assignment is not None:   # the two parts, made here (the shard step, on the host), never in forward
             self.split_part()
@@ -243,6 +247,12 @@ class CPBatch:
         static layout."""
         a = self.assignment
         return a.split_share if a is not None else self.seq_len // self.size
+
+    def per_token(self) -> "CPBatch":
+        """This batch for the token-mixing check's runs: the same facts, CP attention standing in per token."""
+        other = copy.copy(self)
+        other.stand_in = True
+        return other
 
     @property
     def local_len(self) -> int:
