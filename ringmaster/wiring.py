@@ -21,7 +21,7 @@ from .architectures import (classify_layers, get_architecture, position_conventi
                             stateful_layers, text_config, unforked_dropout, unsupported_message)
 from .architectures.heads import common_split, head_splits
 from .architectures import mixing
-from .attention import bridge, local, relbias
+from .attention import bridge, layer_rules, local, relbias
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -347,11 +347,13 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         # decoder as it runs with the routed modules standing in (architectures.mixing)
         # attention modules that call the attention interface run in its runs, CP attention answering per token;
         # what computes attention itself (sites), cross-attention, recurrent layers and towers stand in whole
-        routed = (list(layers.attention) if spec.self_attention or rt.attn_implementation is None else []) + list(
+        # (those whose local-index arithmetic CP attention corrects, layer_rules.local_index_rules, stand in whole too)
+        modules = dict(model.named_modules())
+        sites = spec.self_attention or rt.attn_implementation is None
+        routed = [p for p in layers.attention if sites or layer_rules.local_index_rules(modules[p])] + list(
             cross) + [p for p, _, _ in layers.recurrent] + list(spec.vision_modules)
         replayed = [p for p, _ in positions.modules] if positions else []
         replayed += site_paths(model, spec) if spec.self_attention else []
-        modules = dict(model.named_modules())
         check = mixing.MixingCheck(model, mixing.decoder_path(model, spec),
                                    {p: modules[p] for p in routed + replayed if p in modules}, set(replayed),
                                    rt.cp_group, carrier, rt.report, loss=not (spec.multimodal or _rescaled_loss(spec)),

@@ -54,7 +54,9 @@ def carrier_life(ctx, family: str, P: int = 2) -> dict:
         with context_parallel_region(batch, runtime=rt) as shard:
             loss = model(**shard).loss
             step = shard[BATCH_KWARG]
-        out["region"] = {"during": all(s is step for s in seen) and bool(seen), "after": carrier.current is None,
+        # the step's batch (or, in the token-mixing check's runs after the first forward, its per-token copy)
+        out["region"] = {"during": all(s is step or getattr(s, "stand_in", False) for s in seen) and bool(seen),
+                         "after": carrier.current is None,
                          "wrapped": _replaying(model, carrier)}
         loss.backward()
         out["region"]["after_backward"] = carrier.current is None

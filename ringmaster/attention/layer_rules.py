@@ -86,6 +86,13 @@ def layer_chunk(module) -> int | None:
     return chunk
 
 
+def local_index_rules(module) -> bool:
+    """Whether CP attention corrects something this layer computes from the *local* token index (llama4's NoPE
+    temperature, a relative bias's log scaling): the token-mixing check stands in for the whole module then."""
+    tuned = getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+    return bool(tuned) or relbias.log_scaled(module)
+
+
 def _temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
     """Llama4's query temperature for positions (HF's formula, in fp32)."""
     return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0

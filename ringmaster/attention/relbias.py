@@ -106,6 +106,13 @@ def _log_scales(t: torch.Tensor, alpha: float, n_floor: float, dtype) -> torch.T
     return (1.0 + alpha * torch.log(((t + 1).float() / n_floor).clamp(min=1.0))).to(dtype)
 
 
+def log_scaled(module) -> bool:
+    """A wired relative-bias module whose queries and states the model log-scales by the *local* index (CP
+    attention moves that to the global index)."""
+    site = getattr(module, _TAG, None)
+    return site is not None and site.log_scale is not None
+
+
 def take(module, query: torch.Tensor, cpb, kwargs: dict, where: str):
     """Pop ``position_bias``: for a wired relative-bias module, ``(query, RelativeBias)`` with a local-index
     log scaling moved to the global index; for any other module a bias tensor is refused (it was built for the
