@@ -10,9 +10,11 @@ otherwise train silently wrong.
 **What runs.** On the first CP forward of each mode (training, eval), after the model's forward and before
 anything can use its loss, each rank re-runs its own **decoder** (the module that takes the shard and feeds
 the head: the base model, a VLM's language model) on its real inputs, at its real length, in the real mode,
-with every routed module standing in as a per-token map (attention and recurrent layers: ``tanh`` of their
-input, shaped as their real output; position and rotary tables and other declared sites: their real outputs,
-replayed). With routed work taken out, the decoder must be per-token. Three tests, no collective, no grad:
+with what ringmaster routes standing in per token: CP attention answers each token from its own q, k, v
+(``CPBatch.stand_in``: the attention module around the call runs as it is); modules that compute attention
+themselves, recurrent layers and towers are swapped out for ``tanh`` of their token input (plus a per-token
+function of their other floating inputs: the rotary they are given), shaped as their real output; position
+and rotary tables replay their real outputs. With routed work taken out, the decoder must be per-token. Three tests, no collective, no grad:
 
 - **before/after the cut** (two runs at the real length): the tokens of ``[0, c)`` are changed, and the
   outputs on ``[c, S)`` must not move; then ``[c, S)`` changed and ``[0, c)`` must not move (``c = S // 2``,
