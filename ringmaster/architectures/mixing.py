@@ -356,7 +356,8 @@ class MixingCheck:
                 "site, a recurrent kind), or refuse it (ArchitectureSpec(refuse=...))")
         self.done.add(rec["mode"])
         note = (f"{self._name(self.decoder_path, self.decoder)} shown per-token at its {rec['length']}-token shard in "
-                f"{'training' if rec['mode'] else 'eval'} mode ({len(self.routed)} routed modules stood in) in "
+                f"{'training' if rec['mode'] else 'eval'} mode (CP attention answering per token, {len(self.routed)} "
+                f"routed modules swapped out) in "
                 f"{1e3 * spent:.0f} ms")
         self.results[rec["mode"]] = note
         if self.report is not None:
