@@ -28,8 +28,25 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _demo_family(name: str) -> None:
+    """Refuse, before any rank is spawned, a ``--model`` that is no causal-LM family of the installed
+    transformers, with the closest names."""
+    import difflib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(name, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=5)
+    raise SystemExit(f"ringmaster demo: --model {name!r} is not a causal-LM family of the installed transformers"
+                     + (f"; did you mean {', '.join(close)}?" if close else "")
+                     + " (`ringmaster check <family>` lists what CP does with any family)")
+
+
 def demo(args) -> int:
     from ringmaster_tools.pool import LocalPool, cpu_kernels_note, torch_kernels_only
+
+    _demo_family(args.model)
 
     overrides = dict(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     print(f"ringmaster demo: {args.world} CPU gloo ranks, tiny random {args.model} "

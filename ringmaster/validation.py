@@ -84,7 +84,9 @@ def check_agreement(values: list[int], group, device=None) -> None:
     if all(row == rows[0] for row in rows):
         return
     differ = [FIELDS[i] for i in range(len(FIELDS)) if any(row[i] != rows[0][i] for row in rows)]
-    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{f}={rows[r][FIELDS.index(f)]}" for f in differ)
+    def shown(field: str, value: int) -> str:   # the tokens enter as a digest, not a count
+        return f"token digest {value & 0xFFFFFFFFFFFFFFFF:016x}" if field == "tokens" else f"{field}={value}"
+    per_rank = "; ".join(f"rank {r}: " + ", ".join(shown(f, rows[r][FIELDS.index(f)]) for f in differ)
                          for r in range(P))
     hint = ("every rank of a CP group must pass the same full batch (same data-loader seed/sampler for the "
             "ranks of one CP group; data parallelism happens across CP groups)") if "tokens" in differ else \

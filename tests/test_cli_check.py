@@ -76,3 +76,16 @@ def test_refused_family_prints_a_clean_refusal(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "Phi3Attention" in out and "best backend" in out
     assert rc in (0, 2)
+
+
+def test_demo_unknown_family_refused_before_any_rank():
+    """``ringmaster demo --model foo``: a short message with the closest names, not a pool traceback with
+    transformers' whole list (issue 39)."""
+    import pytest
+
+    from ringmaster import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--model", "lama"])
+    text = str(exc.value)
+    assert "not a causal-LM family" in text and "llama" in text and len(text) < 400, text

@@ -213,3 +213,11 @@ def test_plan_prints_the_documents_choice(capsys):
         assert int(threshold) > 0 and split.endswith("%") and float(balance) <= 1.10, out
         assert float(ratio) == pytest.approx(float(docs) / float(static), abs=0.01), out
     assert float(rows["ring"][-1]) < 1.0, out   # Ring on a packed row: less traffic and the imbalance gone
+
+
+def test_gather_sequence_under_documents_names_the_assignment_a_shard_has():
+    """The error names a key the shard really has (issue 39: it named shard['_cp_shard']['assignment'])."""
+    import ringmaster as rm
+
+    with pytest.raises(ValueError, match=r"assignment=shard\['ringmaster_batch'\]\.assignment"):
+        rm.gather_sequence(torch.zeros(1, 4), dim=1, group=object(), layout="documents")

@@ -172,8 +172,8 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str |
 
     Differentiable (backward reduce-scatters). ``group``/``layout`` default to ``runtime``'s (the
     one ``rm.wire`` returned), else to the current runtime's (the last ``rm.setup``/``rm.wire``).
-    A batch cut with ``load_balance="documents"`` needs its ``assignment`` (``shard["_cp_shard"]
-    ["assignment"]``, or the ``ringmaster_batch`` kwarg's): the shards differ in length and order.
+    A batch cut with ``load_balance="documents"`` needs its ``assignment`` (``shard["ringmaster_batch"].assignment``,
+    or ``ContextParallelContextManager.assignment_of(model)``): the shards differ in length and order.
     """
     if assignment is not None:
         layout = DOCUMENTS
@@ -187,7 +187,8 @@ def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str |
         if assignment is None:
             raise ValueError("this batch was cut with load_balance='documents': its shards differ in length and "
                              "order, so gather_sequence needs the batch's assignment; pass assignment="
-                             "shard['_cp_shard']['assignment'] (or ringmaster_batch.assignment)")
+                             "shard['ringmaster_batch'].assignment (the shard context_parallel_region gave you), or "
+                             "manager.assignment_of(model) under ContextParallelContextManager")
         return _gather_documents(local, dim, group, assignment)
     stacked = all_gather(local, group, tag="gather_sequence")  # [P, ..., S/P, ...]
     P = stacked.shape[0]
