@@ -298,7 +298,7 @@ def check_report(ctx, P: int = 2, layers: int = 2, seq_len: int = 64) -> dict:
         with context_parallel_region(batch, runtime=runtime) as shard:
             model(**shard)
         return {"before": before, "train": train, "after": runtime.report.token_probe, "text": str(runtime.report),
-                "disarmed": not runtime.mixing.handles}
+                "disarmed": not runtime.mixing.handles, "timed": sorted(runtime.mixing.seconds)}
     finally:
         rm.unwire(model)
 

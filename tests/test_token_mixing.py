@@ -55,7 +55,7 @@ def test_unedited_model_is_exact_and_the_check_reports_each_mode(pool):
     for r in pool.run(jobs_token_mixing.check_report):
         assert r["before"] is None and "training mode" in r["train"] and "eval mode" in r["after"], r
         assert "shown per-token at its 32-token shard" in r["after"] and "token-mixing" in r["text"], r
-        assert r["disarmed"], r   # both modes checked: no hook left on the model
+        assert r["disarmed"] and r["timed"] == [False, True], r   # both modes checked (and timed): no hook left
 
 
 def test_mutation_a_module_the_check_skips_trains_wrong(pool):

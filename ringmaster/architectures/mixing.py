@@ -120,6 +120,11 @@ def _outputs(obj: Any, n: int) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
+def _loss_of(output) -> Any:
+    """A model output's ``loss`` (a ModelOutput, a dict or any object with the attribute), else None."""
+    return output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+
+
 def _where(fn) -> str:
     fn = inspect.unwrap(getattr(fn, "__func__", fn))
     try:
@@ -284,6 +289,7 @@ class MixingCheck:
         self.active: dict | None = None    # that forward's record
         self.stance = None
         self.results: dict[bool, str] = {}
+        self.seconds: dict[bool, float] = {}   # the check's wall time per mode (the report rounds it)
 
     # ---- the first CP forward of a mode: record
     def begin(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -294,11 +300,9 @@ class MixingCheck:
             return   # a forward without CP: the check waits for the first CP one
         length = batch.local_len   # uneven over the group under load_balance="documents"
         self.active = {"mode": model.training, "batch": batch, "length": length, "model_call": (args, dict(kwargs)),
-                       "decoder_call": None, "decoder_out": None, "spent": 0.0}
+                       "decoder_call": None, "decoder_out": None}
         if self.stance is None:
             self.stance = compat.run_eagerly(model)
-        for entry in self.routed.values():
-            entry.calls = []
         for path, entry in self.routed.items():
             def record(module, args, output, entry=entry):
                 if self.active is None or self.active.get("inside"):
@@ -359,7 +363,7 @@ class MixingCheck:
                 f"{'training' if rec['mode'] else 'eval'} mode (CP attention answering per token, {len(self.routed)} "
                 f"routed modules swapped out) in "
                 f"{1e3 * spent:.0f} ms")
-        self.results[rec["mode"]] = note
+        self.results[rec["mode"]], self.seconds[rec["mode"]] = note, spent
         if self.report is not None:
             self.report.token_probe = "; ".join(self.results[m] for m in sorted(self.results, reverse=True))
         self.end_forward()
@@ -386,13 +390,13 @@ class MixingCheck:
     def _devices(self, obj) -> list[int]:
         return sorted({t.device.index or 0 for t in per_token.tensors(obj) if t.device.type == "cuda"})
 
-    def _run(self, fn: Callable, segments: list, length: int, state) -> Any:
-        """``fn()`` with the routed modules standing in over ``segments`` of the shard, dropout off, from the
-        step's random state."""
+    def _run(self, fn: Callable, segments: list, length: int, state, routed: dict | None = None) -> Any:
+        """``fn()`` with the routed modules (or ``routed``) standing in over ``segments`` of the shard, dropout
+        off, from the step's random state."""
         torch.set_rng_state(state[0])
         for d, s in state[1]:
             torch.cuda.set_rng_state(s, d)
-        stand = _StandIns(self.model, self.routed, length)
+        stand = _StandIns(self.model, self.routed if routed is None else routed, length)
         stand.segments = segments
         with stand, _NoDropout():
             return fn()
@@ -406,11 +410,12 @@ class MixingCheck:
             call, decoder, path = rec["model_call"], self.model, ""
         else:
             call, decoder, path = rec["decoder_call"], self.decoder, self.decoder_path
-        args, kwargs = self._per_token_batch(call)
+        rec["per_token"] = rec["batch"].per_token()
+        args, kwargs = self._per_token_batch(call, rec["per_token"])
         key, token = self._token_input(args, kwargs, length)
         devices = self._devices((args, kwargs))
         with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings(), \
-                holding([self.carrier], rec["batch"].per_token()):
+                holding([self.carrier], rec["per_token"]):
             warnings.simplefilter("ignore")
             state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
             if token is None:
@@ -435,8 +440,7 @@ class MixingCheck:
             head = self._head_stop(decoder)
             try:
                 found, trace = self._tests(run, length, decoder, path)
-                real_loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-                if self.loss and isinstance(real_loss, torch.Tensor) and decoder is not self.model \
+                if self.loss and isinstance(_loss_of(output), torch.Tensor) and decoder is not self.model \
                         and rec["decoder_out"] is not None:
                     loss = self._loss_test(rec, length, state)
                     found = found if found is not None else loss
@@ -454,17 +458,15 @@ class MixingCheck:
                     head.remove()
         return found, bad
 
-    def carrier_holding(self, batch):
-        return holding([self.carrier], batch)
-
     @staticmethod
-    def _per_token_batch(call: tuple) -> tuple:
-        """The call with its ``ringmaster_batch`` (if it passes one) marked for the check: CP attention then
-        answers per token (``CPBatch.stand_in``), and the attention module's own code runs as it is."""
+    def _per_token_batch(call: tuple, batch: CPBatch) -> tuple:
+        """The call with its ``ringmaster_batch`` (if it passes one) replaced by the check's ``batch``
+        (``CPBatch.per_token``): CP attention then answers per token, and the attention module's own code runs as
+        it is."""
         args, kwargs = call
         if isinstance(kwargs.get(BATCH_KWARG), CPBatch):
             kwargs = dict(kwargs)
-            kwargs[BATCH_KWARG] = kwargs[BATCH_KWARG].per_token()
+            kwargs[BATCH_KWARG] = batch
         return args, kwargs
 
     def _head_stop(self, decoder: nn.Module):
@@ -579,37 +581,25 @@ class MixingCheck:
 
     def _loss_test(self, rec: dict, length: int, state) -> str | None:
         """The model's own head and loss on a window of the shard, the decoder replayed by its real output."""
-        args, kwargs = self._per_token_batch(rec["model_call"])
+        args, kwargs = self._per_token_batch(rec["model_call"], rec["per_token"])
         if not _outputs(rec["decoder_out"], length):
             return None
         w = min(length, LOSS_WINDOW)
         if w < 2:
             return None
         c = w // 2
-        decoder, out = self.decoder, rec["decoder_out"]
-        saved = decoder.__dict__.get("forward")
-        segments = [(0, w)]
-
-        def replay(*a, **k):
-            return take(per_token.map_tensors(out, lambda t: t.detach()), length, segments)
+        # the decoder replays its real output, as the tables do
+        decoder = {self.decoder_path: _Routed(self.decoder, replay=True,
+                                              calls=[per_token.map_tensors(rec["decoder_out"], lambda t: t.detach())])}
         results = []
-        decoder.forward = replay
-        try:
-            for lo, hi in ((0, w), (0, c), (c, w)):
-                segments[:] = [(lo, hi)]
-                a, k = take((args, kwargs), length, [(lo, hi)])
-                try:   # every run is tried: each rank runs the same ones
-                    o = self._run(lambda: self.model.forward(*a, **k), [(lo, hi)], length, state)
-                except Exception as exc:
-                    results.append(exc)
-                    continue
-                loss = o.get("loss") if isinstance(o, dict) else getattr(o, "loss", None)
-                results.append((loss, _outputs(o, hi - lo)))
-        finally:
-            if saved is None:
-                decoder.__dict__.pop("forward", None)
-            else:
-                decoder.forward = saved
+        for lo, hi in ((0, w), (0, c), (c, w)):
+            a, k = take((args, kwargs), length, [(lo, hi)])
+            try:   # every run is tried: each rank runs the same ones
+                o = self._run(lambda: self.model.forward(*a, **k), [(lo, hi)], length, state, routed=decoder)
+            except Exception as exc:
+                results.append(exc)
+                continue
+            results.append((_loss_of(o), _outputs(o, hi - lo)))
         where = type(self.model).forward
         for r in results:
             if isinstance(r, Exception):

@@ -227,7 +227,7 @@ class CPBatch:
         # the step's base seed for dropout: drawn by the shard step (sharding.rng.step_seed), each rank's
         # forward forks its random state from it and the CP rank (sharding.rng); None: drawn at the forward
         self.rng_seed: int | None = None
-        # the token-mixing check's runs (architectures.mixing.MixingCheck.stand_in): CP attention answers per
+        # the token-mixing check's runs (per_token(), architectures.mixing): CP attention answers per
         # token (no collective), so the attention module's own code around it is checked too
         self.stand_in = False
         self._cache: dict = {}
