@@ -52,6 +52,25 @@ class CumsumFn(torch.autograd.Function):
         return g.flip(1).cumsum(1).flip(1)
 
 
+class FlatRouted(nn.Module):
+    """Per-token work that looks like mixing: tokens flattened through ``B * S`` (a reshape by the sequence
+    size), a reduction over hidden, and routing by gather to one of two experts (the MoE pattern)."""
+
+    def __init__(self, inner, hidden):
+        super().__init__()
+        self.inner, self.router = inner, nn.Linear(hidden, 2, bias=False)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        flat = x.reshape(B * S, D)
+        pick = self.router(flat).argmax(-1)
+        out = torch.zeros_like(flat)
+        for e in range(2):
+            idx = (pick == e).nonzero(as_tuple=True)[0]
+            out.index_add_(0, idx, (e + 1) * self.inner(flat.index_select(0, idx)[None])[0])
+        return (out * flat.pow(2).mean(-1, keepdim=True).rsqrt()).reshape(B, S, D)
+
+
 class ChannelsFirstConv(nn.Module):
     """A causal depthwise ``nn.Conv1d`` called channels-first (``[B, hidden, S]``)."""
 
@@ -173,6 +192,9 @@ def _loss(kind):
 
 EDITS = {
     "plain": lambda model: None,
+    # per-token, and must stay exact and unrefused (a false alarm is a bug too)
+    "per_token_routing": lambda model: setattr(model.model.layers[0], "mlp", FlatRouted(
+        model.model.layers[0].mlp, model.config.hidden_size)),
     # issue 27's table
     "running_mean_mlp": _mlp(lambda x, y: y + running_mean(x)),
     "sequence_centred_norm": lambda model: setattr(model.model, "norm", Wrap(model.model.norm, lambda x, y: y - y.mean(1, keepdim=True))),

@@ -38,9 +38,10 @@ EXPECTED = {
 
 @pytest.mark.parametrize("layout, P", [("ulysses", 2), ("ring", 2), ("documents", 2), ("usp", 4)])
 def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
-    cases = ["plain", *EXPECTED]
+    cases = ["plain", "per_token_routing", *EXPECTED]
     for ranks in [pool.run(jobs_token_mixing.refusals, cases, layout, P=P)]:
-        assert all(r["plain"] is None for r in ranks), [r["plain"] for r in ranks]   # the unedited model runs
+        for case in ("plain", "per_token_routing"):   # the unedited model and per-token routing run
+            assert all(r[case] is None for r in ranks), [r[case] for r in ranks]
         for case, named in EXPECTED.items():
             found = [r[case] for r in ranks]
             assert all(f is not None and f["grads"] == 0 for f in found), (case, found)
@@ -50,8 +51,10 @@ def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
 
 
 def test_unedited_model_is_exact_and_the_check_reports_each_mode(pool):
-    for r in pool.run(jobs_token_mixing.exactness, "plain"):
-        assert r["refused"] is None and r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5, r
+    for case, layout, P in (("plain", "ulysses", 2), ("per_token_routing", "ulysses", 2),
+                            ("per_token_routing", "ring", 4)):
+        for r in pool.run(jobs_token_mixing.exactness, case, layout=layout, P=P):
+            assert r["refused"] is None and r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5, (case, r)
     for r in pool.run(jobs_token_mixing.check_report):
         assert r["before"] is None and "training mode" in r["train"] and "eval mode" in r["after"], r
         assert "shown per-token at its 32-token shard" in r["after"] and "token-mixing" in r["text"], r
