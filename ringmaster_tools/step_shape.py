@@ -25,6 +25,13 @@ MODELS = {
     "mamba2-hybrid": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3])),
 }
 
+# two decoder blocks (one attention, one recurrent for the hybrids): the same code paths, half the compiles
+TWO_BLOCKS = {
+    "llama": dict(num_hidden_layers=2),
+    "gdn-hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+    "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+}
+
 # backend name -> RingmasterConfig fields (size added per run)
 BACKENDS = {
     "ulysses": dict(backend="ulysses"),

@@ -5,12 +5,7 @@ from __future__ import annotations
 from ringmaster.attention.ring import loop
 from ringmaster_tools import step_shape
 
-# two decoder blocks (one attention, one recurrent for the hybrid): the same code paths, half the compiles
-SMALL = {
-    "llama": dict(num_hidden_layers=2),
-    "gdn-hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
-    "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
-}
+SMALL = step_shape.TWO_BLOCKS
 
 
 def compile_parity(ctx, model, backend, P=2, compiler="aot_eager_decomp_partition", batch="dense"):

@@ -26,7 +26,15 @@ backward adds every range's gradient into one buffer (slicing through autograd w
 full-size zero gradient per call).
 
 The plan is made on the host from the documents' host copy (``CPBatch.runs``, read once in the shard
-step: no device read here) and, with the masks, cached in the forward's ``CPBatch`` for every layer. Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
+step: no device read here) and, with the masks, cached in the forward's ``CPBatch`` for every layer.
+
+Compiled (``torch.compile`` tracing a decoder block), the same plan runs inside one custom op,
+``torch.ops.ringmaster.sdpa_tiles`` (and its backward op), which takes the batch's opaque
+:attr:`CPBatch.handle <ringmaster.sharding.documents.CPBatch>` and plans on the host when the graph runs:
+a new packing is new data for the same graph, never a recompile. Each call of the plan runs torch's
+fused attention ops with its structured mask (:class:`.ring.masks.BlockMask`: band and documents from
+the host runs, dense only per tile of query rows) and returns the log-sum-exp, which the backward op
+takes back: the same calls as eager mode, forward and backward, no recomputation. Not yet run on a GPU. On GPU the many small calls cost launches; the flash kernels' varlen and
 ``window_size`` path (no mask at all) is the production one.
 """
 
@@ -35,6 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..sharding import handle
+from ..sharding.handle import StepHandle
 
 TILE = 256  # queries per masked call; masks are at most TILE x (TILE + 2 * window)
 
@@ -163,7 +174,10 @@ class _Spans(torch.autograd.Function):
 def tiled_attention(fn, module, q, k, v, cpb, causal: bool, window, kwargs: dict,
                     tile: int | None = None) -> torch.Tensor:
     """``fn`` (an attention-interface kernel) over q ``[B, h, S, D]``, k/v ``[B, hk, S, D]`` in calls of
-    :func:`plan`; returns ``[B, S, h, D]`` as the kernel would for the whole sequence."""
+    :func:`plan`; returns ``[B, S, h, D]`` as the kernel would for the whole sequence. Compiled: the same
+    calls through :func:`compiled_tiles` (no per-packing Python value in the graph)."""
+    if torch.compiler.is_compiling() and handle.AVAILABLE:
+        return compiled_tiles(module, q, k, v, cpb, causal, window, kwargs, tile)
     B = q.shape[0]
     calls = plan(cpb, causal, window, B, tile)
     call_masks = masks(cpb, causal, window, B, q.device, tile)
@@ -179,3 +193,125 @@ def tiled_attention(fn, module, q, k, v, cpb, causal: bool, window, kwargs: dict
             last = (c.r0, c.r1)
         rows[-1].append(o)
     return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
+
+
+# ---- compiled: the plan as data (torch.ops.ringmaster.sdpa_tiles) ------------------------------------------
+
+def call_block_mask(call: Call, cpb, causal: bool, window, docs: torch.Tensor | None):
+    """:class:`.ring.masks.BlockMask` of one call in the call's own coordinates: the causal / window band
+    from global positions, the documents with their host runs (tiles are skipped or left unmasked from the
+    host copy, never from mask values)."""
+    from .ring.masks import BlockMask
+    from ..sharding.documents import Runs
+
+    shift = call.k0 - call.q0          # global i - j = local i - j - shift
+    lo = shift if causal else (None if window is None else shift - window + 1)
+    hi = None if window is None else shift + window - 1
+    sq, sk = call.q1 - call.q0, call.k1 - call.k0
+    if not call.masked:
+        return BlockMask(sq, sk, lo=0 if causal else None)
+    q_docs = k_docs = runs = None
+    if docs is not None:
+        rows = docs[call.r0:call.r1] if docs.shape[0] > 1 else docs
+        q_docs, k_docs = rows[:, call.q0:call.q1], rows[:, call.k0:call.k1]
+        runs = cpb.runs if cpb.runs.rows == 1 or call.r1 - call.r0 == cpb.runs.rows else \
+            Runs(cpb.seq_len, tuple(cpb.runs.row(r) for r in range(call.r0, call.r1)))
+    return BlockMask(sq, sk, lo=lo, hi=hi, q_docs=q_docs, k_docs=k_docs, runs=runs, q_start=call.q0,
+                     k_start=call.k0)
+
+
+def _plan_masks(cpb, causal: bool, window, batch: int, device, tile):
+    key = ("sdpa_tile_blocks", causal, window, batch, tile, str(device))
+    if key not in cpb._cache:
+        calls = plan(cpb, causal, window, batch, tile)
+        docs = cpb.docs_on(device)
+        cpb._cache[key] = [(c, call_block_mask(c, cpb, causal, window, docs)) for c in calls]
+    return cpb._cache[key]
+
+
+def _window(window: int) -> int | None:
+    return None if window < 0 else window
+
+
+def _tiles_forward(q, k, v, step, causal, window, scale, tile):
+    from .ring.aten import AtenKernel
+
+    kernel = AtenKernel()
+    B, h, S, _ = q.shape
+    out = q.new_empty(B, h, S, v.shape[-1])
+    lse = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
+    for c, m in _plan_masks(step.batch, causal, _window(window), B, q.device, tile):
+        rows, qs, ks = slice(c.r0, c.r1), slice(c.q0, c.q1), slice(c.k0, c.k1)
+        o, l = kernel.forward(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], scale, m)
+        out[rows, :, qs] = o.to(out.dtype)
+        lse[rows, :, qs] = l.float()
+    return out, lse
+
+
+def _tiles_backward(dout, q, k, v, out, lse, step, causal, window, scale, tile):
+    from .ring.aten import AtenKernel
+
+    kernel = AtenKernel()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for c, m in _plan_masks(step.batch, causal, _window(window), q.shape[0], q.device, tile):
+        rows, qs, ks = slice(c.r0, c.r1), slice(c.q0, c.q1), slice(c.k0, c.k1)
+        gq, gk, gv = kernel.backward(dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
+                                     out[rows, :, qs], lse[rows, :, qs], scale, m)
+        dq[rows, :, qs] += gq
+        dk[rows, :, ks] += gk
+        dv[rows, :, ks] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+if handle.AVAILABLE:
+    @torch.library.custom_op("ringmaster::sdpa_tiles", mutates_args=())
+    def _sdpa_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepHandle, causal: bool,
+                    window: int, scale: float, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _tiles_forward(q, k, v, step, causal, window, scale, tile)
+
+    @_sdpa_tiles.register_fake
+    def _(q, k, v, step, causal, window, scale, tile):
+        B, h, S, _ = q.shape
+        return q.new_empty(B, h, S, v.shape[-1]), q.new_empty(B, h, S, dtype=torch.float32)
+
+    @torch.library.custom_op("ringmaster::sdpa_tiles_backward", mutates_args=())
+    def _sdpa_tiles_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, step: StepHandle, causal: bool, window: int,
+                             scale: float, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _tiles_backward(dout, q, k, v, out, lse, step, causal, window, scale, tile)
+
+    @_sdpa_tiles_backward.register_fake
+    def _(dout, q, k, v, out, lse, step, causal, window, scale, tile):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, step, causal, window, scale, tile = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.args = (step, causal, window, scale, tile)
+
+    def _backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_sdpa_tiles_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args), None, None, None, None,
+                None)
+
+    _sdpa_tiles.register_autograd(_backward, setup_context=_setup)
+
+
+def compiled_tiles(module, q, k, v, cpb, causal: bool, window, kwargs: dict, tile: int | None = None):
+    """:func:`tiled_attention` inside a compiled block: the plan's calls through ``torch.ops.ringmaster.sdpa_tiles``
+    with the batch's opaque handle; returns ``[B, S, h, D]``."""
+    dropout = kwargs.get("dropout") or 0.0
+    if dropout:
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention dropout ({dropout}) inside a compiled block under CP with sdpa on "
+            "packed or windowed rows: the compiled tile op has no dropout; set the config's attention dropout to "
+            "0, or run the blocks uncompiled")
+    scale = kwargs.get("scaling")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    window = -1 if window is None else int(window)
+    out, _ = torch.ops.ringmaster.sdpa_tiles(q, k, v, cpb.handle, causal, window, scale,
+                                             TILE if tile is None else tile)
+    return out.transpose(1, 2)

@@ -28,6 +28,7 @@ import torch
 
 from . import balancers
 from .assignment import DOCUMENTS
+from .handle import StepHandle
 
 BATCH_KWARG = "ringmaster_batch"
 
@@ -231,6 +232,8 @@ class CPBatch:
         # token (no collective), so the attention module's own code around it is checked too
         self.stand_in = False
         self._cache: dict = {}
+        # what compiled blocks hand to ringmaster's custom ops instead of reading the host facts (.handle)
+        self.handle = StepHandle(self)
         if assignment is not None:   # the two parts, made here (the shard step, on the host), never in forward
             self.split_part()
             self.whole_part()
@@ -252,6 +255,7 @@ class CPBatch:
         """This batch for the token-mixing check's runs: the same facts, CP attention standing in per token."""
         other = copy.copy(self)
         other.stand_in = True
+        other.handle = StepHandle(other)
         return other
 
     @property
