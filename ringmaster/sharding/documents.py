@@ -337,6 +337,8 @@ class CPBatch:
     def docs_on(self, device) -> torch.Tensor | None:
         if self.doc_ids is None:
             return None
+        if self.doc_ids.device == torch.device(device):   # no cache lookup: a compiled block would guard on it
+            return self.doc_ids
         key = ("docs", str(device))
         if key not in self._cache:
             self._cache[key] = self.doc_ids.to(device)
