@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from . import runtime as _runtime
@@ -35,7 +36,7 @@ from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime
-from .sharding import rng
+from .sharding import handle, rng
 from .sharding.assignment import Cost
 from .sharding.carrier import attach
 
@@ -96,6 +97,18 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "trace: use recurrent='scan'")
     elif kinds and strategy == "fla_cp":
         notes.append("recurrent='fla_cp' (flash-linear-attention's own CP) is not shown to compile here")
+    if cfg.load_balance == "documents":
+        notes.append("load_balance='documents': each batch's assignment (which documents are split, the shard "
+                     "lengths) is read in Python inside the blocks, so every new packing recompiles them; past "
+                     "dynamo's recompile limit (8) fullgraph=True fails: use load_balance='auto' for compiled "
+                     "training on packed rows")
+    if kinds:
+        notes.append(f"recurrent layers ({', '.join(kinds)}) on packed or padded rows: the document cuts inside "
+                     "a layer's chunk are read in Python, so a new packing recompiles the block (unpacked rows "
+                     "compile once)")
+    if not handle.AVAILABLE:
+        notes.append(f"torch {torch.__version__} has no opaque objects for custom ops: Ulysses' sdpa tiles on "
+                     "packed rows plan in the graph, and each new packing recompiles the blocks")
     unverified = [k for k in kinds if k not in COMPILE_VERIFIED_KINDS]
     if unverified:
         notes.append(f"recurrent kinds {unverified} run exactly but are not shown to compile with fullgraph=True "

@@ -65,6 +65,32 @@ def test_mutation_first_cp_forward_compiled_hits_the_recompile_limit(pool):
         pool.run(jobs_compile.first_forward_compiled, 10, eager_first=False)
 
 
+WARM_UP = 5   # steps after which no new packing may compile a graph
+
+
+@pytest.mark.parametrize("backend, kind", [("ulysses", "packed"), ("ring-alltoall", "padded")])
+def test_fifty_new_packings_compile_no_new_graph(pool, backend, kind):
+    """50 steps, each a new random packing (1 to 6 documents) or padding, through fullgraph-compiled blocks: after
+    the first steps (a row of one document is one more graph: no documents to mask), no step compiles a graph,
+    and every step's loss matches the model without CP (gradients on the first and last step)."""
+    for r in pool.run(jobs_compile.over_packings, "llama", backend, kind, 50):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= 2, r["graphs"]
+        assert r["graphs"][-1] == r["graphs"][WARM_UP - 1], r["graphs"]
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
+def test_mutation_plan_in_the_graph_recompiles_per_packing(pool):
+    """Mutation: the compiled Ulysses sdpa tiles plan in Python inside the block again (the step handle
+    unused): the document boundaries specialise the graph, new packings recompile until dynamo's limit."""
+    try:
+        results = pool.run(jobs_compile.over_packings, "llama", "ulysses", "packed", 50, plan_in_python=True)
+    except RankError as exc:
+        assert "recompile" in str(exc).lower(), exc
+        return
+    for r in results:
+        assert r["graphs"][-1] > r["graphs"][WARM_UP - 1], r["graphs"]
+
+
 def test_wire_for_compile_names_what_does_not_compile():
     """``rm.wire(compile=True)`` reports (and warns) the paths that do not compile or are not shown to."""
     import ringmaster as rm
@@ -75,4 +101,8 @@ def test_wire_for_compile_names_what_does_not_compile():
     text = " ".join(notes)
     assert "hf_kernels" in text and "flash_attention_2" in text and "recurrent='scan'" in text and "rwkv" in text
     ok = rm.RingmasterConfig(size=2, backend="ulysses").resolve(num_kv_heads=2)
-    assert compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan") == []
+    assert compile_notes(ok, "sdpa", [], "scan") == []
+    hybrid = compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan")
+    assert len(hybrid) == 1 and "packed" in hybrid[0] and "recompiles" in hybrid[0], hybrid
+    docs = rm.RingmasterConfig(size=2, backend="ulysses", load_balance="documents").resolve(num_kv_heads=2)
+    assert any("load_balance='documents'" in n and "recompiles" in n for n in compile_notes(docs, "sdpa", [], "scan"))
