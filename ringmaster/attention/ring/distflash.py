@@ -86,9 +86,12 @@ class DistFlashPlan:
     chunk: int                 # tokens per rank
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
     runs: object | None = field(default=None, compare=False)  # the documents' host copy (sharding.documents.Runs)
+    # under torch.compile: plan without the host copy (every task runs, its document mask from ``docs`` on the
+    # device), so the graph does not depend on the packing; tasks of disjoint documents are not skipped
+    static_docs: bool = False
 
     def __post_init__(self):
-        if self.docs is not None and self.runs is None:   # a caller without the step's host copy (tests)
+        if self.docs is not None and self.runs is None and not self.static_docs:   # a caller without the host copy
             object.__setattr__(self, "runs", Runs.from_doc_ids(self.docs))
 
     def steps(self):
@@ -100,7 +103,7 @@ def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
     global facts only (schedule, chunk, document ids), so every rank agrees which messages exist."""
     steps = plan.steps()
     active = [[task.rows(plan.chunk)[1] > task.rows(plan.chunk)[0] for task in step] for step in steps]
-    if plan.docs is None:
+    if plan.docs is None or plan.static_docs:
         return active
     c = plan.chunk
     for s, step in enumerate(steps):
@@ -124,7 +127,7 @@ def task_mask(plan: DistFlashPlan, task):
         return None if lo is None else BlockMask(b - a, c, lo=lo)
     return BlockMask(b - a, c, lo=lo, q_docs=plan.docs[:, task.q * c + a:task.q * c + b],
                      k_docs=plan.docs[:, task.kv * c:task.kv * c + c], runs=plan.runs, q_start=task.q * c + a,
-                     k_start=task.kv * c)
+                     k_start=task.kv * c, static_docs=plan.static_docs)
 
 
 class _Exchange:

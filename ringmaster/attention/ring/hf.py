@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import RingImpl
-from ...sharding import balancers
+from ...sharding import balancers, handle
 from ..binding import AttentionBinding
 from ..relbias import KWARG as REL_KWARG
 from ..token_sinks import KWARG as TOKEN_SINKS
@@ -73,8 +73,11 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     if binding.schedule == "distflash":
         distflash.check_call(causal, kwargs.get("sliding_window"), cpb.seq_len)
+        static = torch.compiler.is_compiling()   # compiled: no per-packing value in the graph (no task skipped)
         plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
-                                       chunk=query.shape[2], docs=cpb.docs_on(query.device), runs=cpb.runs)
+                                       chunk=query.shape[2], docs=cpb.docs_on(query.device),
+                                       runs=None if static else cpb.runs,
+                                       static_docs=static and cpb.doc_ids is not None)
         return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
                                              scale=kwargs.get("scaling"), sinks=sinks)
     rel = kwargs.get(REL_KWARG)
@@ -82,12 +85,16 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     if rel is not None:  # the bias and its gradient are built inside the math kernel's block tiles
         kernel = _MATH
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
-    # compiled: the plan does not read the host runs, so a new packing does not recompile the block
+    # compiled: the traced loop does not read the host runs, so a new packing does not recompile the block; the
+    # pairs are planned from them inside torch.ops.ringmaster.ring_block (the step handle), skipped as in eager
+    # mode, where the op runs the call (no ALiBi or relative bias, an aten or math block kernel)
     static = torch.compiler.is_compiling()
+    by_op = static and handle.AVAILABLE and cpb.doc_ids is not None and kwargs.get("alibi_slopes") is None \
+        and rel is None and getattr(kernel, "name", None) in (RingImpl.ATEN, RingImpl.MATH)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
                     alibi=kwargs.get("alibi_slopes"), runs=None if static else cpb.runs,
-                    static_docs=static and cpb.doc_ids is not None)
+                    static_docs=static and cpb.doc_ids is not None, handle=cpb.handle if by_op else None)
     return ring_attention(query, key, value, group, plan, kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"),
                           rel=None if rel is None else rel.logits())

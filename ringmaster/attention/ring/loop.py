@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ...comm import _all_gather, _reduce_scatter, complete, diagnosed, start_exchange, timed_comm
-from ...sharding import balancers
+from ...config import RingImpl
+from ...sharding import balancers, handle
 from ...sharding.documents import Runs
+from ...sharding.handle import StepHandle
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -56,6 +58,10 @@ class RingPlan:
     # under torch.compile: plan without the host copy (no pair or tile skipped by documents; the document
     # masks come from ``docs`` on the device), so the compiled graph does not depend on the packing
     static_docs: bool = False
+    # under torch.compile: the batch's opaque step handle (sharding.handle); the block pairs are then planned
+    # from the host runs inside torch.ops.ringmaster.ring_block (pairs of disjoint documents skipped, as in
+    # eager mode), and the traced loop reads no per-packing value
+    handle: object | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.docs is not None and self.runs is None and not self.static_docs:   # a caller without the host copy
@@ -171,6 +177,11 @@ class _Ring:
 def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap, rel=None):
     c = plan.chunk
     k, v = lay.k(kv), lay.v(kv)
+    if plan.handle is not None:   # compiled: the pairs planned from the host runs inside the op
+        o, lse = torch.ops.ringmaster.ring_block(q, k, v, plan.handle, *_op_args(plan, kernel, scale, softcap), src, 0)
+        for qi in range(len(acc)):
+            acc[qi] = merge(*(acc[qi] or (None, None)), _sl(o, qi, c), lse[..., qi * c:(qi + 1) * c])
+        return
     for qi, kj, mask in block_pairs(plan, src, q.device, rel):
         o, lse = kernel.forward(_sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c), scale, mask, softcap=softcap)
         acc[qi] = merge(*(acc[qi] or (None, None)), o, lse)
@@ -178,8 +189,8 @@ def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap, rel=
 
 def _backward_block(kernel, plan, q, kv, src, scale, dout, out, lse, dq, dkv, lay: _KV, softcap, rel=None,
                     drel=None):
-    _backward_pairs(kernel, plan, q, kv, block_pairs(plan, src, q.device, rel), scale, dout, out, lse, dq, dkv, lay,
-                    softcap, drel)
+    pairs = _OpPairs(src, 0) if plan.handle is not None else block_pairs(plan, src, q.device, rel)
+    _backward_pairs(kernel, plan, q, kv, pairs, scale, dout, out, lse, dq, dkv, lay, softcap, drel)
 
 
 def _own_split(pairs):
@@ -198,6 +209,14 @@ def _own_split(pairs):
 def _backward_pairs(kernel, plan, q, kv, pairs, scale, dout, out, lse, dq, dkv, lay: _KV, softcap, drel=None):
     c = plan.chunk
     k, v, dk, dv = lay.k(kv), lay.v(kv), lay.k(dkv), lay.v(dkv)
+    if isinstance(pairs, _OpPairs):   # compiled: the pairs planned from the host runs inside the op
+        gq, gk, gv = torch.ops.ringmaster.ring_block_backward(dout, q, k, v, out, lse, plan.handle,
+                                                              *_op_args(plan, kernel, scale, softcap), pairs.src,
+                                                              pairs.select)
+        dq.add_(gq.to(dq.dtype))
+        dk.add_(gk.to(dkv.dtype))
+        dv.add_(gv.to(dkv.dtype))
+        return
     for qi, kj, mask in pairs:
         dq_i, dk_j, dv_j, *drel_i = kernel.backward(_sl(dout, qi, c), _sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c),
                                                     _sl(out, qi, c), lse[..., qi * c:(qi + 1) * c], scale, mask,
@@ -222,7 +241,10 @@ def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _K
     the one received, the one being sent)."""
     P, acc = plan.size, dq.dtype
     home = torch.zeros(kv.shape, dtype=acc, device=q.device)
-    early, late = _own_split(block_pairs(plan, plan.rank, q.device, rel))
+    if plan.handle is not None:   # compiled: the op selects the own block's early and late pairs
+        early, late = _OpPairs(plan.rank, 1), _OpPairs(plan.rank, 2)
+    else:
+        early, late = _own_split(block_pairs(plan, plan.rank, q.device, rel))
     ring = _Ring(group, after=dout) if P > 1 else None
     pending_kv = ring.start(kv, "backward", "ring_kv") if ring else None
     _backward_pairs(kernel, plan, q, kv, early, scale, dout, out, lse, dq, home, lay, softcap, drel)
@@ -240,6 +262,99 @@ def _p2p_backward(kernel, plan, group, q, kv, scale, dout, out, lse, dq, lay: _K
     if pending_dkv is not None:  # every other rank's share of our own block
         home.add_(ring.wait(pending_dkv))
     return home
+
+
+@dataclass(frozen=True)
+class _OpPairs:
+    """The pairs of ``src``'s block that ``torch.ops.ringmaster.ring_block(_backward)`` plans inside the op:
+    ``select`` 0 all, 1 the own block's early (off-diagonal) pairs, 2 its late (diagonal) ones."""
+
+    src: int
+    select: int
+
+
+def _op_args(plan: RingPlan, kernel, scale, softcap) -> tuple:
+    """The plan's per-model facts as the ops' arguments (the per-packing ones stay behind the handle)."""
+    return (plan.layout, plan.size, plan.rank, plan.chunk, plan.causal, -1 if plan.window is None else plan.window,
+            float(scale), str(kernel.name.value if hasattr(kernel.name, "value") else kernel.name),
+            float(softcap or 0.0))
+
+
+def _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, device):
+    """Inside the ops: the eager plan of ``src``'s block, from the batch's host runs."""
+    batch = step.batch
+    plan = RingPlan(layout=layout, size=size, rank=rank, chunk=chunk, causal=causal,
+                    window=None if window < 0 else window, docs=batch.docs_on(device), runs=batch.runs)
+    pairs = block_pairs(plan, src, device)
+    if select:
+        early, late = _own_split(pairs)
+        pairs = early if select == 1 else late
+    return pairs
+
+
+def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src, select):
+    from .kernels import get_kernel
+
+    kernel = get_kernel(RingImpl(impl))
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q), device=q.device)
+    acc = {}
+    for qi, kj, mask in _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, q.device):
+        o, l = kernel.forward(_sl(q, qi, chunk), _sl(k, kj, chunk), _sl(v, kj, chunk), scale, mask,
+                              softcap=softcap or None)
+        acc[qi] = merge(*(acc.get(qi) or (None, None)), o, l)
+    for qi, (o, l) in acc.items():
+        _sl(out, qi, chunk).copy_(o)
+        lse[..., qi * chunk:(qi + 1) * chunk].copy_(l)
+    return out, lse
+
+
+def _ring_block_backward(dout, q, k, v, out, lse, step, layout, size, rank, chunk, causal, window, scale, impl,
+                         softcap, src, select):
+    from .kernels import get_kernel
+
+    kernel = get_kernel(RingImpl(impl))
+    acc = acc_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for qi, kj, mask in _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, q.device):
+        gq, gk, gv = kernel.backward(_sl(dout, qi, chunk), _sl(q, qi, chunk), _sl(k, kj, chunk), _sl(v, kj, chunk),
+                                     _sl(out, qi, chunk), lse[..., qi * chunk:(qi + 1) * chunk], scale, mask,
+                                     softcap=softcap or None)
+        _sl(dq, qi, chunk).add_(gq.to(acc))
+        _sl(dk, kj, chunk).add_(gk.to(acc))
+        _sl(dv, kj, chunk).add_(gv.to(acc))
+    return dq, dk, dv
+
+
+if handle.AVAILABLE:
+    @torch.library.custom_op("ringmaster::ring_block", mutates_args=())
+    def _ring_block_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepHandle, layout: str, size: int,
+                       rank: int, chunk: int, causal: bool, window: int, scale: float, impl: str, softcap: float,
+                       src: int, select: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src,
+                           select)
+
+    @_ring_block_op.register_fake
+    def _(q, k, v, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src, select):
+        return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q)),
+                q.new_empty(q.shape[:-1], dtype=acc_dtype(q)))
+
+    @torch.library.custom_op("ringmaster::ring_block_backward", mutates_args=())
+    def _ring_block_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, step: StepHandle, layout: str, size: int,
+                                rank: int, chunk: int, causal: bool, window: int, scale: float, impl: str,
+                                softcap: float, src: int, select: int
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _ring_block_backward(dout, q, k, v, out, lse, step, layout, size, rank, chunk, causal, window, scale,
+                                    impl, softcap, src, select)
+
+    @_ring_block_backward_op.register_fake
+    def _(dout, q, k, v, out, lse, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src,
+          select):
+        acc = acc_dtype(q)
+        return (q.new_empty(q.shape, dtype=acc), k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc))
 
 
 def _finish(acc, q, sinks, dv: int):
