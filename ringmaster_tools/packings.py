@@ -55,11 +55,13 @@ def over_packings(ctx, model_name: str, backend: str, kind: str, steps: int = 50
                   eager: bool = False, overrides: dict | None = None, mutate=None) -> dict:
     """``steps`` CP steps over new packings of a two-block model (``step_shape.TWO_BLOCKS``) with every block compiled (``eager=True``: not compiled, the
     baseline); per step the graphs compiled so far and the loss error against the model without CP (the
-    gradient error on the first and last step). ``mutate(model)``: edit the wired model before compiling
+    gradient error on the first and last step) and the attention work issued (``ringmaster.attention.work``: query-key
+pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model before compiling
     (the tests' mutations)."""
     import torch._dynamo
 
     import ringmaster as rm
+    from ringmaster.attention import work
     from ringmaster_tools.parity import group_mean_grad_errors, rel_err
 
     mesh = ctx.mesh(size)
@@ -73,11 +75,12 @@ def over_packings(ctx, model_name: str, backend: str, kind: str, steps: int = 50
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     blocks = step_shape.decoder_blocks(model)
-    record = {"graphs": [], "loss": [], "grad": [], "seconds": []}
+    record = {"graphs": [], "loss": [], "grad": [], "seconds": [], "pairs": []}
     try:
         if not eager:
             for block in blocks:
                 block.compile(fullgraph=True, backend=compiler)
+        record["failed"] = None
         for step in range(steps):
             batch, ref_kind = make_step_batch(kind, ref.config.vocab_size, seq_len, step)
             check_grad = backward and step in (0, steps - 1)
@@ -85,8 +88,14 @@ def over_packings(ctx, model_name: str, backend: str, kind: str, steps: int = 50
             model.zero_grad(set_to_none=True)
             ref_out = step_shape._reference(ref, batch, ref_kind, backward=check_grad)
             t0 = time.perf_counter()
-            out = step_shape._cp_step(model, runtime, batch, backward=backward)
+            with work.counting() as tally:
+                try:
+                    out = step_shape._cp_step(model, runtime, batch, backward=backward)
+                except torch._dynamo.exc.FailOnRecompileLimitHit:   # every rank at the same step (same packings)
+                    record["failed"] = f"recompile limit at step {step + 1}"
+                    break
             record["seconds"].append(time.perf_counter() - t0)
+            record["pairs"].append(tally["pairs"])
             loss = out.loss.detach().clone()
             dist.all_reduce(loss, group=group)
             record["loss"].append(rel_err(loss / size, ref_out.loss.detach()))

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import work
 from ..sharding import handle
 from ..sharding.handle import StepHandle
 
@@ -184,6 +185,8 @@ def tiled_attention(fn, module, q, k, v, cpb, causal: bool, window, kwargs: dict
     qs = _Spans.apply(q, tuple((c.r0, c.r1, c.q0, c.q1) for c in calls))
     kspans = tuple((c.r0, c.r1, c.k0, c.k1) for c in calls)
     ks, vs = _Spans.apply(k, kspans), _Spans.apply(v, kspans)
+    for qi, ki in zip(qs, ks):
+        work.issued(qi, ki)
     outs = [fn(module, qi, ki, vi, m, **kwargs)[0] for qi, ki, vi, m in zip(qs, ks, vs, call_masks)]
     rows: list[list[torch.Tensor]] = []
     last = None
@@ -242,6 +245,7 @@ def _tiles_forward(q, k, v, step, causal, window, scale, tile):
     lse = torch.empty(B, h, S, dtype=torch.float32, device=q.device)
     for c, m in _plan_masks(step.batch, causal, _window(window), B, q.device, tile):
         rows, qs, ks = slice(c.r0, c.r1), slice(c.q0, c.q1), slice(c.k0, c.k1)
+        work.issued(q[rows, :, qs], k[rows, :, ks])
         o, l = kernel.forward(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], scale, m)
         out[rows, :, qs] = o.to(out.dtype)
         lse[rows, :, qs] = l.float()

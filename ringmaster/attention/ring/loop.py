@@ -36,6 +36,7 @@ from ...config import RingImpl
 from ...sharding import balancers, handle
 from ...sharding.documents import Runs
 from ...sharding.handle import StepHandle
+from .. import work
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -183,6 +184,7 @@ def _forward_block(kernel, plan, q, kv, src, scale, acc, lay: _KV, softcap, rel=
             acc[qi] = merge(*(acc[qi] or (None, None)), _sl(o, qi, c), lse[..., qi * c:(qi + 1) * c])
         return
     for qi, kj, mask in block_pairs(plan, src, q.device, rel):
+        work.issued(_sl(q, qi, c), _sl(k, kj, c))
         o, lse = kernel.forward(_sl(q, qi, c), _sl(k, kj, c), _sl(v, kj, c), scale, mask, softcap=softcap)
         acc[qi] = merge(*(acc[qi] or (None, None)), o, lse)
 
@@ -300,6 +302,7 @@ def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale,
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q), device=q.device)
     acc = {}
     for qi, kj, mask in _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, q.device):
+        work.issued(_sl(q, qi, chunk), _sl(k, kj, chunk))
         o, l = kernel.forward(_sl(q, qi, chunk), _sl(k, kj, chunk), _sl(v, kj, chunk), scale, mask,
                               softcap=softcap or None)
         acc[qi] = merge(*(acc.get(qi) or (None, None)), o, l)

@@ -1,0 +1,91 @@
+"""Compiled training over many packings: graphs per block, recompiles, exactness and work, CPU gloo ranks.
+
+    python benchmarks/compile.py [--models llama,gdn-hybrid,mamba2-hybrid] [--backends ulysses,...]
+                                 [--batches dense,packed,padded,documents] [--steps 50] [--compiler eager]
+
+Per (model, backend, batch), on every rank (two-block tiny models, fp32, S=64; P=2, USP 2x2 at P=4): every decoder
+block compiled with ``torch.compile(block, fullgraph=True)`` before the first CP step, then ``--steps`` steps,
+each a new random packing (1 to 6 documents; ``padded``: new left and right padding; ``documents``:
+``load_balance="documents"`` on packed rows; ``dense``: new tokens), forward and backward
+(``ringmaster_tools.packings.over_packings``): graphs compiled after 1, 5 and all steps, graphs compiled after
+the fifth, where dynamo gave up (recompile limit), the worst loss error of any step and the worst gradient error
+(first and last step) against the model without CP, the attention work issued (query-key pairs, forward) compiled
+vs eager on the packed steps, and the CPU step time compiled vs eager (median of the steps after the fifth;
+``--compiler eager`` measures dynamo's graphs, not inductor's code). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+BACKENDS = ("ulysses", "ring-alltoall", "ring-allgather", "distflash", "usp")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama,gdn-hybrid,mamba2-hybrid")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--batches", default="dense,packed,padded,documents")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--compiler", default="eager", help="torch.compile backend of the blocks")
+    args = parser.parse_args()
+
+    from ringmaster_tools import packings
+    from ringmaster_tools.pool import LocalPool, torch_kernels_only
+
+    rows = []
+    pool = LocalPool(4, timeout=3600, init=torch_kernels_only)
+    try:
+        for model in args.models.split(","):
+            for backend in args.backends.split(","):
+                for batch in args.batches.split(","):
+                    name = backend
+                    if batch == "documents":
+                        if backend not in ("ulysses", "ring-alltoall"):
+                            continue
+                        name = backend.split("-")[0] + "-documents"
+                    size = 4 if backend == "usp" else 2
+                    t0 = time.time()
+                    row = {"model": model, "backend": name, "batch": batch, "P": size}
+                    try:
+                        c = pool.run(packings.over_packings, model, name, batch, args.steps, size=size,
+                                     compiler=args.compiler)
+                        e = pool.run(packings.over_packings, model, name, batch, args.steps, size=size, eager=True)
+                    except Exception as exc:   # a rank raised: the row says where
+                        row["error"] = str(exc).strip().splitlines()[-1][:100]
+                        if pool.broken:
+                            pool.close()
+                            pool = LocalPool(4, timeout=3600, init=torch_kernels_only)
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
+                    g = c[0]["graphs"]
+                    n = len(g)
+                    packed = [i for i in range(min(n, len(e[0]["pairs"]))) if c[0]["pairs"][i] or e[0]["pairs"][i]]
+                    work = [(max(r["pairs"][i] for r in c), max(r["pairs"][i] for r in e)) for i in packed
+                            if any(r["pairs"][i] for r in c)]
+                    tc = statistics.median(max(r["seconds"][i] for r in c) for i in range(5, n)) if n > 5 else None
+                    te = statistics.median(max(r["seconds"][i] for r in e) for i in range(5, n)) if n > 5 else None
+                    row.update(graphs_1=g[0], graphs_5=g[min(4, n - 1)], graphs_end=g[-1], steps=n,
+                               after_warmup=g[-1] - g[min(4, n - 1)], failed=c[0]["failed"] or "",
+                               loss_err=max(max(r["loss"]) for r in c),
+                               grad_err=max((max(r["grad"]) for r in c if r["grad"]), default=None),
+                               work_equal=all(a == b for a, b in work) if work else "n/a",
+                               step_ms_compiled=None if tc is None else round(1e3 * tc, 1),
+                               step_ms_eager=None if te is None else round(1e3 * te, 1),
+                               seconds=round(time.time() - t0, 1))
+                    rows.append(row)
+                    print(row, flush=True)
+    finally:
+        pool.close()
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{r[k]:.1e}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
