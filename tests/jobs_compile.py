@@ -92,3 +92,29 @@ def over_packings(ctx, model, backend, kind, steps=50, plan_in_python=False, P=2
                                       compiler="aot_eager_decomp_partition")
     finally:
         tiled.handle.AVAILABLE = original
+
+
+def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
+    """The attention work (query-key pairs issued, forward) of each step's new packing, compiled and eager.
+    ``skip_in_op=False``: the mutation, the compiled ring plans its pairs without the host runs (as before the
+    step handle: every document pair computed under its mask)."""
+    from ringmaster.attention.ring import loop
+    from ringmaster_tools import packings
+
+    original = loop._host_pairs
+
+    def without_runs(step, layout, size, rank, chunk, causal, window, src, select, device):
+        plan = loop.RingPlan(layout=layout, size=size, rank=rank, chunk=chunk, causal=causal,
+                             window=None if window < 0 else window, docs=step.batch.docs_on(device),
+                             static_docs=True)
+        pairs = loop.block_pairs(plan, src, device)
+        return loop._own_split(pairs)[select - 1] if select else pairs
+
+    if not skip_in_op:
+        loop._host_pairs = without_runs
+    try:
+        compiled = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P, backward=False)
+        eager = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P, backward=False, eager=True)
+    finally:
+        loop._host_pairs = original
+    return {"compiled": compiled["pairs"], "eager": eager["pairs"], "loss": max(compiled["loss"])}

@@ -91,6 +91,26 @@ def test_mutation_plan_in_the_graph_recompiles_per_packing(pool):
         assert r["graphs"][-1] > r["graphs"][WARM_UP - 1], r["graphs"]
 
 
+def _packed_steps(r):
+    return [(c, e) for c, e in zip(r["compiled"], r["eager"]) if c]
+
+
+def test_compiled_ring_skips_the_pairs_eager_skips(pool):
+    """Packed rows (new packings): the compiled ring issues exactly the attention work of eager mode (document
+    pairs skipped from the host runs inside the op), and stays exact."""
+    for r in pool.run(jobs_compile.work_compiled_vs_eager, "ring-alltoall"):
+        steps = _packed_steps(r)
+        assert len(steps) >= 4 and all(c == e for c, e in steps), r
+        assert any(c < max(r["eager"]) for c, _ in steps), r   # some packing skips pairs
+        assert r["loss"] <= TOL, r
+
+
+def test_mutation_compiled_ring_without_host_runs_does_more_work(pool):
+    """Mutation: the op plans its pairs without the host runs: exact still, but more work than eager."""
+    for r in pool.run(jobs_compile.work_compiled_vs_eager, "ring-alltoall", skip_in_op=False):
+        assert any(c > e for c, e in _packed_steps(r)), r
+
+
 def test_wire_for_compile_names_what_does_not_compile():
     """``rm.wire(compile=True)`` reports (and warns) the paths that do not compile or are not shown to."""
     import ringmaster as rm
