@@ -78,18 +78,19 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
     return steps
 
 
-def over_packings(ctx, model, backend, kind, steps=50, plan_in_python=False, P=2):
+def over_packings(ctx, model, backend, kind, steps=50, plan_in_python=False, P=2, compiler="eager"):
     """``steps`` new random packings through compiled blocks (``ringmaster_tools.packings``). ``plan_in_python``:
     the mutation, the compiled Ulysses sdpa tiles plan in the traced block again (the step handle unused), so
-    each new packing's document boundaries become Python constants of the graph."""
+    each new packing's document boundaries become Python constants of the graph. ``compiler``: the blocks'
+    torch.compile backend (``eager``: dynamo's graphs alone; ``aot_eager_decomp_partition``: the custom ops'
+    backward traced by AOTAutograd too)."""
     from ringmaster.attention import tiled
     from ringmaster_tools import packings
 
     original = tiled.handle.AVAILABLE
     tiled.handle.AVAILABLE = not plan_in_python and original
     try:
-        return packings.over_packings(ctx, model, backend, kind, steps, size=P,
-                                      compiler="aot_eager_decomp_partition")
+        return packings.over_packings(ctx, model, backend, kind, steps, size=P, compiler=compiler)
     finally:
         tiled.handle.AVAILABLE = original
 
