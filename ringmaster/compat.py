@@ -115,6 +115,38 @@ def current_device(device_type: str):
     return torch.device(device_type, current())
 
 
+def has_compiled_blocks(model) -> bool:
+    """Whether any module of ``model`` is compiled (``module.compile()``, or a ``torch.compile`` wrapper)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+               for m in model.modules())
+
+
+def eager_replay(model, args: tuple, kwargs: dict):
+    """``model.forward(*args, **kwargs)`` again, its compiled blocks running their eager code, without grad and
+    with the random state restored after: what a first CP forward that ran compiled is recorded by (its
+    one-time checks record per module, which a compiled block must not do). Every CP rank replays alike."""
+    devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+    eager = _Eager(model)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            return model.forward(*args, **kwargs)
+    finally:
+        eager.__exit__(None, None, None)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
 class _Eager:
     """The blocks a model compiled (``module.compile()``: their ``_compiled_call_impl``) run their eager code
     until :meth:`__exit__`; a block compiled by wrapping (``torch.compile(block)`` in the layer list) can only

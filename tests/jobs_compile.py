@@ -33,12 +33,11 @@ def compile_with_host_read_in_ring(ctx, P=2):
         loop._forward_block = original
 
 
-def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
+def first_forward_compiled(ctx, layers=10, eager_first=False, P=2):
     """A ``layers``-block llama, every block compiled (fullgraph) before its first CP step, three steps: the
-    graphs compiled after each, and the loss against the model without CP. ``eager_first=False`` is the
-    mutation: the accounting leaves the first CP forward compiled (its per-module records specialise every
-    block: one graph per layer, past dynamo's recompile limit of 8)."""
-    import contextlib
+    graphs compiled after each, and the loss against the model without CP. ``eager_first=True`` is the
+    mutation: the first CP forward's checks run it eagerly again (no replay: ``compat.has_compiled_blocks``
+    answers False, so the accounting runs the forward itself eagerly)."""
     import copy
 
     import torch
@@ -55,9 +54,9 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
     model = copy.deepcopy(ref)
     ref_loss = step_shape._reference(ref, batch, "packed", backward=False).loss.detach()
     runtime = rm.wire(model, step_shape._cfg("ulysses", P), device_mesh=mesh, compile=True)
-    original = compat.run_eagerly
-    if not eager_first:   # every first-forward check (accounting, token-mixing probe) stays compiled
-        compat.run_eagerly = lambda model: contextlib.nullcontext()
+    original = compat.has_compiled_blocks
+    if eager_first:
+        compat.has_compiled_blocks = lambda model: False
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
@@ -71,7 +70,7 @@ def first_forward_compiled(ctx, layers=10, eager_first=True, P=2):
             steps.append({"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                           "loss": rel_err(loss / P, ref_loss)})
     finally:
-        compat.run_eagerly = original
+        compat.has_compiled_blocks = original
         for block in step_shape.decoder_blocks(model):
             block._compiled_call_impl = None
         rm.unwire(model)

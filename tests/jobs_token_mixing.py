@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -247,9 +248,11 @@ def _batch(layout, vocab, S=64):
     return tiny_batch(vocab, S)
 
 
-def refusals(ctx, cases: list[str], layout: str, P: int = 2) -> dict:
+def refusals(ctx, cases: list[str], layout: str, P: int = 2, compiled: bool = False) -> dict:
     """Each edit of ``cases`` on a tiny Llama, one CP step under ``layout``: the error it was refused with (on
-    this rank), and how many parameters had a gradient then (0: refused before backward); None when it ran."""
+    this rank), and how many parameters had a gradient then (0: refused before backward); None when it ran.
+    ``compiled``: every decoder block compiled (fullgraph) before that first CP step, which then runs compiled
+    (its checks record an eager replay)."""
     from ringmaster.adapters.raw import context_parallel_region
 
     out = {}
@@ -259,7 +262,11 @@ def refusals(ctx, cases: list[str], layout: str, P: int = 2) -> dict:
         model = tiny_model("llama", num_hidden_layers=2)
         EDITS[case](model)
         model.train()
-        rm.wire(model, rm.RingmasterConfig(size=P, **LAYOUTS[layout]), device_mesh=mesh)
+        rm.wire(model, rm.RingmasterConfig(size=P, **LAYOUTS[layout]), device_mesh=mesh, compile=compiled)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="eager")
         try:
             with context_parallel_region(_batch(layout, model.config.vocab_size)) as shard:
                 loss = model(**shard).loss
@@ -268,6 +275,8 @@ def refusals(ctx, cases: list[str], layout: str, P: int = 2) -> dict:
         except rm.UnsupportedLayerError as exc:
             out[case] = {"error": str(exc), "grads": sum(p.grad is not None for p in model.parameters())}
         finally:
+            for layer in model.model.layers:
+                layer._compiled_call_impl = None
             rm.unwire(model)
     return out
 

@@ -50,6 +50,18 @@ def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
             assert any(named in f["error"] for f in found), (case, [f["error"][:400] for f in found])
 
 
+COMPILED_CASES = ["running_mean_mlp", "layer_shift", "remote_sdpa", "local_rotary"]
+
+
+def test_compiled_first_step_is_checked_too(pool):
+    """Blocks compiled before the first CP step, which then runs compiled: edits inside a block (the MLP, the
+    layer's own code), attention outside the interface and a local rotary are still refused on every rank
+    before backward (the checks record an eager replay of that step)."""
+    for r in pool.run(jobs_token_mixing.refusals, COMPILED_CASES, "ulysses", 2, compiled=True):
+        for case in COMPILED_CASES:
+            assert r[case] is not None and r[case]["grads"] == 0, (case, r[case])
+
+
 def test_unedited_model_is_exact_and_the_check_reports_each_mode(pool):
     for case, layout, P in (("plain", "ulysses", 2), ("per_token_routing", "ulysses", 2),
                             ("per_token_routing", "ring", 4)):

@@ -30,9 +30,10 @@ Dropout functions are the identity during the check (:class:`_NoDropout`: a per-
 draws shared along the sequence are :mod:`.generic`'s concern) and every run starts from the step's random
 state, so other draws repeat. The verdicts are agreed over the CP group (one all-reduce of a flag): a failure
 raises on every rank, naming the innermost module whose inputs agree and whose outputs do not (or the
-decoder's own code), its class and source line, what was measured and the fix. The first forward of each
-mode runs eagerly (:func:`ringmaster.compat.run_eagerly`), so the check's runs at other lengths never
-compile. The report says what was checked, at which length, in how long.
+decoder's own code), its class and source line, what was measured and the fix. The check's runs are eager
+(:func:`ringmaster.compat.run_eagerly`), so its runs at other lengths never compile; where the blocks are
+compiled, the first forward of a mode runs compiled and the check records an eager replay of it
+(:func:`ringmaster.compat.eager_replay`) before its runs. The report says what was checked, at which length, in how long.
 """
 
 from __future__ import annotations
@@ -300,9 +301,15 @@ class MixingCheck:
             return   # a forward without CP: the check waits for the first CP one
         length = batch.local_len   # uneven over the group under load_balance="documents"
         self.active = {"mode": model.training, "batch": batch, "length": length, "model_call": (args, dict(kwargs)),
-                       "decoder_call": None, "decoder_out": None}
+                       "decoder_call": None, "decoder_out": None, "deferred": compat.has_compiled_blocks(model)}
+        if self.active["deferred"]:
+            return   # the forward runs compiled: finish() records an eager replay of it (no hook in a compiled block)
         if self.stance is None:
             self.stance = compat.run_eagerly(model)
+        self._record_step(length)
+
+    def _record_step(self, length: int) -> None:
+        """Hook the routed modules (and the decoder) to record the first CP forward's calls."""
         for path, entry in self.routed.items():
             def record(module, args, output, entry=entry):
                 if self.active is None or self.active.get("inside"):
@@ -315,7 +322,7 @@ class MixingCheck:
                         return _Meta(tuple(t.shape), t.dtype, t.device, d) if d is not None else t.detach()
                     entry.calls.append(per_token.map_tensors(output, meta))
             self.step_handles.append(entry.module.register_forward_hook(record))
-        if self.decoder is not model:
+        if self.decoder is not self.model:
             def pre(module, args, kwargs):
                 if self.active is not None and not self.active.get("inside") and self.active["decoder_call"] is None:
                     self.active["decoder_call"] = (args, dict(kwargs))
@@ -344,6 +351,11 @@ class MixingCheck:
         if rec is None:
             return
         started = time.perf_counter()
+        if rec["deferred"]:   # the forward ran compiled: record it again, eagerly, without grad
+            self.stance = compat.run_eagerly(self.model)   # the check's runs at other lengths never compile
+            self._record_step(rec["length"])
+            args, kwargs = rec["model_call"]
+            compat.eager_replay(self.model, args, kwargs)
         rec["inside"] = True
         problem, bad = self._check(rec, output)
         spent = time.perf_counter() - started

@@ -26,11 +26,11 @@ through its :class:`~ringmaster.attention.binding.AttentionBinding`); nothing is
 global. After the first forward passes, the hooks are removed and the CP function pays one
 attribute read per call.
 
-The first CP forward runs eagerly even where blocks are compiled (:func:`ringmaster.compat.run_eagerly`,
-from the model's pre-hook to its always-called post-hook). Recording per module
-inside a compiled block would specialise the block's graph on each layer (one graph per layer:
-past dynamo's recompile limit at the ninth block) and on the armed flag; once the ledger is
-disarmed, every block compiles to one graph. The backward of that first step is eager too.
+Where blocks are compiled, the first CP forward runs compiled too (forward and backward): a compiled block never
+records (recording per module would specialise the block's graph on each layer, past dynamo's recompile limit
+at the ninth block, and on the armed flag). The model's post-hook then replays that forward once, eagerly,
+without grad and with the random state kept (:func:`ringmaster.compat.eager_replay`), and the ledger records
+the replay: the same modules, calls, masks and table lookups, decided before the loss can be used.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Ledger:
         self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
         self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
         self.stance = None                    # compat.run_eagerly(model) while a first forward runs
+        self.deferred = False                 # the first CP forward runs compiled: recorded by an eager replay
 
     # ---- called by the CP attention function (only while armed)
     def record(self, module, attention_mask) -> None:
@@ -75,6 +76,7 @@ class Ledger:
 
     # ---- the model's hooks
     def begin(self) -> None:
+        self.deferred = False
         self.calls.clear()
         self.masks.clear()
         self.unexpected.clear()
@@ -192,10 +194,16 @@ def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tab
     def pre(module, args, kwargs):
         ledger.begin()
         if ledger.armed:
-            ledger.run_eagerly(module)
+            if compat.has_compiled_blocks(module):
+                ledger.deferred = True   # the forward runs compiled; post replays it eagerly for the record
+            else:
+                ledger.run_eagerly(module)
 
     @torch.compiler.disable
     def post(module, args, kwargs, output):
+        if ledger.armed and ledger.deferred and BATCH_KWARG in kwargs:
+            ledger.begin()   # what the compiled forward left (table lookups outside its blocks)
+            compat.eager_replay(module, args, kwargs)
         if ledger.armed and (ledger.calls or BATCH_KWARG in kwargs or ledger.unexpected):
             ledger.finish(kwargs)   # disarms (and compiles again) when it passes
 

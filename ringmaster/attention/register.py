@@ -78,7 +78,9 @@ def _call(fn, binding: AttentionBinding, module, query, key, value, attention_ma
         kwargs.pop(BATCH_KWARG, None)
         return ulysses.inner_attention(binding.inner, module)(module, query, key, value, attention_mask, **kwargs)
     ledger = binding.ledger
-    if ledger is not None and ledger.armed:  # the first CP forward only (attention.accounting)
+    # the first CP forward only (attention.accounting); a compiled block never records (its forward is replayed
+    # eagerly for the ledger), so the graph does not depend on the layer or the ledger's state
+    if not torch.compiler.is_compiling() and ledger is not None and ledger.armed:
         ledger.record(module, attention_mask)
     cpb = require_batch(kwargs, binding, module)
     if cpb.assignment is not None:   # load_balance="documents": the split documents over the group, the rest here
