@@ -94,7 +94,8 @@ def test_mutation_plan_in_the_graph_recompiles_per_packing(pool):
 
 
 def _packed_steps(r):
-    return [(c, e) for c, e in zip(r["compiled"], r["eager"]) if c]
+    """(compiled, eager) work of the packed steps after the first (whose one-time checks replay it eagerly)."""
+    return [(c, e) for c, e in list(zip(r["compiled"], r["eager"]))[1:] if c]
 
 
 def test_compiled_ring_skips_the_pairs_eager_skips(pool):
@@ -102,7 +103,7 @@ def test_compiled_ring_skips_the_pairs_eager_skips(pool):
     pairs skipped from the host runs inside the op), and stays exact."""
     for r in pool.run(jobs_compile.work_compiled_vs_eager, "ring-alltoall"):
         steps = _packed_steps(r)
-        assert len(steps) >= 4 and all(c == e for c, e in steps), r
+        assert len(steps) >= 3 and all(c == e for c, e in steps), r
         assert any(c < max(r["eager"]) for c, _ in steps), r   # some packing skips pairs
         assert r["loss"] <= TOL, r
 
