@@ -74,13 +74,17 @@ pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model befo
         mutate(model)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    # a path that recompiles per packing may do so at different steps on different ranks (uneven shards): raise
+    # dynamo's limits so no rank gives up alone (and leaves the others in a collective); the graphs tell
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
+    torch._dynamo.config.recompile_limit = steps + 16
+    torch._dynamo.config.accumulated_recompile_limit = max(limits[1], 64 * (steps + 16))
     blocks = step_shape.decoder_blocks(model)
     record = {"graphs": [], "loss": [], "grad": [], "seconds": [], "pairs": []}
     try:
         if not eager:
             for block in blocks:
                 block.compile(fullgraph=True, backend=compiler)
-        record["failed"] = None
         for step in range(steps):
             batch, ref_kind = make_step_batch(kind, ref.config.vocab_size, seq_len, step)
             check_grad = backward and step in (0, steps - 1)
@@ -89,11 +93,7 @@ pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model befo
             ref_out = step_shape._reference(ref, batch, ref_kind, backward=check_grad)
             t0 = time.perf_counter()
             with work.counting() as tally:
-                try:
-                    out = step_shape._cp_step(model, runtime, batch, backward=backward)
-                except torch._dynamo.exc.FailOnRecompileLimitHit:   # every rank at the same step (same packings)
-                    record["failed"] = f"recompile limit at step {step + 1}"
-                    break
+                out = step_shape._cp_step(model, runtime, batch, backward=backward)
             record["seconds"].append(time.perf_counter() - t0)
             record["pairs"].append(tally["pairs"])
             loss = out.loss.detach().clone()
@@ -109,6 +109,7 @@ pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model befo
             if "recompiles" in torch._dynamo.utils.counters else None
         record["breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     finally:
+        torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit = limits
         for block in blocks:
             block._compiled_call_impl = None
         rm.unwire(model)
