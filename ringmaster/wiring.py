@@ -77,7 +77,8 @@ class WireReport:
 
 # recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile.py,
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
-COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2")
+COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightning", "rglru", "rwkv", "rwkv_channel_mix",
+                          "mlstm", "short_conv")
 # ring block kernels and inner attention kernels dynamo traces (torch ops with meta kernels)
 COMPILE_VERIFIED_INNER = ("sdpa", "eager", "flex_attention")
 

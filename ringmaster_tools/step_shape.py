@@ -193,8 +193,9 @@ def compile_parity(ctx, model_name: str, backend: str, batch_kind: str, size: in
 
 
 def decoder_blocks(model) -> list:
-    """The decoder blocks: the modules of the model's layer list (``model.model.layers``)."""
+    """The decoder blocks: the modules of the model's layer list (``model.model.layers``; ``blocks`` for RWKV and
+    xLSTM)."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.endswith("layers") and len(module):
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] in ("layers", "blocks") and len(module):
             return list(module)
     raise ValueError(f"{type(model).__name__}: found no decoder layer list")

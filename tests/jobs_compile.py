@@ -118,3 +118,52 @@ def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
     finally:
         loop._host_pairs = original
     return {"compiled": compiled["pairs"], "eager": eager["pairs"], "loss": max(compiled["loss"])}
+
+
+# a family per recurrent kind beyond gated DeltaNet and Mamba2 (tests/test_compile.py's hybrids)
+KIND_FAMILIES = {"mamba1": "falcon_mamba", "lightning": "minimax", "rglru": "recurrent_gemma", "rwkv": "rwkv",
+                 "mlstm": "xlstm", "short_conv": "lfm2", "kda": "kimi_linear", "dynamic_short_conv": "inkling2_text"}
+
+
+def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_partition"):
+    """A tiny ``model_type`` wired with ``compile=True`` (the scan), its decoder blocks compiled with fullgraph=True
+    before the first CP step, two steps (the first compiled too): loss of each and every gradient of the second
+    against the model without CP, fp32; graph breaks and graphs; the recurrent kinds wired."""
+    import copy
+
+    import torch
+    import torch._dynamo
+
+    import ringmaster as rm
+    from ringmaster_tools.parity import group_mean_grad_errors, rel_err, tiny_batch, tiny_model
+
+    mesh = ctx.mesh(P)
+    group = mesh.get_group("cp")
+    torch.manual_seed(0)
+    inner = "eager" if model_type in ("recurrent_gemma", "inkling2_text") else "sdpa"
+    ref = tiny_model(model_type, attn_implementation=inner, dtype=torch.float32)
+    model = copy.deepcopy(ref)
+    batch = tiny_batch(ref.config.vocab_size, 32)
+    ref_out = step_shape._step(ref, {**batch, "use_cache": False})
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=mesh, compile=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    blocks = step_shape.decoder_blocks(model)
+    out = {"kinds": sorted({k for _, k in runtime.report.recurrent}), "loss": []}
+    try:
+        for block in blocks:
+            block.compile(fullgraph=True, backend=compiler)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            cp = step_shape._cp_step(model, runtime, batch)
+            loss = cp.loss.detach().clone()
+            torch.distributed.all_reduce(loss, group=group)
+            out["loss"].append(rel_err(loss / P, ref_out.loss.detach()))
+        grads, missing, _ = group_mean_grad_errors(model, ref, group, P)
+        out.update(grad=max(grads.values()), missing=missing, graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                   breaks=sum(torch._dynamo.utils.counters["graph_break"].values()))
+    finally:
+        for block in blocks:
+            block._compiled_call_impl = None
+        rm.unwire(model)
+    return out

@@ -65,6 +65,16 @@ def test_mutation_first_cp_forward_eager_compiles_nothing_in_it(pool):
         assert steps[0]["graphs"] == 0, steps
 
 
+@pytest.mark.parametrize("kind", ["mamba1", "lightning", "rglru", "rwkv", "mlstm", "short_conv"])
+def test_every_recurrent_kind_compiles_fullgraph(pool, kind):
+    """A family of each recurrent kind (gated DeltaNet and Mamba2 above; KDA in ``benchmarks/compile.py
+    --kinds``): its blocks compiled with fullgraph=True before the first CP step, no graph break, loss and every
+    gradient as the model without CP (fp32; dynamo's graphs on its eager backend, AOTAutograd in the benchmark)."""
+    r = pool.run(jobs_compile.recurrent_kind_compiles, jobs_compile.KIND_FAMILIES[kind], compiler="eager")[0]
+    assert kind in r["kinds"] and r["breaks"] == 0 and 1 <= r["graphs"] <= 3 and not r["missing"], r
+    assert max(r["loss"]) <= TOL and r["grad"] <= 1e-5, r
+
+
 WARM_UP = 5   # steps after which no new packing may compile a graph
 
 

@@ -42,14 +42,16 @@ def _call_guard(ctx: LayerContext, forward: Callable) -> Callable[[tuple, dict],
     """Before every call: no cache under CP, and a padding mask (``attention_mask`` or Inkling's
     ``conv_mask``) cut like the shard. Arguments are bound by the layer's own signature (Inkling2's
     short conv takes ``dynamic_input`` second, where other layers take the cache)."""
-    sig = inspect.signature(inspect.unwrap(forward))
+    params = list(inspect.signature(inspect.unwrap(forward)).parameters.values())[1:]   # after self
+    # the names positional arguments bind to, read once here: torch.compile traces this guard (Signature.bind
+    # reads a mapping proxy dynamo cannot follow)
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
     def guard(args: tuple, kwargs: dict) -> None:
-        try:
-            bound = sig.bind_partial(None, *args, **kwargs).arguments
-        except TypeError:
+        if len(args) > len(positional):
             return   # the layer's own forward raises the argument error
-        extra = bound.get("kwargs", {})
+        bound = {**dict(zip(positional, args)), **kwargs}
+        extra = {}
         cache = next((v for k in ("cache", "cache_params", "past_key_values")
                       for v in (bound.get(k), extra.get(k)) if v is not None), None)
         if cache is not None and ctx.size > 1:
