@@ -167,3 +167,26 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
             block._compiled_call_impl = None
         rm.unwire(model)
     return out
+
+
+def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, P=2):
+    """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
+    pieces as data (``recurrent.documents.PiecesSegment``). ``whole_map_always``: the mutation, a chunk cut by
+    documents still passes the incoming state through its first piece's map."""
+    from ringmaster.recurrent import documents
+    from ringmaster_tools import packings
+
+    original = documents.PiecesSegment.local_map
+
+    def first_map(self):
+        if self.trivial:
+            return self.base.local_map()
+        packed, aux = self.padded.local_map()
+        return packed.view(self.rows, self.n, *packed.shape[1:])[:, 0], aux
+
+    if whole_map_always:
+        documents.PiecesSegment.local_map = first_map
+    try:
+        return packings.over_packings(ctx, model, backend, "packed", steps, size=P)
+    finally:
+        documents.PiecesSegment.local_map = original

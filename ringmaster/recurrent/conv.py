@@ -86,14 +86,17 @@ def conv_with_halo(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, weight
 
 
 def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, docs: torch.Tensor, start: int,
-                        weight: torch.Tensor, bias=None, activation=None, runs=None, **kwargs) -> torch.Tensor:
+                        weight: torch.Tensor, bias=None, activation=None, runs=None, gaps: int | None = None,
+                        **kwargs) -> torch.Tensor:
     """The model's own causal conv on one chunk ``x [b, c, m]`` (global positions ``[start, start+m)``)
     of a packed row: no tap reaches across a document start, as if every document ran alone.
 
     ``docs [b, S]``: global document ids. The halo keeps only the inputs of the document the chunk
     starts in; inside the chunk ``width`` zero columns are inserted before every document start,
     so one kernel call on ``[halo | x with gaps]`` computes every output (read back at the real
-    positions): a masked conv with any kernel, ``causal-conv1d``'s included, no ``seq_idx`` needed."""
+    positions): a masked conv with any kernel, ``causal-conv1d``'s included, no ``seq_idx`` needed.
+    ``gaps``: at least the most document starts inside the chunk of any row (the batch's chunk pieces give a
+    power of two: a compiled block sees few values), else counted from ``runs``."""
     width = halo.shape[-1]
     b, ch, m = x.shape
     d = docs[:, start:start + m].to(x.device)
@@ -104,8 +107,9 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
     starts = torch.cat([d.new_zeros(b, 1), (d[:, 1:] != d[:, :-1]).long().cumsum(-1)], dim=-1)   # [b, m]
     # the most document starts inside the chunk of any row: from the host runs (``runs``, made in the shard
     # step), or read from the ids (direct callers without them)
-    gaps = (max(len(runs.cuts(r, start, start + m)) for r in range(b)) if runs is not None
-            else int(starts[:, -1].max()))
+    if gaps is None:
+        gaps = (max(len(runs.cuts(r, start, start + m)) for r in range(b)) if runs is not None
+                else int(starts[:, -1].max()))
     if gaps == 0:
         return conv_with_halo(kernel, x, halo, weight, bias, activation, **kwargs)
     pos = (width + torch.arange(m, device=x.device) + width * starts)[:, None, :].expand(b, ch, m)
@@ -123,19 +127,21 @@ def conv_documents(batch, path: str, size: int, x: torch.Tensor) -> torch.Tensor
 
 def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, *,
                      group, layout: str, lengths: Sequence[int] | None = None, docs: torch.Tensor | None = None,
-                     runs=None, **kwargs) -> torch.Tensor:
+                     runs=None, pieces=None, **kwargs) -> torch.Tensor:
     """``causal_conv1d_fn`` for a CP shard ``x [b, c, l]`` (``weight [c, k]``), exact across ranks.
 
     ``docs [b, S]`` (global document ids of a packed or padded batch): no tap crosses a document
     start (see :func:`conv_with_documents`); works at CP size 1 too. ``runs``: the batch's host copy of
-    its documents (``CPBatch.runs``), so no document structure is read from ``docs``' values."""
+    its documents (``CPBatch.runs``), so no document structure is read from ``docs``' values; ``pieces``: the
+    batch's chunk pieces (``CPBatch.pieces``), whose bucketed piece counts size the gaps instead."""
     width = weight.shape[-1] - 1
     P = 1 if group is None else dist.get_world_size(group)
     if width == 0 or (docs is None and P == 1):
         return kernel(x, weight, bias, activation=activation, **kwargs)
     if P == 1:
         halo = x.new_zeros(*x.shape[:-1], width)
-        return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, runs=runs, **kwargs)
+        return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, runs=runs,
+                                   gaps=_gaps(pieces, 0, x.shape[-1]), **kwargs)
     rank = dist.get_rank(group)
     ids = chunk_ids(layout, P, rank)
     chunks = split_local(x, len(ids), dim=-1)
@@ -144,9 +150,18 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
         outs = [conv_with_halo(kernel, c, h, weight, bias, activation, **kwargs) for c, h in zip(chunks, halos)]
     else:
         sizes = list(lengths) if lengths is not None else [chunks[0].shape[-1]] * (P * len(ids))
-        outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, runs=runs, **kwargs)
-                for i, c, h in zip(ids, chunks, halos)]
+        outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, runs=runs,
+                                    gaps=_gaps(pieces if lengths is None else None, j, c.shape[-1]), **kwargs)
+                for j, (i, c, h) in enumerate(zip(ids, chunks, halos))]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _gaps(pieces, j: int, m: int) -> int | None:
+    """The bucketed gap count of this rank's chunk ``j`` (``m`` tokens) from the batch's chunk pieces; None without
+    them (or for another cut)."""
+    if pieces is None or j >= len(pieces) or pieces[j].m != m:
+        return None
+    return pieces[j].n - 1
 
 
 def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
@@ -175,6 +190,6 @@ def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k != "seq_idx"}
         return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
                                 layout=layout, docs=conv_documents(batch, ctx.path, size, x),
-                                runs=getattr(batch, "runs", None), **kwargs)
+                                runs=getattr(batch, "runs", None), pieces=getattr(batch, "pieces", None), **kwargs)
     return conv
 

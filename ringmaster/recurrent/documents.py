@@ -136,6 +136,86 @@ class DocumentSegment:
         return self._tied(self._assemble(outs), state_in), self._assemble(finals)
 
 
+class PiecesSegment:
+    """:class:`DocumentSegment` as data: the chunk's documents (:class:`~ringmaster.sharding.documents.ChunkPieces`,
+    made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call,
+    for kinds whose zero inputs keep a zero state zero (gated DeltaNet, Mamba2: ``base.with_tensors`` and
+    ``base.packed_final``). The first piece of a row takes the incoming state (times 0 when a document starts on
+    the chunk's first token), every later one a zero state; the chunk's map is the first piece's when it is the
+    row's only one and the state enters, else the reset map of the last piece's final state. Which tokens go where
+    are index tensors and the padded sizes powers of two: a compiled block does not recompile for a new packing."""
+
+    def __init__(self, base, pieces):
+        self.base, self.dim = base, 1
+        (rows, *_), _, device = base.state_meta()
+        n, L, m = pieces.n, pieces.L, pieces.m
+        index, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.last, pieces.keep, pieces.whole))
+        if index.shape[0] != rows:   # one row of documents stands for every row of the batch
+            index = (index[:1] + (torch.arange(rows, device=device) * (n * L))[:, None])
+            last = last[:1] + torch.arange(rows, device=device) * n
+            keep, whole = keep[:1].expand(rows), whole[:1].expand(rows)
+        self.rows, self.n, self.L, self.m, self.trivial = rows, n, L, m, pieces.trivial
+        self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
+
+        def gather(t: torch.Tensor) -> torch.Tensor:    # [rows, m, ...] -> [rows * n, L, ...]
+            padded = t.new_zeros(rows * n * L, *t.shape[2:]).index_copy(0, self.flat, t.flatten(0, 1))
+            return padded.view(rows * n, L, *t.shape[2:])
+        self.padded = None if self.trivial else base.with_tensors(gather)
+
+    def state_meta(self):
+        return self.base.state_meta()
+
+    def combine(self, state, packed):
+        return self.base.combine(state, packed)
+
+    def _back(self, y: torch.Tensor) -> torch.Tensor:   # [rows * n, L, ...] -> [rows, m, ...]
+        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, self.m, *y.shape[2:])
+
+    def _states(self, state_in):
+        """The incoming state of every padded row: the first piece's (times ``keep``), zeros after."""
+        if state_in is None:
+            return None
+        first = state_in * self.keep.view(-1, *[1] * (state_in.dim() - 1)).to(state_in.dtype)
+        rest = first.new_zeros(self.rows, self.n - 1, *first.shape[1:])
+        return torch.cat([first[:, None], rest], dim=1).flatten(0, 1)
+
+    def local_map(self):
+        if self.trivial:
+            return self.base.local_map()
+        packed, aux = self.padded.local_map()
+        first = packed.view(self.rows, self.n, *packed.shape[1:])[:, 0]
+        reset = self.base.state_map(self.base.packed_final(packed.index_select(0, self.last)))
+        chunk = torch.where(self.whole.view(-1, *[1] * (first.dim() - 1)), first, reset.to(first.dtype))
+        return chunk, aux
+
+    def finish(self, aux, state_in):
+        if self.trivial:
+            return self.base.finish(aux, state_in)
+        return self._back(_out(self.padded.finish(aux, self._states(state_in))))
+
+    def run(self, state_in):
+        if self.trivial:
+            return self.base.run(state_in)
+        y, finals = _first(self.padded.run(self._states(state_in)))
+        return self._back(y), finals.index_select(0, self.last)
+
+
+def with_pieces(segments: Sequence, batch, path: str, size: int, shape: tuple[int, int]) -> list | None:
+    """Inside a compiled block: each segment (storage order) as a :class:`PiecesSegment` over the batch's chunk
+    pieces. None in eager mode (the pieces run one kernel call each, as cut: no padding), and when the batch has
+    no pieces for this shape (no documents, pieces padded past :data:`~ringmaster.sharding.documents.PIECES_BUDGET`
+    times the chunk, a caller without them): then :func:`local_documents`, whose cuts a compiled block reads as
+    Python values (a recompile per packing)."""
+    pieces = getattr(batch, "pieces", None)
+    if pieces is None or not torch.compiler.is_compiling():
+        return None
+    if global_documents(batch, path, size, *shape) is None:   # checks the batch against the layer's shape
+        return None
+    if len(pieces) != len(segments) or any(p.m * len(pieces) != shape[1] for p in pieces):
+        return None
+    return [PiecesSegment(seg, p) for seg, p in zip(segments, pieces)]
+
+
 def _pattern_of(docs: torch.Tensor, prev: torch.Tensor | None) -> list[tuple[bool, tuple[int, ...]]]:
     """Per row, ``(starts on the first token, cuts)`` read from the ids' values (a host read)."""
     B = docs.shape[0]

@@ -42,7 +42,7 @@ from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, global_documents, host_runs, local_documents, with_documents
+from .documents import by_parts, global_documents, host_runs, local_documents, with_documents, with_pieces
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
@@ -104,6 +104,15 @@ class GatedDeltaSegment:
         return GatedDeltaSegment(self.kernel, cut(self.q), cut(self.k), cut(self.v), cut(self.g), cut(self.beta),
                                  self.kwargs)
 
+    def with_tensors(self, fn):
+        """The same rule over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment)."""
+        return GatedDeltaSegment(self.kernel, fn(self.q), fn(self.k), fn(self.v), fn(self.g), fn(self.beta),
+                                 self.kwargs)
+
+    def packed_final(self, packed):
+        """The final state of a zero incoming state, from a packed map ``[b | A]``."""
+        return packed[..., :self.v.shape[-1]]
+
     def state_map(self, final):
         """The packed map of a chunk the incoming state cannot cross (a document starts in it):
         ``[b | A] = [final | 0]``."""
@@ -138,9 +147,14 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
         return fla_cp_rule(kernel, ctx.path, group, layout, runs, query, key, value, g, beta, kwargs), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
-    segments = with_documents([GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)], docs)
+    segments = [GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)]
+    pieces = with_pieces(segments, batch, ctx.path, size, tuple(query.shape[:2]))
+    if pieces is not None:
+        segments = pieces
+    else:
+        docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
+        segments = with_documents(segments, docs)
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, local_documents, with_documents, with_pieces
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -100,6 +100,15 @@ class Mamba2Segment:
         return Mamba2Segment(self.kernel, cut(self.x), cut(self.dt), self.A, cut(self.B), cut(self.C),
                              self.chunk_size, self.D, self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
 
+    def with_tensors(self, fn):
+        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment)."""
+        return Mamba2Segment(self.kernel, fn(self.x), fn(self.dt), self.A, fn(self.B), fn(self.C), self.chunk_size,
+                             self.D, self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
+
+    def packed_final(self, packed):
+        """The final state of a zero incoming state, from a packed map ``[b flattened | decay]``."""
+        return packed[..., :-1].reshape(packed.shape[0], *self.state_meta()[0][1:])
+
     def state_map(self, final):
         """The packed map of a chunk the incoming state cannot cross (a document starts in it):
         decay 0, ``b = final``."""
@@ -132,10 +141,15 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     kwargs.pop("z", None)  # the mixers gate outside the scan (z=None)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
-    segments = with_documents([Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit,
-                                             kwargs) for x, d, b, c in zip(*parts)], docs)
+    segments = [Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
+                for x, d, b, c in zip(*parts)]
+    pieces = with_pieces(segments, batch, ctx.path, size, tuple(hidden_states.shape[:2]))
+    if pieces is not None:
+        segments = pieces
+    else:
+        docs = local_documents(batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]), n)
+        segments = with_documents(segments, docs)
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)

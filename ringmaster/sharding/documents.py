@@ -206,6 +206,69 @@ class Runs:
         return cls(seq_len, tuple((0,) for _ in range(rows)))
 
 
+# a rank's padded pieces may hold at most this many times its chunk's tokens (one long document and several
+# short ones pad every piece to the long one); past it a compiled block cuts the chunk in Python (a recompile)
+PIECES_BUDGET = 4
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (``n >= 1``): sizes a compiled graph specialises on, in few values."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ChunkPieces:
+    """One chunk of this rank's shard (``m`` tokens at global ``start``) cut at its document starts, as data.
+
+    The pieces of every row go into a padded batch of ``rows * n`` pieces of ``L`` tokens (``n``, ``L``: powers
+    of two, the same for all of a rank's chunks, so a compiled graph sees few values): the first piece of a row left-aligned in its slot (it may
+    continue the incoming state; padding after it reaches no output), every later piece right-aligned (zero
+    inputs before it keep a zero state zero). Built on the host in the shard step from the host runs; the
+    recurrent kernels gather their inputs by ``index`` and run once over the padded pieces, with no per-packing
+    Python value (``recurrent.documents.DocumentSegment``); the conv inserts ``n - 1`` gaps."""
+
+    start: int
+    m: int
+    n: int
+    L: int
+    index: torch.Tensor     # [rows, m] int64: flat position of each token in the [rows * n * L] padded pieces
+    last: torch.Tensor      # [rows] int64: the padded row (r * n + i) of each row's last piece
+    keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
+    whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
+    trivial: bool           # every row whole: the kernels run the chunk as it is
+
+    @classmethod
+    def of(cls, runs: "Runs", starts, m: int, device) -> "tuple[ChunkPieces, ...] | None":
+        """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size for all of them
+        (the most pieces of any row of any chunk, the longest piece): one value pair per batch and rank. None past
+        :data:`PIECES_BUDGET`."""
+        chunks = []
+        for start in starts:
+            bounds, keep = [], []
+            for r in range(runs.rows):
+                keep.append(not (start > 0 and runs.starts_at(r, start)))
+                bounds.append([0, *runs.cuts(r, start, start + m), m])
+            chunks.append((start, bounds, keep))
+        n = bucket(max(len(b) - 1 for _, bounds, _ in chunks for b in bounds))
+        L = min(m, bucket(max(e - s for _, bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:]))))
+        if n * L > PIECES_BUDGET * m:
+            return None
+        out = []
+        for start, bounds, keep in chunks:
+            index, last = [], []
+            for r, b in enumerate(bounds):
+                lengths = torch.tensor([e - s for s, e in zip(b, b[1:])])
+                piece = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)          # [m]
+                offset = torch.arange(m) - torch.tensor(b[:-1]).repeat_interleave(lengths)        # within the piece
+                shift = torch.where(piece > 0, L - lengths[piece], torch.zeros_like(piece))       # later ones right
+                index.append((r * n + piece) * L + offset + shift)
+                last.append(r * n + lengths.numel() - 1)
+            whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
+            out.append(cls(start, m, n, L, _on(device, torch.stack(index), torch.long), _on(device, last, torch.long),
+                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), all(whole)))
+        return tuple(out)
+
+
 class CPBatch:
     """What every CP layer needs to know about the whole batch, for one forward pass."""
 
@@ -234,9 +297,23 @@ class CPBatch:
         self._cache: dict = {}
         # what compiled blocks hand to ringmaster's custom ops instead of reading the host facts (.handle)
         self.handle = StepHandle(self)
+        # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
+        # shard step: a compiled block reads no per-packing Python value); None without documents
+        self.pieces = self._chunk_pieces()
         if assignment is not None:   # the two parts, made here (the shard step, on the host), never in forward
             self.split_part()
             self.whole_part()
+
+    def _chunk_pieces(self) -> "tuple[ChunkPieces, ...] | None":
+        if self.runs is None or self.assignment is not None:
+            return None
+        parts = self.size * balancers.chunks_per_rank(self.layout)
+        if self.seq_len % parts:
+            return None
+        m = self.seq_len // parts
+        device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
+        return ChunkPieces.of(self.runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
+                              m, device)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
