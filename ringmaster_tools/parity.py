@@ -122,6 +122,20 @@ TINY: dict[str, dict[str, Any]] = {
                            kda_safe_gate=False),   # the safe gate forgets >= e^-2.5 a token: no state would cross a shard
 }
 
+# ``ringmaster demo --model``: every family of TINY, grouped for its help. The attention families run in float32
+# (tolerance DEMO_TOL["float32"]); the families with recurrent layers run in float64 under keep_fp64, the way the
+# zoo and ``ringmaster check`` run them: their A_log / dt_bias gradients are sums of large terms that cancel, so
+# fp32 rounding alone moves them by 1e-4..1e-3 relative (measured: qwen3_next, Ring P=4) while CP is exact.
+DEMO_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
+DEMO_TOL = {"float32": 1e-4, "float64": 1e-6}
+
+
+def demo_families() -> dict[str, tuple[str, ...]]:
+    """``{"attention": ..., "hybrid / recurrent": ...}``: what ``ringmaster demo --model`` accepts (TINY's keys)."""
+    return {"attention": DEMO_ATTENTION,
+            "hybrid / recurrent": tuple(k for k in TINY if k not in DEMO_ATTENTION)}
+
+
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)

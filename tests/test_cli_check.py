@@ -88,4 +88,4 @@ def test_demo_unknown_family_refused_before_any_rank():
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--model", "lama"])
     text = str(exc.value)
-    assert "not a causal-LM family" in text and "llama" in text and len(text) < 400, text
+    assert "not one of the demo's families" in text and "llama" in text and len(text) < 400, text
