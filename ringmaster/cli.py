@@ -198,37 +198,77 @@ def _per_kind(row: dict, keys: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+BEST_BACKEND_RULE = "the exact case with the largest CP degree, then the fewest bytes sent per rank"
+
+
+def _check_plan(base, seq: int):
+    """What ``check`` will build for ``base``, decided before any rank starts: ``(config, image_at, note)``;
+    ``config`` None when the architecture cannot be checked (``note`` says why)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ringmaster_tools.parity import VLM_TINY
+    from ringmaster_tools.zoo import tiny_config, tiny_vlm_config, vlm_image_at, vlm_parent
+
+    model_type = base.model_type
+    vlm = vlm_parent(base)
+    if vlm is not None:
+        config = tiny_vlm_config(base)
+        try:
+            image_at = vlm_image_at(config, seq)
+        except ValueError as e:
+            raise SystemExit(f"ringmaster check: {e}") from None
+        note = (f"{model_type} is the text config of {vlm}: checked as the decoder of a tiny {vlm}"
+                if vlm != model_type else None)
+        return config, image_at, note
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None, None, (
+            f"{model_type} has no causal-LM class in transformers and is none of the VLM families check builds with "
+            f"an image ({', '.join(VLM_TINY)}, or their text configs), so no tiny model of it can run here; nothing "
+            "was checked. rm.wire still classifies it: wire your model on the ranks you train on (docs/models.md)")
+    return tiny_config(model_type, base=base), None, None
+
+
 def run_check(pool, base, sizes: list[int], seq: int = 32, target: str = "") -> dict:
     """``ringmaster check``'s work, in a pool of ``max(sizes)`` (or more) ranks: the tiny model of
-    ``base``'s architecture, one parity case per backend and size. Returns the JSON-able result
-    (``rc``: 0 some backend exact, 2 every backend refused or the tiny model does not run, 1 wrong,
-    crash or hang)."""
-    from ringmaster_tools.zoo import _merge_ranks, tiny_config, zoo_job
+    ``base``'s architecture (a VLM's with one image in the batch), one parity case per backend and size. Returns
+    the JSON-able result (``rc``: 0 some backend exact, 2 every backend refused, the tiny model does not run, or
+    the architecture cannot be checked (decided before any rank starts), 1 wrong, crash or hang); ``changed`` and
+    ``exercised`` say what the tiny model differs in from ``base`` and what the cases ran through CP."""
+    from ringmaster_tools.zoo import _merge_ranks, check_changes, check_exercised, zoo_job
 
     start = time.perf_counter()
     model_type = base.model_type
-    config = tiny_config(model_type, base=base)
+    result = {"target": target or model_type, "model_type": model_type, "sizes": sizes}
+    config, image_at, note = _check_plan(base, seq)
+    if note:
+        result["note"] = note
+    if config is None:
+        result.update(status="not checkable", reason=note, best_backend=None, rc=2, seconds=0.0)
+        return result
+    family = config.model_type
     cases = _check_cases(sizes)
     try:
-        row = _merge_ranks(pool.run(zoo_job, [model_type], cases, seq, configs={model_type: config}))[model_type]
+        row = _merge_ranks(pool.run(zoo_job, [family], cases, seq, configs={family: config},
+                                    images={family: image_at} if image_at is not None else None))[family]
     except TimeoutError as e:
-        row = {"family": model_type, "status": "scored", "layer_kinds": [],
+        row = {"family": family, "status": "scored", "layer_kinds": [],
                **{f"{b}{P}": {"verdict": "hang", "reason": str(e).splitlines()[0]} for b, P in cases}}
     keys = [f"{b}{P}" for b, P in cases]
     size_of = {f"{b}{P}": P for b, P in cases}
-    result = {"target": target or model_type, "model_type": model_type, "sizes": sizes}
+    result["changed"] = check_changes(base, config, seq)
     if row["status"] != "scored":
         result.update(status="not run", reason=row["reason"], best_backend=None, rc=2)
     else:
         exact = [k for k in keys if row[k]["verdict"] == "exact"]
-        # the largest exact P first, then the fewest bytes per rank
         best = min(exact, key=lambda k: (-size_of[k], row[k].get("bytes_sent", 0))) if exact else None
         bad = [k for k in keys if row[k]["verdict"] in ("WRONG", "crash", "hang")]
+        ran = next((row[k] for k in keys if "attention_layers" in row[k]), {})
         result.update(status="run", attn_implementation=row.get("attn_implementation"),
+                      exercised=check_exercised(config, ran, image_at, seq),
                       layer_kinds=_per_kind(row, keys),
                       cases={k: {kk: v for kk, v in row[k].items() if kk in ("verdict", "reason", "errs", "bytes_sent")}
                              for k in keys},
-                      best_backend=best, rc=1 if bad else (0 if exact else 2))
+                      best_backend=best, best_backend_rule=BEST_BACKEND_RULE, rc=1 if bad else (0 if exact else 2))
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -240,19 +280,36 @@ def check(args) -> int:
     if not sizes or min(sizes) < 2:
         raise SystemExit(f"ringmaster check: --sizes {args.sizes!r} must list CP degrees >= 2, e.g. 2,4")
     base = _load_config(args.target)
-    with RestartingPool(max(sizes), timeout=args.timeout) as pool:
+    with RestartingPool(max(sizes), timeout=args.timeout) as pool:   # spawns its ranks at the first case only
         result = run_check(pool, base, sizes, args.seq, args.target)
     rc = result["rc"]
     if args.json:
         import json
 
         print(json.dumps(result, indent=2, default=str))
-        return rc
-    print(f"ringmaster check: {result['model_type']} ({args.target}), tiny random model, {max(sizes)} CPU gloo "
-          f"ranks, {args.seq} tokens, float64 parity ({result['seconds']:.0f}s)")
+    else:
+        print_check(result, args.seq)
+    return rc
+
+
+def print_check(result: dict, seq: int) -> None:
+    """``ringmaster check``'s report of :func:`run_check`'s result."""
+    target, sizes = result["target"], result["sizes"]
+    if result["status"] == "not checkable":
+        print(f"ringmaster check: {result['model_type']} ({target}): not checked, no rank started: "
+              f"{result['reason']}")
+        return
+    print(f"ringmaster check: {result['model_type']} ({target}), tiny random model, {max(sizes)} CPU gloo "
+          f"ranks, {seq} tokens, float64 parity ({result['seconds']:.0f}s)")
+    if result.get("note"):
+        print(result["note"])
+    for line in result.get("changed", []):
+        print(f"changed:   {line}")
     if result["status"] != "run":
         print(f"not run: {result['reason']}")
-        return rc
+        return
+    for line in result["exercised"]:
+        print(f"exercised: {line}")
     from ringmaster_tools.pool import cpu_kernels_note
 
     note = cpu_kernels_note()
@@ -266,11 +323,11 @@ def check(args) -> int:
     print()
     for k in keys:
         c = result["cases"][k]
-        detail = (f"loss {c['errs']['loss']:.1e}, logits {c['errs']['logits']:.1e}, worst grad {c['errs']['grad']:.1e}"
-                  if "errs" in c else c["reason"])
+        detail = (f"loss {c['errs']['loss']:.1e}, logits {c['errs']['logits']:.1e}, worst grad {c['errs']['grad']:.1e}, "
+                  f"sent {_fmt_bytes(c.get('bytes_sent', 0))} per rank" if "errs" in c else c["reason"])
         print(f"{k:<10} {c['verdict']:<8} {detail}")
-    print(f"\nbest backend: {result['best_backend'] or 'none (every backend refused or failed)'}")
-    return rc
+    print(f"\nbest backend: {result['best_backend'] or 'none (every backend refused or failed)'} "
+          f"(criterion: {BEST_BACKEND_RULE})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "model_type, shrunk as the model zoo does), run CP parity (loss, gathered logits, every "
                     "gradient; float64) on CPU gloo ranks for Ulysses, Ring and USP (where P allows) and print, "
                     "per layer kind, exact or refused with the reason, and the best backend. Exit status: 0 some "
-                    "backend exact, 2 every backend refused, 1 something wrong, crashed or hung.",
+                    "backend exact, 2 every backend refused or nothing could be checked (a VLM or family it cannot build: said before any rank starts), 1 something wrong, crashed or hung. The output says what the tiny model changed (layers, sizes, dropout, windows, the vision tower) and what the cases exercised (attention masks, recurrent kinds, the image), and how the best backend was picked.",
     )
     p.add_argument("target", help="config.json, a model directory, or a model_type (e.g. phi3)")
     p.add_argument("--sizes", default="2,4", help="CP degrees to check (default 2,4)")
