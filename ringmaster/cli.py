@@ -124,8 +124,39 @@ def demo(args, pool=None) -> int:
     return 0 if ok else 1
 
 
+# the flags only one of ``plan``'s planners reads (--seq, --world, --batch, --dtype: both)
+SPLIT_PLAN_FLAGS = ("heads", "kv_heads", "hidden", "layers", "ranks_per_node", "tflops", "intra_gbps",
+                    "intra_latency_us", "inter_gbps", "inter_latency_us", "bwd_factor", "documents")
+MEMORY_PLAN_FLAGS = ("gpus", "gpu_mem", "checkpointing", "offload", "fsdp", "backend", "loss", "loss_chunk",
+                     "optimizer", "no_master_weights", "kernel")
+
+
+def _refuse_other_planners_flags(args) -> None:
+    """``plan`` runs one planner (--config: the memory planner); a flag only the other one reads would be ignored
+    silently, so it is refused, naming why."""
+    defaults = vars(build_parser().parse_args(["plan", "--seq", "1"]))
+    memory = bool(args.config)
+    names = SPLIT_PLAN_FLAGS if memory else MEMORY_PLAN_FLAGS
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != defaults[n]]
+    if not given:
+        return
+    flags = " ".join(given)
+    if memory:
+        raise SystemExit(
+            f"ringmaster plan: {flags}: read only by the split planner (without --config), while --config runs the "
+            "memory planner, which would ignore " + ("it" if len(given) == 1 else "them")
+            + (" (--documents: what load_balance='documents' does with one packed row, from --heads/--kv-heads/"
+               "--world/--hidden)" if "--documents" in given else "")
+            + ": drop " + ("it" if len(given) == 1 else "them") + ", or run the split planner without --config")
+    raise SystemExit(
+        f"ringmaster plan: {flags}: read only by the memory planner, which runs with --config <config.json | dir | "
+        "model_type>; without it the split planner runs and would ignore " + ("it" if len(given) == 1 else "them")
+        + ": add --config, or drop " + ("it" if len(given) == 1 else "them"))
+
+
 def plan(args) -> int:
-    if getattr(args, "config", None):  # the memory planner: bytes per rank and the longest sequence that fits
+    _refuse_other_planners_flags(args)
+    if args.config:  # the memory planner: bytes per rank and the longest sequence that fits
         from ringmaster_tools.memory_plan import run_from_args
 
         return run_from_args(args)
@@ -367,33 +398,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="choose the Ulysses x Ring split for a model and cluster and print each alternative's cost",
-        description="Print the split auto_select chooses and, per rank and attention layer, the bytes each "
-                    "alternative (Ulysses, Ring p2p, Ring allgather, USP splits) sends forward and backward and "
-                    "the K/V it keeps resident, from closed-form formulas the tests check against gloo runs.",
+        help="memory planner (--config: bytes per rank, the longest sequence that fits) or split planner "
+             "(--heads ...: the Ulysses x Ring split and each alternative's bytes)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Two planners; --config picks the memory planner, and each refuses the other's flags.\n\n"
+                    "Memory planner (--config <config.json | model dir | model_type> --seq N [--gpus G --gpu-mem 80GiB]):"
+                    "\n  per rank, parameters, gradients and AdamW state (sharded with --fsdp full), what every decoder "
+                    "layer saves\n  for backward (layer kinds read from the model on the meta device, as rm.wire "
+                    "classifies them),\n  attention temporaries per backend, logits/loss, the peak, and the longest "
+                    "sequence that fits per\n  backend and checkpointing mode (none / full / offload). When nothing "
+                    "fits it names the flags that\n  would make it fit (--fsdp full, --loss chunked, --optimizer "
+                    "fused, more --gpus) with what each gives.\n  Formulas: docs/planner.md.\n\n"
+                    "Split planner (--heads H --kv-heads K --world P --hidden D --seq N, no --config):\n  the split "
+                    "auto_select chooses and, per rank and attention layer, the bytes each alternative (Ulysses,\n  "
+                    "Ring p2p, Ring allgather, USP splits) sends forward and backward and the K/V it keeps resident, "
+                    "from\n  closed-form formulas the tests check against gloo runs; with --tflops and --intra-gbps a "
+                    "step-time\n  model; with --documents what load_balance='documents' does with one packed row.",
     )
-    p.add_argument("--heads", type=int, default=None, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="KV heads")
-    p.add_argument("--world", type=int, default=None, help="CP degree (ranks sharing one sequence)")
-    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size (head_dim = hidden / heads)")
-    p.add_argument("--layers", type=int, default=1, help="attention layers (for the whole-model column)")
+    p.add_argument("--world", type=int, default=None,
+                   help="CP degree, ranks sharing one sequence (split planner; the memory planner's --gpus defaults to it)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--tflops", type=float, default=None,
-                   help="attention kernel forward rate per rank, TFLOP/s (with --intra-gbps: model the step time)")
-    p.add_argument("--intra-gbps", type=float, default=None, help="intra-node link, GB/s per rank")
-    p.add_argument("--intra-latency-us", type=float, default=5.0, help="intra-node latency per call, us (default 5)")
-    p.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
-    p.add_argument("--inter-latency-us", type=float, default=20.0, help="inter-node latency per call, us (default 20)")
-    p.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
-    p.add_argument("--documents", default=None,
-                   help="load_balance='documents' for one packed row: document lengths ('512,512,8000') or "
-                        "'lognormal:MU,SIGMA'; prints the threshold, the tokens that travel and the balance per backend")
+    split = p.add_argument_group("split planner (no --config)")
+    split.add_argument("--heads", type=int, default=None, help="query heads")
+    split.add_argument("--kv-heads", type=int, default=None, help="KV heads")
+    split.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
+    split.add_argument("--hidden", type=int, default=None, help="hidden size (head_dim = hidden / heads)")
+    split.add_argument("--layers", type=int, default=1, help="attention layers (for the whole-model column)")
+    split.add_argument("--tflops", type=float, default=None,
+                       help="attention kernel forward rate per rank, TFLOP/s (with --intra-gbps: model the step time)")
+    split.add_argument("--intra-gbps", type=float, default=None, help="intra-node link, GB/s per rank")
+    split.add_argument("--intra-latency-us", type=float, default=5.0,
+                       help="intra-node latency per call, us (default 5)")
+    split.add_argument("--inter-gbps", type=float, default=None, help="inter-node link, GB/s per rank")
+    split.add_argument("--inter-latency-us", type=float, default=20.0,
+                       help="inter-node latency per call, us (default 20)")
+    split.add_argument("--bwd-factor", type=float, default=2.5, help="backward / forward kernel time (default 2.5)")
+    split.add_argument("--documents", default=None,
+                       help="load_balance='documents' for one packed row: document lengths ('512,512,8000') or "
+                            "'lognormal:MU,SIGMA'; prints the threshold, the tokens that travel and the balance per "
+                            "backend")
     from ringmaster_tools.memory_plan import add_arguments as add_memory_plan_arguments
 
-    add_memory_plan_arguments(p)
+    add_memory_plan_arguments(p.add_argument_group("memory planner (--config)"))
     p.set_defaults(func=plan)
 
     p = sub.add_parser(
