@@ -263,7 +263,7 @@ def check_changes(base, config, seq_len: int) -> list[str]:
     if zeroed:
         lines.append(f"dropout set to 0 ({', '.join(zeroed)}): 'exact' is with dropout off; in training rm.wire runs "
                      "the model's dropout under a random state forked per CP rank (masks independent across shards), "
-                     "or refuses a draw it cannot fork (docs/reliability.md)")
+                     "or refuses what it cannot make exact, e.g. attention dropout under Ring (docs/reliability.md)")
     for key in _WINDOW_KEYS:
         b, t = getattr(bt, key, None), getattr(tt, key, None)
         if isinstance(b, int) and isinstance(t, int) and b != t:
