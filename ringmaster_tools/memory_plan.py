@@ -621,22 +621,67 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
     lines += ["", f"longest sequence that fits in {opts.gpu_mem / GiB:.0f} GiB per GPU "
               f"(x{opts.gpus} GPUs, loss {opts.loss}, FSDP2 {opts.fsdp}):",
               f"  {'backend':<16}" + "".join(f"{'ckpt ' + c:>16}" for c in CHECKPOINTING)]
+    longest = 0
     for backend in BACKENDS:
         if backend == "usp" and opts.gpus < 4:
             continue
         o = replace(opts, backend=backend)
         try:
             split = attention_temporaries(shape, o)["split"]
-            cells = [_fmt_seq(max_seq(shape, replace(o, checkpointing=c))) for c in CHECKPOINTING]
+            seqs = [max_seq(shape, replace(o, checkpointing=c)) for c in CHECKPOINTING]
         except (ValueError, ZeroDivisionError) as e:
             lines.append(f"  {backend:<16} invalid: {e}")
             continue
-        lines.append(f"  {backend:<16}" + "".join(f"{c:>16}" for c in cells) + f"   ({split})")
+        longest = max(longest, *seqs)
+        lines.append(f"  {backend:<16}" + "".join(f"{_fmt_seq(c):>16}" for c in seqs) + f"   ({split})")
+    if not longest:
+        lines += fit_hints(shape, opts, p)
     lines.append("(per-kind formulas, docs/planner.md: the torch kernels' within 0.94-1.08 of measured CPU peaks on "
                  "llama, gated-DeltaNet, Mamba2, Mamba1 and MoE models; the fast kernels' read from their "
                  "save_for_backward, not measured; not yet run on a GPU: leave headroom for the CUDA context and the "
                  "allocator)")
     return "\n".join(lines)
+
+
+def _seqs(shape: ModelShape, opts: PlanOptions) -> list[int]:
+    """The longest sequence that fits under ``opts`` per checkpointing mode (:data:`CHECKPOINTING`); 0 where the
+    options are invalid for this model."""
+    try:
+        return [max_seq(shape, replace(opts, checkpointing=c)) for c in CHECKPOINTING]
+    except (ValueError, ZeroDivisionError):
+        return [0] * len(CHECKPOINTING)
+
+
+def fit_hints(shape: ModelShape, opts: PlanOptions, p: Plan | None = None) -> list[str]:
+    """When no sequence fits under ``opts`` with any backend or checkpointing mode: what takes the memory and the
+    flags that would make something fit, each with the longest sequence it gives per checkpointing mode
+    (``opts.backend``): the changes alone, together, then together with twice the GPUs."""
+    p = p or plan(shape, opts)
+    lines = ["", f"nothing fits in {opts.gpu_mem / GiB:.0f} GiB per GPU: parameters, gradients, optimizer state"
+             + (" and master weights" if opts.mixed else "") + f" alone take {_fmt(p.static).strip()} per rank"
+             + (" (FSDP2 off: every rank holds all of them)" if opts.fsdp != "full" else "")
+             + "; checkpointing (the columns above) shrinks only the activations. With these flags "
+             f"({opts.backend}):",
+             f"  {'flags':<56}" + "".join(f"{'ckpt ' + c:>16}" for c in CHECKPOINTING)]
+    changes = []
+    if opts.fsdp != "full":
+        changes.append(("--fsdp full", dict(fsdp="full")))
+    if opts.loss != "chunked":
+        changes.append(("--loss chunked", dict(loss="chunked")))
+    if opts.optimizer == "foreach":
+        changes.append(("--optimizer fused", dict(optimizer="fused")))
+    together = {k: v for _, c in changes for k, v in c.items()}
+    tries = list(changes)
+    if len(changes) > 1:
+        tries.append((" ".join(f for f, _ in changes), together))
+    tries.append((" ".join([f for f, _ in changes] + [f"--gpus {2 * opts.gpus}"]), {**together, "gpus": 2 * opts.gpus}))
+    seqs = []
+    for flags, change in tries:
+        seqs = _seqs(shape, replace(opts, **change))
+        lines.append(f"  {flags:<56}" + "".join(f"{_fmt_seq(n):>16}" for n in seqs))
+    if not any(seqs):
+        lines.append("  still nothing: more GPUs (--gpus), more memory per GPU (--gpu-mem), or a smaller model")
+    return lines
 
 
 def add_arguments(parser) -> None:

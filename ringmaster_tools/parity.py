@@ -122,6 +122,20 @@ TINY: dict[str, dict[str, Any]] = {
                            kda_safe_gate=False),   # the safe gate forgets >= e^-2.5 a token: no state would cross a shard
 }
 
+# ``ringmaster demo --model``: every family of TINY, grouped for its help. The attention families run in float32
+# (tolerance DEMO_TOL["float32"]); the families with recurrent layers run in float64 under keep_fp64, the way the
+# zoo and ``ringmaster check`` run them: their A_log / dt_bias gradients are sums of large terms that cancel, so
+# fp32 rounding alone moves them by 1e-4..1e-3 relative (measured: qwen3_next, Ring P=4) while CP is exact.
+DEMO_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
+DEMO_TOL = {"float32": 1e-4, "float64": 1e-6}
+
+
+def demo_families() -> dict[str, tuple[str, ...]]:
+    """``{"attention": ..., "hybrid / recurrent": ...}``: what ``ringmaster demo --model`` accepts (TINY's keys)."""
+    return {"attention": DEMO_ATTENTION,
+            "hybrid / recurrent": tuple(k for k in TINY if k not in DEMO_ATTENTION)}
+
+
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -500,6 +514,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "grad_errs": grad_errs,
         "grad_err_total": grad_err_total,
         "recurrent_layers": len(runtime.report.recurrent),
+        "recurrent_kinds": sorted({kind for _, kind in runtime.report.recurrent}),
         "n_grads": len(grad_errs),
         "n_params": sum(1 for _ in reference.parameters()),
         "missing_grads": missing,
@@ -544,13 +559,17 @@ VLM_TINY: dict[str, dict[str, Any]] = {
                            num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2),
         vision_feature_layer=-1, image_seq_length=16),
 }
+VLM_TINY["qwen3_5_moe"] = dict(
+    text_config=dict(VLM_TINY["qwen3_5"]["text_config"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=32),
+    vision_config=dict(VLM_TINY["qwen3_5"]["vision_config"]))
 IMAGE_TOKEN, VISION_START = 151, 150
 
 
-def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
-             dtype: torch.dtype = torch.float32, **overrides):
-    """A random tiny VLM of ``model_type``; ``dtype`` as in :func:`tiny_model`."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def vlm_config(model_type: str, **overrides):
+    """The tiny VLM config of ``model_type`` (:data:`VLM_TINY`, then ``overrides``; the image / vision-start
+    tokens inside the tiny vocabulary unless given)."""
+    from transformers import AutoConfig
 
     kwargs = {**VLM_TINY[model_type], **overrides}
     kwargs.setdefault("image_token_id" if model_type != "llava" else "image_token_index", IMAGE_TOKEN)
@@ -558,7 +577,14 @@ def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
         kwargs.setdefault("vision_start_token_id", VISION_START)
     kwargs["text_config"] = {**kwargs["text_config"], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                              "tie_word_embeddings": False, "use_cache": False}
-    config = AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def vlm_from_config(config, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random VLM of ``config`` (image-text-to-text head), identical for a given seed; ``dtype`` as in
+    :func:`tiny_model`."""
+    from transformers import AutoModelForImageTextToText
+
     torch.manual_seed(seed)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation,
@@ -568,21 +594,33 @@ def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
     return model.train()
 
 
+def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
+             dtype: torch.dtype = torch.float32, **overrides):
+    """A random tiny VLM of ``model_type``; ``dtype`` as in :func:`tiny_model`."""
+    return vlm_from_config(vlm_config(model_type, **overrides), attn_implementation, seed, dtype)
+
+
+def vlm_image_tokens(config, grid=(1, 4, 8)) -> int:
+    """How many tokens :func:`vlm_batch`'s one image takes in the text sequence."""
+    vc = config.vision_config
+    if config.model_type == "llava":
+        return (vc.image_size // vc.patch_size) ** 2
+    t, h, w = grid
+    return t * h * w // vc.spatial_merge_size ** 2
+
+
 def vlm_batch(model, seq_len: int, image_at: int, grid=(1, 4, 8), seed: int = 1) -> dict[str, torch.Tensor]:
     """One row with one image whose tokens start at ``image_at`` (so they can straddle a shard edge)."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
     vocab = cfg.get_text_config().vocab_size
     input_ids = torch.randint(3, VISION_START, (1, seq_len), generator=g)
+    vc = cfg.vision_config
+    n_img = vlm_image_tokens(cfg, grid)
     if cfg.model_type == "llava":
-        vc = cfg.vision_config
-        n_img = (vc.image_size // vc.patch_size) ** 2
         pixel = {"pixel_values": torch.randn(1, 3, vc.image_size, vc.image_size, generator=g)}
     else:
-        vc = cfg.vision_config
         t, h, w = grid
-        merge = vc.spatial_merge_size
-        n_img = t * h * w // merge ** 2
         dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         pixel = {"pixel_values": torch.randn(t * h * w, dim, generator=g),
                  "image_grid_thw": torch.tensor([list(grid)])}

@@ -155,19 +155,181 @@ def tiny_config(model_type: str, base=None, **overrides):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def vlm_parent(config) -> str | None:
+    """The VLM family ``ringmaster check`` runs ``config`` as, with an image in the batch: its own model_type when
+    it is a VLM with a tiny recipe (:data:`parity.VLM_TINY`), or the VLM whose text config it is when that text
+    model has no causal-LM class of its own (``qwen2_5_vl_text``: the decoder of ``qwen2_5_vl``); else None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .parity import VLM_TINY
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in VLM_TINY:
+        return model_type
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    for vlm in VLM_TINY:
+        text = getattr(CONFIG_MAPPING[vlm], "sub_configs", {}).get("text_config")
+        if getattr(text, "model_type", None) == model_type:
+            return vlm
+    return None
+
+
+def tiny_vlm_config(base):
+    """The tiny VLM config ``ringmaster check`` builds from ``base`` (a VLM's config, or the text config of one,
+    :func:`vlm_parent`): the generic shrink of its text and vision configs, then :data:`parity.VLM_TINY`'s sizes
+    (the vision tower's output width is the text hidden size, the rotary sections fit the head dim), the image and
+    vision-start tokens inside the tiny vocabulary."""
+    from .parity import VLM_TINY, vlm_config
+
+    vlm = vlm_parent(base)
+    d = base.to_dict()
+    if vlm != base.model_type:    # a text config: the decoder of its VLM
+        d = {"text_config": d}
+    drop = ("model_type", "transformers_version", "architectures")
+
+    def sub(key: str) -> dict:
+        part = d.get(key) or {}
+        return {**{k: v for k, v in part.items() if k not in drop and not k.startswith("_")}, **_shrink_dict(part),
+                **VLM_TINY[vlm][key]}
+
+    top = {k: v for k, v in d.items() if k not in drop and k not in ("text_config", "vision_config")
+           and not k.startswith("_") and "token" not in k}
+    for key in ("text_config", "vision_config"):
+        if key in VLM_TINY[vlm]:
+            top[key] = sub(key)
+    top.update({k: v for k, v in VLM_TINY[vlm].items() if k not in ("text_config", "vision_config")})
+    return vlm_config(vlm, **top)
+
+
+def vlm_image_at(config, seq_len: int) -> int:
+    """Where ``ringmaster check`` puts the tiny VLM's one image in a row of ``seq_len`` tokens: centred, so that
+    it straddles the middle (the P=2 shard edge, and a P=4 one). Raises when the row is too short for it."""
+    from .parity import vlm_image_tokens
+
+    n_img = vlm_image_tokens(config)
+    if seq_len < n_img + 8:
+        raise ValueError(f"{seq_len} tokens are too few for the tiny {config.model_type}'s image ({n_img} tokens) "
+                         f"and text on both sides: use --seq {4 * n_img} or more")
+    return (seq_len - n_img) // 2
+
+
+_WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "attention_window_size", "window_size")
+_SIZE_KEYS = (("hidden_size", "hidden"), ("num_attention_heads", "heads"), ("num_key_value_heads", "KV heads"),
+              ("intermediate_size", "MLP"), ("vocab_size", "vocab"))
+
+
+def _dropouts(d: dict, prefix: str = "") -> dict[str, float]:
+    """Every dropout-like float field of a config dict (nested sub-configs as ``text_config.attention_dropout``)."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_dropouts(value, f"{prefix}{key}."))
+        elif isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop") or key.endswith("_prob")):
+            out[prefix + key] = value
+    return out
+
+
+def _per_layer_kinds(cfg) -> list[str]:
+    """The distinct per-layer kinds a config lists (``layer_types``, hybrid pattern strings)."""
+    d = cfg.to_dict()
+    n = getattr(cfg, "num_hidden_layers", None)
+    kinds: list[str] = []
+    for key, value in d.items():
+        if isinstance(n, int) and n > 1 and isinstance(value, (list, str)) and len(value) == n \
+                and key not in ("architectures",) and ("type" in key or "pattern" in key):
+            kinds += [f"{key}={v}" for v in dict.fromkeys(str(x) for x in value)]
+    return kinds
+
+
+def check_changes(base, config, seq_len: int) -> list[str]:
+    """What ``ringmaster check`` changed from the user's config ``base`` to build its tiny ``config``: layers kept
+    (one of each kind), sizes, dropout switched off, windows shrunk below the sequence, and for a VLM the vision
+    tower. One line each, for the report."""
+    lines = []
+    bt, tt = base.get_text_config(), config.get_text_config()
+    n_base, n_tiny = getattr(bt, "num_hidden_layers", None), getattr(tt, "num_hidden_layers", None)
+    if n_base and n_tiny and n_base != n_tiny:
+        kinds = _per_layer_kinds(tt)
+        lines.append(f"layers {n_base} -> {n_tiny}" + (f", one of each kind ({', '.join(kinds)})" if len(kinds) > 1
+                                                         else ""))
+    sizes = [f"{label} {getattr(bt, k)} -> {getattr(tt, k)}" for k, label in _SIZE_KEYS
+             if getattr(bt, k, None) is not None and getattr(bt, k, None) != getattr(tt, k, None)]
+    if sizes:
+        lines.append("sizes " + ", ".join(sizes))
+    before, after = _dropouts(base.to_dict()), _dropouts(config.to_dict())
+    zeroed = [f"{k} {v:g}" for k, v in before.items() if v and not after.get(k)]
+    if zeroed:
+        lines.append(f"dropout set to 0 ({', '.join(zeroed)}): 'exact' is with dropout off; in training rm.wire runs "
+                     "the model's dropout under a random state forked per CP rank (masks independent across shards), "
+                     "or refuses what it cannot make exact, e.g. attention dropout under Ring (docs/reliability.md)")
+    for key in _WINDOW_KEYS:
+        b, t = getattr(bt, key, None), getattr(tt, key, None)
+        if isinstance(b, int) and isinstance(t, int) and b != t:
+            lines.append(f"{key} {b} -> {t} of {seq_len} tokens (so the window is cut by the shard edges)")
+    if hasattr(config, "vision_config") and hasattr(base, "vision_config"):
+        bv, tv = base.vision_config, config.vision_config
+        depth = next((k for k in ("depth", "num_hidden_layers") if hasattr(tv, k)), None)
+        lines.append("vision tower " + ", ".join(
+            f"{label} {getattr(bv, k)} -> {getattr(tv, k)}" for k, label in ((depth, "depth"), ("hidden_size", "hidden"))
+            if k and getattr(bv, k, None) is not None))
+    return lines
+
+
+def check_exercised(config, case: dict, image_at: int | None, seq_len: int) -> list[str]:
+    """What a ``ringmaster check`` case ran through CP: the attention layers and their masks (global causal,
+    sliding-window, chunked), the recurrent kinds (from the wired model's report, ``case``), and for a VLM the
+    image through the vision tower; or that a multimodal config ran without an image."""
+    tt = config.get_text_config()
+    kinds = _per_layer_kinds(tt)
+    masks = []
+    window = getattr(tt, "sliding_window", None)
+    if isinstance(window, int):
+        local = [k for k in kinds if "sliding" in k or "local" in k]
+        masks.append(f"sliding-window {window}" + (" + global causal (per layer_types)" if local and len(kinds) > 1
+                                                   else ""))
+    chunk = getattr(tt, "attention_chunk_size", None)
+    if isinstance(chunk, int):
+        masks.append(f"chunked {chunk}")
+    lines = []
+    n_attn = case.get("attention_layers")
+    if n_attn is not None:
+        lines.append(f"{n_attn} attention layers ({', '.join(masks) or 'global causal'})"
+                     + (f"; layer kinds {', '.join(kinds)}" if len(kinds) > 1 else ""))
+    if case.get("recurrent_layers"):
+        lines.append(f"{case['recurrent_layers']} recurrent layers ({', '.join(case.get('recurrent_kinds') or [])}): "
+                     "conv halo and state passed across the shards")
+    if image_at is not None:
+        from .parity import vlm_image_tokens
+
+        n_img = vlm_image_tokens(config)
+        lines.append(f"one image: {n_img} tokens at positions {image_at}-{image_at + n_img - 1} of {seq_len}, across "
+                     f"the shard edge at {seq_len // 2}; the vision tower runs on the whole batch on every rank, the "
+                     "decoder on the shard after it")
+    elif hasattr(config, "vision_config") or hasattr(config, "audio_config"):
+        from .parity import VLM_TINY
+
+        lines.append("text only: no image in the batch, so the vision / audio tower did not run (check builds an image "
+                     f"for {', '.join(VLM_TINY)} and their text configs)")
+    return lines
+
+
 def is_encoder_decoder(model_type: str) -> bool:
     from transformers import AutoConfig
 
     return bool(getattr(AutoConfig.for_model(model_type), "is_encoder_decoder", False))
 
 
-def build_tiny(model_type: str, config=None, seed: int = 0, dtype: torch.dtype = torch.float64):
-    """The tiny random causal LM (fp32 init, then cast): SDPA where the family has it, else eager."""
-    from transformers import AutoModelForCausalLM
+def build_tiny(model_type: str, config=None, seed: int = 0, dtype: torch.dtype = torch.float64, vlm: bool = False):
+    """The tiny random causal LM (fp32 init, then cast): SDPA where the family has it, else eager. ``vlm``: the
+    image-text-to-text model of ``config`` (:func:`tiny_vlm_config`) instead."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     config = config if config is not None else tiny_config(model_type)
     with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
+        n = sum(p.numel() for p in auto.from_config(copy.deepcopy(config)).parameters())
     if n > MAX_PARAMS:
         raise ValueError(f"the shrunk config still has {n / 1e6:.1f}M parameters (limit {MAX_PARAMS / 1e6:.0f}M): "
                          f"add a per-family override to FAMILY_OVERRIDES")
@@ -175,8 +337,7 @@ def build_tiny(model_type: str, config=None, seed: int = 0, dtype: torch.dtype =
     for attn in ("sdpa", "eager"):
         torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
-                                                     dtype=torch.float32)
+            model = auto.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=torch.float32)
         except ValueError as e:  # the family has no SDPA path
             last = e
             continue
@@ -263,13 +424,17 @@ def parity_case(ctx, model_type: str, base, batch, backend: str, P: int, referen
                                  f"{r['logits_err']:.1e}, worst grad {r['grad_err']:.1e} ({r['worst_param']})")
     return {"verdict": "WRONG" if bad else "exact", "reason": reason,
             "errs": errs, "worst_param": r["worst_param"], "attention_layers": r["attention_layers"],
-            "recurrent_layers": r["recurrent_layers"], "bytes_sent": r["bytes_sent"]}
+            "recurrent_layers": r["recurrent_layers"], "recurrent_kinds": r["recurrent_kinds"],
+            "bytes_sent": r["bytes_sent"]}
 
 
 def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: dict | None = None,
-            share: bool = False):
+            share: bool = False, images: dict | None = None):
     """Run on every pool rank: each family's scoring step, then each (backend, P) parity case.
     ``configs`` maps a family to a config to use instead of :func:`tiny_config` (``ringmaster check``).
+    ``images`` maps a family whose config is a VLM's (:func:`tiny_vlm_config`) to where its one image starts: the
+    image-text-to-text model runs on :func:`parity.vlm_batch` (the vision tower on every rank, the decoder on the
+    shard).
     ``share``: when every case has the same CP size P and the pool holds several CP groups of P ranks (the
     mesh's dp dim), each group scores its own share of the families (group g: every ``world/P``-th from g)."""
     sizes = {P for _, P in cases if P <= ctx.world}
@@ -289,8 +454,14 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
                 out[model_type] = row
                 continue
             config = (configs or {}).get(model_type) or tiny_config(model_type)
-            base = build_tiny(model_type, config)
-            batch = zoo_batch(base.config.get_text_config().vocab_size, seq_len)
+            image_at = (images or {}).get(model_type)
+            base = build_tiny(model_type, config, vlm=image_at is not None)
+            if image_at is not None:
+                from .parity import vlm_batch
+
+                batch = vlm_batch(base, seq_len, image_at)
+            else:
+                batch = zoo_batch(base.config.get_text_config().vocab_size, seq_len)
             reference = reference_step(copy.deepcopy(base), batch)
         except Exception as e:  # noqa: BLE001 - a family whose tiny model does not run is listed, not scored
             row.update(status="excluded", reason=f"tiny model does not run without CP: {type(e).__name__}: "
@@ -309,11 +480,18 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
 
 
 def layer_kinds(model) -> list[str]:
-    """The module classes that mix tokens or carry positions: what a verdict is about."""
+    """The module classes that mix tokens or carry positions: what a verdict is about. A class is matched by its
+    name less the model's own prefix (``Qwen3_5Moe`` of ``Qwen3_5MoeForConditionalGeneration``), so a family
+    named after a kind (MoE, Mamba) does not list its every class."""
+    top = type(model).__name__
+    prefix = top[:top.index("For")] if "For" in top else ""
     kinds = []
     for _, module in model.named_modules():
         name = type(module).__name__
-        if any(s in name for s in ("Attention", "Mixer", "Mamba", "DeltaNet", "Conv", "Rotary", "Embedding",
+        if module is model or (prefix and name in (prefix + "Model", prefix + "TextModel")):
+            continue
+        rest = name[len(prefix):] if prefix and name.startswith(prefix) and len(name) > len(prefix) else name
+        if any(s in rest for s in ("Attention", "Mixer", "Mamba", "DeltaNet", "Conv", "Rotary", "Embedding",
                                    "Recurrent", "Lstm", "LSTM", "Moe", "MoE", "Experts", "Router")):
             if name not in kinds and not name.endswith("ForCausalLM"):
                 kinds.append(name)

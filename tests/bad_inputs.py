@@ -82,6 +82,11 @@ def size_mismatch(ctx):
     rm.setup(rm.RingmasterConfig(size=4, backend="ulysses"), num_kv_heads=4, device_mesh=ctx.mesh(2))
 
 
+def size_exceeds_world(ctx):
+    """size=8 in a job of 4 ranks (issue 39: the advice was a 'cp' dim of 8, which 4 ranks cannot hold)."""
+    rm.setup(rm.RingmasterConfig(size=8, backend="ulysses"), num_kv_heads=4)
+
+
 def wire_twice(ctx):
     model = _wire(ctx)
     try:
@@ -264,7 +269,11 @@ SCENARIOS = [
     Scenario("mesh_without_cp_dim", "DeviceMesh without the CP dim", mesh_without_cp_dim, "ValueError",
              ("device_mesh has no 'sequence' dim", "cp_dim=")),
     Scenario("size_mismatch", "config size differs from the mesh's cp dim", size_mismatch, "ValueError",
-             ("RingmasterConfig.size=4 but device_mesh['cp'] has 2 ranks",)),
+             ("RingmasterConfig.size=4 but device_mesh['cp'] has 2 ranks; set size=2",
+              "init_device_mesh(device, (1, 4), mesh_dim_names=('dp', 'cp'))")),
+    Scenario("size_exceeds_world", "config size larger than the job", size_exceeds_world, "ValueError",
+             ("RingmasterConfig.size=8 but the default process group has 4 ranks; set size=4",
+              "A 'cp' dim of 8 is not possible here: this job has 4 ranks")),
     Scenario("wire_twice", "rm.wire on an already wired model", wire_twice, "RuntimeError",
              ("already wired", "rm.unwire(model)")),
     Scenario("unknown_model", "an unregistered family the generic path refuses (attention outside the interface)",

@@ -88,4 +88,91 @@ def test_demo_unknown_family_refused_before_any_rank():
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--model", "lama"])
     text = str(exc.value)
-    assert "not a causal-LM family" in text and "llama" in text and len(text) < 400, text
+    assert "not one of the demo's families" in text and "llama" in text and len(text) < 400, text
+
+
+# ---- issue 39: VLM configs, what check changed and exercised, what it cannot check -------------------------------
+
+README_VLMS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "qwen3_5_moe"]
+
+
+class NoPool:
+    """A pool that must not be used: the answer comes before any rank starts."""
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("a rank was started")
+
+
+@pytest.mark.parametrize("target", README_VLMS + ["qwen2_5_vl_text", "qwen3_vl_text"])
+def test_vlm_configs_get_a_tiny_vlm_with_an_image(target):
+    """Every VLM family the README lists (and the text configs that have no causal-LM class: the decoder of their
+    VLM) is planned as the tiny VLM with one image straddling the P=2 edge, and that model runs without CP."""
+    import torch
+
+    from ringmaster.cli import _check_plan
+    from ringmaster_tools.parity import keep_fp64, vlm_batch
+    from ringmaster_tools.zoo import build_tiny
+
+    config, image_at, note = _check_plan(AutoConfig.for_model(target), 32)
+    assert config is not None and image_at is not None, note
+    assert (note is not None) == target.endswith("_text"), note
+    model = build_tiny(config.model_type, config, vlm=True)
+    batch = vlm_batch(model, 32, image_at)
+    image = (batch["input_ids"][0] >= 151).nonzero().squeeze(-1)
+    assert image.min() < 16 <= image.max(), image
+    with keep_fp64():
+        assert torch.isfinite(model(**batch, use_cache=False).loss)
+
+
+def test_vlm_check_gives_per_backend_verdicts(pool, tmp_path):
+    """``ringmaster check`` on a Qwen2.5-VL config.json: per-backend verdicts from the tiny VLM with an image
+    (issue 39: 'not run: ... Unrecognized configuration class', exit 2), the vision tower's classes among the kinds."""
+    AutoConfig.for_model("qwen2_5_vl").save_pretrained(tmp_path)
+    base = _load_config(str(tmp_path / "config.json"))
+    result = run_check(pool, base, [2], target=str(tmp_path))
+    json.dumps(result)
+    assert result["status"] == "run", result
+    assert {c["verdict"] for c in result["cases"].values()} == {"exact"}, result["cases"]
+    assert result["rc"] == 0 and result["best_backend"] in ("ulysses2", "ring2")
+    assert any("Vision" in kind for kind in result["layer_kinds"]), result["layer_kinds"]
+    assert any(line.startswith("one image: 8 tokens") for line in result["exercised"]), result["exercised"]
+    assert any(line.startswith("vision tower depth 32 -> 2") for line in result["changed"]), result["changed"]
+
+
+def test_what_cannot_be_checked_is_said_before_any_rank(capsys):
+    from ringmaster.cli import print_check
+
+    result = run_check(NoPool(), AutoConfig.for_model("mistral3"), [2])
+    assert result["status"] == "not checkable" and result["rc"] == 2, result
+    assert "mistral3" in result["reason"] and "qwen2_5_vl" in result["reason"], result["reason"]
+    print_check(result, 32)
+    assert "not checked, no rank started" in capsys.readouterr().out
+
+
+def test_check_says_what_it_changed_and_exercised(pool, capsys):
+    """gemma3_text with attention dropout: the report names the dropout set to 0 (and what rm.wire does with it),
+    the window shrunk below the sequence, the local + global layers exercised and the best-backend criterion."""
+    from ringmaster.cli import BEST_BACKEND_RULE, print_check
+
+    base = AutoConfig.for_model("gemma3_text", attention_dropout=0.1)
+    result = run_check(pool, base, [2], target="gemma3_text")
+    assert result["status"] == "run" and result["rc"] == 0, result
+    changed, exercised = " | ".join(result["changed"]), " | ".join(result["exercised"])
+    assert "dropout set to 0 (attention_dropout 0.1)" in changed and "forked per CP rank" in changed, changed
+    assert "sliding_window 4096 -> 16 of 32 tokens" in changed, changed
+    assert "layer_types=sliding_attention, layer_types=full_attention" in changed, changed
+    assert "2 attention layers (sliding-window 16 + global causal" in exercised, exercised
+    assert result["best_backend_rule"] == BEST_BACKEND_RULE
+    print_check(result, 32)
+    out = capsys.readouterr().out
+    assert "changed:   dropout set to 0" in out and "exercised: 2 attention layers" in out, out
+    assert f"(criterion: {BEST_BACKEND_RULE})" in out, out
+
+
+def test_check_changes_of_a_hybrid():
+    from ringmaster_tools.zoo import check_changes, tiny_config
+
+    base = AutoConfig.for_model("qwen3_next")
+    lines = check_changes(base, tiny_config("qwen3_next", base=base), 32)
+    assert lines[0].startswith(f"layers {base.num_hidden_layers} -> 3, one of each kind"), lines
+    assert "linear_attention" in lines[0] and "full_attention" in lines[0], lines

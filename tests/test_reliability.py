@@ -27,3 +27,17 @@ def test_bad_input_gets_a_clear_error(pool, scenario):
 
 def test_there_are_at_least_twenty_kinds():
     assert len(bad_inputs.SCENARIOS) >= 20
+
+
+def test_size_advice_fits_the_job():
+    """The size error never suggests a 'cp' dim the job cannot hold (issue 39: 'a cp dim of 4' on 2 ranks)."""
+    from ringmaster.attention.setup import size_mismatch_message
+
+    two = size_mismatch_message(4, 2, 2, mesh=False)
+    assert "set size=2" in two and "not possible here: this job has 2 ranks" in two, two
+    assert "init_device_mesh" not in two, two
+    four = size_mismatch_message(4, 2, 4)
+    assert "set size=2" in four and "init_device_mesh(device, (1, 4), mesh_dim_names=('dp', 'cp'))" in four, four
+    eight = size_mismatch_message(2, 4, 8, cp_dim="sp")
+    assert "(4, 2), mesh_dim_names=('dp', 'sp'))" in eight and "device_mesh['sp'] has 4 ranks" in eight, eight
+    assert "not possible" in size_mismatch_message(3, 2, 4)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch.distributed as dist
+
 from ..config import Backend, LoadBalance, RingmasterConfig, RingmasterPlan
 from ..mesh import cp_group_from, group_rank, group_size, intra_node_size, split_usp_groups
 from ..runtime import Runtime, make_current, name_runtime
@@ -41,6 +43,18 @@ def _check_layout_for_backend(cfg: RingmasterPlan) -> bool:
     return ulysses_only
 
 
+def size_mismatch_message(wanted: int, size: int, world: int, cp_dim: str = "cp", mesh: bool = True) -> str:
+    """The error for ``RingmasterConfig.size=wanted`` on a CP group of ``size`` ranks in a job of ``world``: set
+    ``size``, or (only where ``world`` can hold it) build the mesh with a ``cp_dim`` dim of ``wanted``."""
+    where = f"device_mesh[{cp_dim!r}]" if mesh else "the default process group"
+    head = f"RingmasterConfig.size={wanted} but {where} has {size} ranks; set size={size}"
+    if world % wanted:
+        return (f"{head}. A {cp_dim!r} dim of {wanted} is not possible here: this job has {world} ranks, which "
+                f"{wanted} does not divide (launch a multiple of {wanted} ranks for size={wanted})")
+    return (f"{head}, or pass device_mesh=init_device_mesh(device, ({world // wanted}, {wanted}), "
+            f"mesh_dim_names=('dp', {cp_dim!r})) for a {cp_dim!r} dim of {wanted} over this job's {world} ranks")
+
+
 def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = None, device_mesh=None,
           cp_dim: str = "cp", inner_attn: str | None = None, num_heads: int | None = None) -> Runtime:
     """Resolve the config against the CP group and register an attention function bound to it.
@@ -56,11 +70,7 @@ def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = Non
     group = cp_group_from(device_mesh, cp_dim)
     size = group_size(group)
     if cfg.size != size:
-        where = f"device_mesh[{cp_dim!r}]" if device_mesh is not None else "the default process group"
-        raise ValueError(
-            f"RingmasterConfig.size={cfg.size} but {where} has {size} ranks; set size={size} "
-            f"or build the mesh with a {cp_dim!r} dim of {cfg.size}"
-        )
+        raise ValueError(size_mismatch_message(cfg.size, size, dist.get_world_size(), cp_dim, device_mesh is not None))
     cfg = cfg.resolve(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
     ulysses_only = _check_layout_for_backend(cfg)
     inner = inner_attn or "sdpa"
