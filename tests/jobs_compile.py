@@ -143,7 +143,7 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
     inner = "eager" if model_type in ("recurrent_gemma", "inkling2_text") else "sdpa"
     ref = tiny_model(model_type, attn_implementation=inner, dtype=torch.float32)
     model = copy.deepcopy(ref)
-    batch = tiny_batch(ref.config.vocab_size, 32)
+    batch = tiny_batch(ref.config.vocab_size, 16)
     ref_out = step_shape._step(ref, {**batch, "use_cache": False})
     runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=mesh, compile=True)
     torch._dynamo.reset()
