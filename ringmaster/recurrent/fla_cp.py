@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from ..sharding.documents import row_cu_seqlens
+
 STRATEGY = "fla_cp"
 FLA_LAYOUTS = {"contiguous": "contiguous", "head_tail": "zigzag"}   # ringmaster's static layout -> FLA's
 
@@ -76,13 +78,6 @@ def fla_layout(path: str, layout: str) -> str:
     return FLA_LAYOUTS[layout]
 
 
-def cu_seqlens_of_row(runs, row: int, seq_len: int) -> torch.Tensor:
-    """The global ``cu_seqlens`` of one batch row, on the host: its document starts (``runs``: the batch's host
-    copy of its documents, ``sharding.documents.Runs``), or one document spanning the row."""
-    starts = [0] if runs is None else list(runs.row(row))
-    return torch.tensor([*starts, seq_len], dtype=torch.long)
-
-
 def fla_cp_rule(kernel: Callable, path: str, group, layout: str, runs, query, key, value, g, beta, kwargs: dict):
     """The layer's chunk kernel under FLA's own CP, one batch row at a time; returns the outputs ``[b, l, hv, dv]``."""
     fla = fla_layout(path, layout)
@@ -91,7 +86,7 @@ def fla_cp_rule(kernel: Callable, path: str, group, layout: str, runs, query, ke
     seq_len = l * torch.distributed.get_world_size(group)
     outs = []
     for r in range(b):
-        host = cu_seqlens_of_row(runs, r, seq_len)
+        host = row_cu_seqlens(runs, r, seq_len)
         cp_context = build_cp_context(host.to(query.device, non_blocking=True), group=group, cu_seqlens_cpu=host,
                                       layout=fla)
         o, _ = kernel(query[r:r + 1], key[r:r + 1], value[r:r + 1], g=g[r:r + 1], beta=beta[r:r + 1],

@@ -113,6 +113,12 @@ class Assignment:
         """Row position of each token of the shards of ranks 0..P-1 concatenated (host, int64)."""
         return torch.cat([self.local_index(r) for r in range(self.size)])
 
+    @cached_property
+    def gathered_order(self) -> torch.Tensor:
+        """The permutation that puts the concatenated shards (:attr:`gathered`) back in row order (host, int64):
+        computed once per assignment."""
+        return torch.argsort(self.gathered)
+
     def split_starts(self) -> tuple[int, ...]:
         return _starts(self.split)
 

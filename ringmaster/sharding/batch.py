@@ -215,7 +215,7 @@ def _gather_documents(local: torch.Tensor, dim: int, group, a: Assignment) -> to
         local = torch.cat([local, local.new_zeros(shape)], dim=dim)
     stacked = all_gather(local, group, tag="gather_sequence")
     full = torch.cat([stacked[r].narrow(dim, 0, a.local_len(r)) for r in range(a.size)], dim=dim)
-    inverse = torch.argsort(a.gathered).to(full.device)
+    inverse = a.gathered_order.to(full.device)
     return full.index_select(dim, inverse)
 
 

@@ -99,6 +99,12 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
     return doc
 
 
+def row_cu_seqlens(runs, row: int, seq_len: int) -> torch.Tensor:
+    """Row ``row``'s global ``cu_seqlens`` on the host (int64) from the batch's host runs: its document starts and
+    the row's end, or one document spanning the row (``runs`` None). The one place host runs become them."""
+    return torch.tensor([*(runs.row(row) if runs is not None else (0,)), seq_len], dtype=torch.long)
+
+
 def bisect_right(seq: tuple[int, ...], x: int) -> int:
     """``bisect.bisect_right`` in plain Python: torch.compile traces it (the C builtin is a graph break)."""
     lo, hi = 0, len(seq)
@@ -450,7 +456,8 @@ class CPBatch:
             raise NotImplementedError("flash kernels take packed documents as one row; flatten the batch to B=1")
         key = ("cu", str(device))
         if key not in self._cache:
-            self._cache[key] = (_on(device, [*self.runs.row(0), self.seq_len], torch.int32), self.runs.longest())
+            self._cache[key] = (_on(device, row_cu_seqlens(self.runs, 0, self.seq_len), torch.int32),
+                                self.runs.longest())
         return self._cache[key]
 
     def varlen_bounds(self, batch_size: int, device) -> tuple[torch.Tensor, int]:
