@@ -117,7 +117,9 @@ def global_temperature(module, query: torch.Tensor, cpb) -> torch.Tensor:
 def apply(module, query: torch.Tensor, key: torch.Tensor, cpb, kwargs: dict):
     """``(cpb, query)`` for this layer's CP call: the batch as this layer masks it (chunks) and the
     query as one device computes it; raises (before any collective) what CP cannot make exact."""
-    local = cpb.local_len if cpb is not None else query.shape[2]
+    # compiled, the shard's length is the query's (a documents part's length changes per batch; the first CP
+    # forward's eager replay checks it against the batch)
+    local = cpb.local_len if cpb is not None and not torch.compiler.is_compiling() else query.shape[2]
     if key.shape[2] == query.shape[2] != local:
         raise NotImplementedError(
             f"{_where(module)}: an attention call over {query.shape[2]} tokens, but this rank holds {local} of the "

@@ -101,9 +101,9 @@ def _documents(fn, binding: AttentionBinding, module, query, key, value, cpb: CP
                 f"{type(module).__name__}: load_balance='documents' runs each document's attention in one of two "
                 f"parts, and this call brings per-token {name!r} ringmaster does not cut yet; use "
                 "load_balance='auto' for this model")
-    n = cpb.split_share
+    n = cpb.split_marker.shape[1]   # cpb.split_share, as a size (a compiled block does not specialise on it)
     outs = []
-    split, whole = cpb.split_part(), cpb.whole_part()
+    split, whole = cpb.parts
     if split is not None:
         if split.layout not in binding.layouts():
             raise RuntimeError(f"the split documents were cut {split.layout!r}, but {binding.backend} attention "

@@ -159,7 +159,7 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
 def _gaps(pieces, j: int, m: int) -> int | None:
     """The bucketed gap count of this rank's chunk ``j`` (``m`` tokens) from the batch's chunk pieces; None without
     them (or for another cut)."""
-    if pieces is None or j >= len(pieces) or pieces[j].m != m:
+    if pieces is None or j >= len(pieces):
         return None
     return pieces[j].n - 1
 

@@ -148,13 +148,13 @@ class PiecesSegment:
     def __init__(self, base, pieces):
         self.base, self.dim = base, 1
         (rows, *_), _, device = base.state_meta()
-        n, L, m = pieces.n, pieces.L, pieces.m
+        n, L = pieces.n, pieces.L
         index, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.last, pieces.keep, pieces.whole))
         if index.shape[0] != rows:   # one row of documents stands for every row of the batch
             index = (index[:1] + (torch.arange(rows, device=device) * (n * L))[:, None])
             last = last[:1] + torch.arange(rows, device=device) * n
             keep, whole = keep[:1].expand(rows), whole[:1].expand(rows)
-        self.rows, self.n, self.L, self.m, self.trivial = rows, n, L, m, pieces.trivial
+        self.rows, self.n, self.L, self.trivial = rows, n, L, pieces.trivial
         self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
 
         def gather(t: torch.Tensor) -> torch.Tensor:    # [rows, m, ...] -> [rows * n, L, ...]
@@ -169,7 +169,7 @@ class PiecesSegment:
         return self.base.combine(state, packed)
 
     def _back(self, y: torch.Tensor) -> torch.Tensor:   # [rows * n, L, ...] -> [rows, m, ...]
-        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, self.m, *y.shape[2:])
+        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:])
 
     def _states(self, state_in):
         """The incoming state of every padded row: the first piece's (times ``keep``), zeros after."""
@@ -211,7 +211,7 @@ def with_pieces(segments: Sequence, batch, path: str, size: int, shape: tuple[in
         return None
     if global_documents(batch, path, size, *shape) is None:   # checks the batch against the layer's shape
         return None
-    if len(pieces) != len(segments) or any(p.m * len(pieces) != shape[1] for p in pieces):
+    if len(pieces) != len(segments):
         return None
     return [PiecesSegment(seg, p) for seg, p in zip(segments, pieces)]
 
@@ -299,9 +299,9 @@ def by_parts(batch, call, tensors: Sequence[torch.Tensor | None], dims: Sequence
     each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first element is
     the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part first, so
     the collectives line up."""
-    n = batch.split_share
+    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
     outs = []
-    for part, split in ((batch.split_part(), True), (batch.whole_part(), False)):
+    for part, split in zip(batch.parts, (True, False)):
         if part is None:
             continue
         # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)

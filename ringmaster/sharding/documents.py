@@ -306,9 +306,11 @@ class CPBatch:
         # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
         # shard step: a compiled block reads no per-packing Python value); None without documents
         self.pieces = self._chunk_pieces()
-        if assignment is not None:   # the two parts, made here (the shard step, on the host), never in forward
-            self.split_part()
-            self.whole_part()
+        # load_balance="documents": the two parts, made here (the shard step, on the host), never in forward, and
+        # the split share as the size of an empty tensor: a compiled block reads it as a size it may mark dynamic,
+        # not as a Python constant of this packing (with the parts' own lengths, from their tensors' shapes)
+        self.parts = (self.split_part(), self.whole_part()) if assignment is not None else None
+        self.split_marker = None if assignment is None else _dynamic(torch.empty(0, assignment.split_share), 1)
 
     def _chunk_pieces(self) -> "tuple[ChunkPieces, ...] | None":
         if self.runs is None or self.assignment is not None:
@@ -473,6 +475,16 @@ class CPBatch:
                 cu = [r * S + s for r in range(batch_size) for s in self.runs.row(r)] + [batch_size * S]
                 self._cache[key] = (_on(device, cu, torch.int32), self.runs.longest())
         return self._cache[key]
+
+
+def _dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with ``dim`` marked dynamic for torch.compile when dynamo is loaded (a size that changes per batch)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.maybe_mark_dynamic(t, dim)
+    return t
 
 
 def _on(device, values, dtype) -> torch.Tensor:
