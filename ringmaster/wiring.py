@@ -100,11 +100,6 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "trace: use recurrent='scan'")
     elif kinds and strategy == "fla_cp":
         notes.append("recurrent='fla_cp' (flash-linear-attention's own CP) is not shown to compile here")
-    if cfg.load_balance == "documents":
-        notes.append("load_balance='documents': each batch's assignment (which documents are split, the shard "
-                     "lengths) is read in Python inside the blocks, so every new packing recompiles them; past "
-                     "dynamo's recompile limit (8) fullgraph=True fails: use load_balance='auto' for compiled "
-                     "training on packed rows")
     padded = [k for k in kinds if k in PIECES_KINDS]
     cut = [k for k in kinds if k not in PIECES_KINDS]
     if padded:
