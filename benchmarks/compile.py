@@ -85,8 +85,8 @@ def main() -> None:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(f"{r[k]:.1e}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys)
-              + " |")
+        print("| " + " | ".join(f"{r[k]:.1e}" if k.endswith("_err") and isinstance(r.get(k), float)
+                                else str(r.get(k, "")) for k in keys) + " |")
 
 
 if __name__ == "__main__":
