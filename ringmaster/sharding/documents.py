@@ -280,7 +280,7 @@ class CPBatch:
 
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
-                 origin: torch.Tensor | None = None):
+                 origin: torch.Tensor | None = None, pieces: bool = True):
         self.rank, self.size, self.seq_len = rank, size, seq_len
         # load_balance="documents": the batch's Assignment (sharding.assignment); its layers run two parts,
         # split_part() over the group and whole_part() locally. None: a static layout
@@ -305,7 +305,7 @@ class CPBatch:
         self.handle = StepHandle(self)
         # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
         # shard step: a compiled block reads no per-packing Python value); None without documents
-        self.pieces = self._chunk_pieces()
+        self.pieces = self._chunk_pieces() if pieces else None
         # load_balance="documents": the two parts, made here (the shard step, on the host), never in forward, and
         # the split share as the size of an empty tensor: a compiled block reads it as a size it may mark dynamic,
         # not as a Python constant of this packing (with the parts' own lengths, from their tensors' shapes)
@@ -411,7 +411,7 @@ class CPBatch:
             docs = chunk_doc_ids(self.doc_ids, self.seq_len, chunk)
             runs = (self.runs or Runs.whole(self.seq_len)).chunked(chunk)
             self._cache[key] = CPBatch(self.rank, self.size, self.layout, self.seq_len, docs, self.rows, runs,
-                                       origin=self.origin)
+                                       origin=self.origin, pieces=False)   # attention only, made in forward
             self._cache[key].rng_seed = self.rng_seed
         return self._cache[key]
 
