@@ -45,7 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from . import work
+from .ring.aten import AtenKernel
+from .ring.masks import BlockMask
 from ..sharding import handle
+from ..sharding.documents import Runs
 from ..sharding.handle import StepHandle
 
 TILE = 256  # queries per masked call; masks are at most TILE x (TILE + 2 * window)
@@ -204,9 +207,6 @@ def call_block_mask(call: Call, cpb, causal: bool, window, docs: torch.Tensor | 
     """:class:`.ring.masks.BlockMask` of one call in the call's own coordinates: the causal / window band
     from global positions, the documents with their host runs (tiles are skipped or left unmasked from the
     host copy, never from mask values)."""
-    from .ring.masks import BlockMask
-    from ..sharding.documents import Runs
-
     shift = call.k0 - call.q0          # global i - j = local i - j - shift
     lo = shift if causal else (None if window is None else shift - window + 1)
     hi = None if window is None else shift + window - 1
@@ -237,8 +237,6 @@ def _window(window: int) -> int | None:
 
 
 def _tiles_forward(q, k, v, step, causal, window, scale, tile):
-    from .ring.aten import AtenKernel
-
     kernel = AtenKernel()
     B, h, S, _ = q.shape
     out = q.new_empty(B, h, S, v.shape[-1])
@@ -253,8 +251,6 @@ def _tiles_forward(q, k, v, step, causal, window, scale, tile):
 
 
 def _tiles_backward(dout, q, k, v, out, lse, step, causal, window, scale, tile):
-    from .ring.aten import AtenKernel
-
     kernel = AtenKernel()
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -37,6 +37,7 @@ from ...sharding import balancers, handle
 from ...sharding.documents import Runs
 from ...sharding.handle import StepHandle
 from .. import work
+from .kernels import get_kernel
 from .masks import BlockMask
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -295,8 +296,6 @@ def _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, de
 
 
 def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src, select):
-    from .kernels import get_kernel
-
     kernel = get_kernel(RingImpl(impl))
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q), device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q), device=q.device)
@@ -314,8 +313,6 @@ def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale,
 
 def _ring_block_backward(dout, q, k, v, out, lse, step, layout, size, rank, chunk, causal, window, scale, impl,
                          softcap, src, select):
-    from .kernels import get_kernel
-
     kernel = get_kernel(RingImpl(impl))
     acc = acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
