@@ -127,7 +127,7 @@ def eager_replay(model, args: tuple, kwargs: dict):
     """``model.forward(*args, **kwargs)`` again, its compiled blocks running their eager code, without grad and
     with the random state restored after: what a first CP forward that ran compiled is recorded by (its
     one-time checks record per module, which a compiled block must not do). Every CP rank replays alike."""
-    devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+    devices = sorted({t.device.index or 0 for t in tensors((args, kwargs)) if t.device.type == "cuda"})
     eager = _Eager(model)
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -136,15 +136,18 @@ def eager_replay(model, args: tuple, kwargs: dict):
         eager.__exit__(None, None, None)
 
 
-def _tensors(obj):
+def tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists, dicts and transformers ``ModelOutput`` s (``ringmaster.per_token``
+    re-exports it)."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors(o)]
+    if hasattr(obj, "to_tuple"):   # a transformers ModelOutput
+        return tensors(obj.to_tuple())
+    return []
 
 
 class _Eager:

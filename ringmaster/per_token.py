@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from .compat import tensors   # noqa: F401  (re-exported: the one tensor walker)
+
 TOL, TOL_16 = 1e-4, 3e-2
 
 
@@ -45,16 +47,6 @@ def map_tensors(obj: Any, fn: Callable) -> Any:
     return map_leaves(obj, lambda o: fn(o) if isinstance(o, torch.Tensor) else o)
 
 
-def tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors(o)]
-    if hasattr(obj, "to_tuple"):   # a transformers ModelOutput
-        return tensors(obj.to_tuple())
-    return []
 
 
 def sequence_dim(args: tuple, kwargs: dict, length: int) -> int | None:

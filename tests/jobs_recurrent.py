@@ -396,11 +396,11 @@ def packed_hybrid_parity(ctx, model_type, P, strategy, backend="ulysses", cfg_kw
 def packed_hybrid_without_resets(ctx, model_type, P, doc_lens, strategy="scan"):
     """Negative control: the same packed comparison with the recurrent layers' document resets switched
     off (state and conv halo flow across document starts; attention stays packed-exact)."""
-    from ringmaster.recurrent import conv, gated_deltanet as linear_attn, mamba2 as mamba
+    from ringmaster.recurrent import conv, documents
 
-    saved = [(mod, name, getattr(mod, name)) for mod, name in
-             ((mamba, "with_documents"), (linear_attn, "with_documents"), (conv, "conv_documents"))]
-    mamba.with_documents = linear_attn.with_documents = lambda segments, docs: list(segments)
+    # gated DeltaNet and Mamba2 wrap their segments through documents.document_segments -> with_documents
+    saved = [(mod, name, getattr(mod, name)) for mod, name in ((documents, "with_documents"), (conv, "conv_documents"))]
+    documents.with_documents = lambda segments, docs: list(segments)
     conv.conv_documents = lambda *args: None   # every wired conv looks it up there (conv.cp_conv_kernel)
     try:
         return packed_hybrid_parity(ctx, model_type, P, strategy, "ulysses", None, doc_lens)

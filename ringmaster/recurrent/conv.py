@@ -141,7 +141,7 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
     if P == 1:
         halo = x.new_zeros(*x.shape[:-1], width)
         return conv_with_documents(kernel, x, halo, docs, 0, weight, bias, activation, runs=runs,
-                                   gaps=_gaps(pieces, 0, x.shape[-1]), **kwargs)
+                                   gaps=_gaps(pieces, 0), **kwargs)
     rank = dist.get_rank(group)
     ids = chunk_ids(layout, P, rank)
     chunks = split_local(x, len(ids), dim=-1)
@@ -151,14 +151,13 @@ def cp_causal_conv1d(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bi
     else:
         sizes = list(lengths) if lengths is not None else [chunks[0].shape[-1]] * (P * len(ids))
         outs = [conv_with_documents(kernel, c, h, docs, sum(sizes[:i]), weight, bias, activation, runs=runs,
-                                    gaps=_gaps(pieces if lengths is None else None, j, c.shape[-1]), **kwargs)
+                                    gaps=_gaps(pieces if lengths is None else None, j), **kwargs)
                 for j, (i, c, h) in enumerate(zip(ids, chunks, halos))]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def _gaps(pieces, j: int, m: int) -> int | None:
-    """The bucketed gap count of this rank's chunk ``j`` (``m`` tokens) from the batch's chunk pieces; None without
-    them (or for another cut)."""
+def _gaps(pieces, j: int) -> int | None:
+    """The bucketed gap count of this rank's chunk ``j`` from the batch's chunk pieces; None without them."""
     if pieces is None or j >= len(pieces):
         return None
     return pieces[j].n - 1

@@ -146,7 +146,7 @@ class PiecesSegment:
     are index tensors and the padded sizes powers of two: a compiled block does not recompile for a new packing."""
 
     def __init__(self, base, pieces):
-        self.base, self.dim = base, 1
+        self.base = base
         (rows, *_), _, device = base.state_meta()
         n, L = pieces.n, pieces.L
         index, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.last, pieces.keep, pieces.whole))
@@ -200,20 +200,20 @@ class PiecesSegment:
         return self._back(y), finals.index_select(0, self.last)
 
 
-def with_pieces(segments: Sequence, batch, path: str, size: int, shape: tuple[int, int]) -> list | None:
-    """Inside a compiled block: each segment (storage order) as a :class:`PiecesSegment` over the batch's chunk
-    pieces. None in eager mode (the pieces run one kernel call each, as cut: no padding), and when the batch has
-    no pieces for this shape (no documents, pieces padded past :data:`~ringmaster.sharding.documents.PIECES_BUDGET`
-    times the chunk, a caller without them): then :func:`local_documents`, whose cuts a compiled block reads as
-    Python values (a recompile per packing)."""
+def document_segments(segments: Sequence, batch, path: str, size: int, rank: int, layout: str,
+                      shape: tuple[int, int]) -> list:
+    """The chunk segments (storage order) of a packed or padded batch, resetting at its document starts. Inside a
+    compiled block, for kinds whose segments take padded inputs (``with_tensors``): a :class:`PiecesSegment` each,
+    over the batch's chunk pieces. Otherwise (eager mode, where each piece runs as cut with no padding; a batch
+    without pieces: no documents, pieces padded past :data:`~ringmaster.sharding.documents.PIECES_BUDGET` times
+    the chunk) a :class:`DocumentSegment` each over :func:`local_documents`, whose cuts a compiled block reads as
+    Python values (a recompile per packing). The segments as they are when every row is one document."""
     pieces = getattr(batch, "pieces", None)
-    if pieces is None or not torch.compiler.is_compiling():
-        return None
-    if global_documents(batch, path, size, *shape) is None:   # checks the batch against the layer's shape
-        return None
-    if len(pieces) != len(segments):
-        return None
-    return [PiecesSegment(seg, p) for seg, p in zip(segments, pieces)]
+    if (pieces is not None and torch.compiler.is_compiling() and len(pieces) == len(segments)
+            and all(hasattr(seg, "with_tensors") for seg in segments)
+            and global_documents(batch, path, size, *shape) is not None):   # checks the batch against the shape
+        return [PiecesSegment(seg, p) for seg, p in zip(segments, pieces)]
+    return with_documents(segments, local_documents(batch, path, size, rank, layout, shape, len(segments)))
 
 
 def _pattern_of(docs: torch.Tensor, prev: torch.Tensor | None) -> list[tuple[bool, tuple[int, ...]]]:

@@ -42,7 +42,7 @@ from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, global_documents, host_runs, local_documents, with_documents, with_pieces
+from .documents import by_parts, global_documents, host_runs, document_segments
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
@@ -149,12 +149,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
     segments = [GatedDeltaSegment(kernel, *chunk, kwargs=kwargs) for chunk in zip(*parts)]
-    pieces = with_pieces(segments, batch, ctx.path, size, tuple(query.shape[:2]))
-    if pieces is not None:
-        segments = pieces
-    else:
-        docs = local_documents(batch, ctx.path, size, rank, layout, tuple(query.shape[:2]), n)
-        segments = with_documents(segments, docs)
+    segments = document_segments(segments, batch, ctx.path, size, rank, layout, tuple(query.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None

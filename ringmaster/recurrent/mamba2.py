@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, local_documents, with_documents, with_pieces
+from .documents import by_parts, document_segments
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -144,12 +144,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
     segments = [Mamba2Segment(kernel, x, d, A, b, c, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
                 for x, d, b, c in zip(*parts)]
-    pieces = with_pieces(segments, batch, ctx.path, size, tuple(hidden_states.shape[:2]))
-    if pieces is not None:
-        segments = pieces
-    else:
-        docs = local_documents(batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]), n)
-        segments = with_documents(segments, docs)
+    segments = document_segments(segments, batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)

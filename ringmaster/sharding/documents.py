@@ -224,17 +224,16 @@ def bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class ChunkPieces:
-    """One chunk of this rank's shard (``m`` tokens at global ``start``) cut at its document starts, as data.
+    """One chunk of this rank's shard (``m`` tokens) cut at its document starts, as data.
 
     The pieces of every row go into a padded batch of ``rows * n`` pieces of ``L`` tokens (``n``, ``L``: powers
-    of two, the same for all of a rank's chunks, so a compiled graph sees few values): the first piece of a row left-aligned in its slot (it may
-    continue the incoming state; padding after it reaches no output), every later piece right-aligned (zero
-    inputs before it keep a zero state zero). Built on the host in the shard step from the host runs; the
-    recurrent kernels gather their inputs by ``index`` and run once over the padded pieces, with no per-packing
-    Python value (``recurrent.documents.DocumentSegment``); the conv inserts ``n - 1`` gaps."""
+    of two, the same for all of a rank's chunks, so a compiled graph sees few values): the first piece of a row
+    left-aligned in its slot (it may continue the incoming state; padding after it reaches no output), every
+    later piece right-aligned (zero inputs before it keep a zero state zero). Built on the host in the shard step
+    from the host runs; the recurrent kernels gather their inputs by ``index`` and run once over the padded
+    pieces, with no per-packing Python value (``recurrent.documents.PiecesSegment``); the conv inserts ``n - 1``
+    gaps."""
 
-    start: int
-    m: int
     n: int
     L: int
     index: torch.Tensor     # [rows, m] int64: flat position of each token in the [rows * n * L] padded pieces
@@ -254,13 +253,13 @@ class ChunkPieces:
             for r in range(runs.rows):
                 keep.append(not (start > 0 and runs.starts_at(r, start)))
                 bounds.append([0, *runs.cuts(r, start, start + m), m])
-            chunks.append((start, bounds, keep))
-        n = bucket(max(len(b) - 1 for _, bounds, _ in chunks for b in bounds))
-        L = min(m, bucket(max(e - s for _, bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:]))))
+            chunks.append((bounds, keep))
+        n = bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds))
+        L = min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:]))))
         if n * L > PIECES_BUDGET * m:
             return None
         out = []
-        for start, bounds, keep in chunks:
+        for bounds, keep in chunks:
             index, last = [], []
             for r, b in enumerate(bounds):
                 lengths = torch.tensor([e - s for s, e in zip(b, b[1:])])
@@ -270,7 +269,7 @@ class ChunkPieces:
                 index.append((r * n + piece) * L + offset + shift)
                 last.append(r * n + lengths.numel() - 1)
             whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
-            out.append(cls(start, m, n, L, _on(device, torch.stack(index), torch.long), _on(device, last, torch.long),
+            out.append(cls(n, L, _on(device, torch.stack(index), torch.long), _on(device, last, torch.long),
                            _on(device, keep, torch.bool), _on(device, whole, torch.bool), all(whole)))
         return tuple(out)
 
