@@ -78,7 +78,9 @@ class WireReport:
 # recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile.py,
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
 # recurrent kinds whose compiled blocks run packed rows as padded pieces (recurrent.documents.PiecesSegment)
-PIECES_KINDS = ("gated_deltanet", "mamba2")
+PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru")
+# recurrent kinds that are convolutions only: their document gaps are the pieces' dynamic count
+CONV_KINDS = ("short_conv", "dynamic_short_conv", "rwkv_channel_mix")
 COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightning", "rglru", "rwkv", "rwkv_channel_mix",
                           "mlstm", "short_conv")
 # ring block kernels and inner attention kernels dynamo traces (torch ops with meta kernels)
@@ -101,17 +103,17 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
     elif kinds and strategy == "fla_cp":
         notes.append("recurrent='fla_cp' (flash-linear-attention's own CP) is not shown to compile here")
     padded = [k for k in kinds if k in PIECES_KINDS]
-    cut = [k for k in kinds if k not in PIECES_KINDS]
+    cut = [k for k in kinds if k not in PIECES_KINDS + CONV_KINDS]
     if padded:
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
-                     "as padded pieces whose sizes are powers of two: a block compiles once per size pair (measured: "
-                     "7-9 graphs over 50 packings), more than dynamo's default recompile limit of 8 for a hybrid: "
-                     "raise torch._dynamo.config.recompile_limit (32); a packing whose pieces would pad past 4x the "
-                     "chunk is cut in Python and recompiles")
+                     "as padded pieces whose count and length are dynamic sizes: after the first few packings (a "
+                     "row of one document, a chunk of one piece and a packed chunk each compile once) a new packing "
+                     "compiles nothing; a packing whose pieces would pad past 4x the chunk is cut in Python and "
+                     "recompiles")
     if cut:
-        notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: the document cuts inside a "
-                     "layer's chunk are read in Python, so a new packing recompiles the block (unpacked rows compile "
-                     "once)")
+        notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: a zero input moves their "
+                     "stabilised state, so the chunks are not padded into pieces but cut at their document starts "
+                     "in Python, and a new packing recompiles the block (unpacked rows compile once)")
     if not handle.AVAILABLE:
         notes.append(f"torch {torch.__version__} has no opaque objects for custom ops: Ulysses' sdpa tiles on "
                      "packed rows plan in the graph, and each new packing recompiles the blocks")

@@ -23,6 +23,14 @@ MODELS = {
     "gdn-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4,
                                         layer_types=["linear_attention", "full_attention"] * 2)),
     "mamba2-hybrid": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3])),
+    # one family per other recurrent kind whose packed rows run as padded pieces (benchmarks/compile.py)
+    "mamba1": ("falcon_mamba", dict(num_hidden_layers=2)),
+    "kda-hybrid": ("kimi_linear", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                       mlp_layer_types=["dense", "dense"])),
+    "lightning-hybrid": ("minimax", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
+    "rglru-hybrid": ("recurrent_gemma", dict(num_hidden_layers=2, block_types=["recurrent", "attention"],
+                                             attn_implementation="eager")),
+    "conv-hybrid": ("lfm2", dict(num_hidden_layers=2, full_attn_idxs=[1], layer_types=["conv", "full_attention"])),
 }
 
 # two decoder blocks (one attention, one recurrent for the hybrids): the same code paths, half the compiles
@@ -30,6 +38,7 @@ TWO_BLOCKS = {
     "llama": dict(num_hidden_layers=2),
     "gdn-hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    **{name: {} for name in ("mamba1", "kda-hybrid", "lightning-hybrid", "rglru-hybrid", "conv-hybrid")},
 }
 
 # backend name -> RingmasterConfig fields (size added per run)

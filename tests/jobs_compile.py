@@ -169,14 +169,15 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
     return out
 
 
-def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, P=2):
+def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
-    pieces as data (``recurrent.documents.PiecesSegment``). ``whole_map_always``: the mutation, a chunk cut by
-    documents still passes the incoming state through its first piece's map."""
+    pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
+    documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
+    and length reach the block as Python ints (``ChunkPieces.n``, ``.L``), not as dynamic sizes."""
     from ringmaster.recurrent import documents
     from ringmaster_tools import packings
 
-    original = documents.PiecesSegment.local_map
+    original, sizes = documents.PiecesSegment.local_map, documents.PiecesSegment.__dict__["_sizes"]
 
     def first_map(self):
         if self.trivial:
@@ -186,7 +187,9 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
 
     if whole_map_always:
         documents.PiecesSegment.local_map = first_map
+    if static_sizes:
+        documents.PiecesSegment._sizes = staticmethod(lambda pieces: (pieces.n, pieces.L))
     try:
         return packings.over_packings(ctx, model, backend, "packed", steps, size=P)
     finally:
-        documents.PiecesSegment.local_map = original
+        documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes

@@ -160,7 +160,7 @@ def _gaps(pieces, j: int) -> int | None:
     """The bucketed gap count of this rank's chunk ``j`` from the batch's chunk pieces; None without them."""
     if pieces is None or j >= len(pieces):
         return None
-    return pieces[j].n - 1
+    return pieces[j].sizes.shape[1] - 1
 
 
 def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):

@@ -139,16 +139,18 @@ class DocumentSegment:
 class PiecesSegment:
     """:class:`DocumentSegment` as data: the chunk's documents (:class:`~ringmaster.sharding.documents.ChunkPieces`,
     made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call,
-    for kinds whose zero inputs keep a zero state zero (gated DeltaNet, Mamba2: ``base.with_tensors`` and
-    ``base.packed_final``). The first piece of a row takes the incoming state (times 0 when a document starts on
-    the chunk's first token), every later one a zero state; the chunk's map is the first piece's when it is the
-    row's only one and the state enters, else the reset map of the last piece's final state. Which tokens go where
-    are index tensors and the padded sizes powers of two: a compiled block does not recompile for a new packing."""
+    for kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1, lightning, RG-LRU:
+    ``base.with_tensors`` and ``base.packed_final``; not the stabilised states of mLSTM and RWKV, where a zero
+    input moves the stabiliser or the denominator). The first piece of a row takes the incoming state (times 0
+    when a document starts on the chunk's first token), every later one a zero state; the chunk's map is the first
+    piece's when it is the row's only one and the state enters, else the reset map of the last piece's final
+    state. Which tokens go where are index tensors, and the padded sizes (pieces per row, piece length) are sizes
+    the block takes as dynamic (``ChunkPieces.sizes``): a compiled block does not recompile for a new packing."""
 
     def __init__(self, base, pieces):
         self.base = base
         (rows, *_), _, device = base.state_meta()
-        n, L = pieces.n, pieces.L
+        n, L = self._sizes(pieces)
         index, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.last, pieces.keep, pieces.whole))
         if index.shape[0] != rows:   # one row of documents stands for every row of the batch
             index = (index[:1] + (torch.arange(rows, device=device) * (n * L))[:, None])
@@ -156,11 +158,19 @@ class PiecesSegment:
             keep, whole = keep[:1].expand(rows), whole[:1].expand(rows)
         self.rows, self.n, self.L, self.trivial = rows, n, L, pieces.trivial
         self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
+        self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's inputs and outputs
 
-        def gather(t: torch.Tensor) -> torch.Tensor:    # [rows, m, ...] -> [rows * n, L, ...]
+        def gather(t: torch.Tensor) -> torch.Tensor:    # token dim `dim` of m -> [rows * n, ..., L, ...]
+            t = t.movedim(self.dim, 1)
             padded = t.new_zeros(rows * n * L, *t.shape[2:]).index_copy(0, self.flat, t.flatten(0, 1))
-            return padded.view(rows * n, L, *t.shape[2:])
+            return padded.view(rows * n, L, *t.shape[2:]).movedim(1, self.dim)
         self.padded = None if self.trivial else base.with_tensors(gather)
+
+    @staticmethod
+    def _sizes(pieces) -> tuple:
+        """Pieces per row and piece length, read from ``pieces.sizes``' shape: sizes a compiled block takes as
+        dynamic (the Python ints ``pieces.n, pieces.L`` would specialise a graph on every new pair)."""
+        return tuple(pieces.sizes.shape[1:])
 
     def state_meta(self):
         return self.base.state_meta()
@@ -168,8 +178,9 @@ class PiecesSegment:
     def combine(self, state, packed):
         return self.base.combine(state, packed)
 
-    def _back(self, y: torch.Tensor) -> torch.Tensor:   # [rows * n, L, ...] -> [rows, m, ...]
-        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:])
+    def _back(self, y: torch.Tensor) -> torch.Tensor:   # [rows * n, ..., L, ...] -> [rows, ..., m, ...]
+        y = y.movedim(self.dim, 1)
+        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:]).movedim(1, self.dim)
 
     def _states(self, state_in):
         """The incoming state of every padded row: the first piece's (times ``keep``), zeros after."""

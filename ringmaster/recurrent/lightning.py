@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedLayerError
 from .context import LayerContext, check_call_kwargs
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -120,6 +120,14 @@ class LightningSegment:
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
         return LightningSegment(cut(self.q), cut(self.k), cut(self.v), self.slope, self.block_size)
 
+    def with_tensors(self, fn):
+        """The same attention over ``fn`` of each per-token input (``[B, l, ...]``; documents.PiecesSegment)."""
+        return LightningSegment(fn(self.q), fn(self.k), fn(self.v), self.slope, self.block_size)
+
+    def packed_final(self, packed):
+        """The final state of a zero incoming state, from a packed map ``[b | decay]``."""
+        return packed[..., :-1].reshape(packed.shape[0], *self.state_meta()[0][1:])
+
     def state_map(self, final):
         """A chunk the incoming state cannot cross (a document starts in it): decay 0, ``b = final``."""
         final = hi(final)
@@ -137,9 +145,9 @@ def cp_lightning(ctx: LayerContext, batch, q, k, v, slope, block_size: int):
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(q.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (q, k, v)]
-    segments = with_documents([LightningSegment(*chunk, slope, block_size) for chunk in zip(*parts)], docs)
+    segments = document_segments([LightningSegment(*chunk, slope, block_size) for chunk in zip(*parts)], batch,
+                                 ctx.path, size, rank, layout, tuple(q.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, document_segments
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .step_size import mamba1_dt
@@ -181,6 +181,17 @@ class Mamba1Segment:
         return Mamba1Segment(self.kernel, cut(self.u), cut(self.delta), self.A, cut(self.B), cut(self.C), self.D,
                              cut(self.z), self.delta_bias, self.delta_softplus, self.kwargs)
 
+    def with_tensors(self, fn):
+        """The same scan over ``fn`` of each per-token input (``[b, d, l]``; documents.PiecesSegment)."""
+        def each(t):
+            return None if t is None else fn(t)
+        return Mamba1Segment(self.kernel, fn(self.u), fn(self.delta), self.A, fn(self.B), fn(self.C), self.D,
+                             each(self.z), self.delta_bias, self.delta_softplus, self.kwargs)
+
+    def packed_final(self, packed):
+        """The final state of a zero incoming state, from a packed map ``[b | decay]``."""
+        return packed[..., :self.A.shape[-1]]
+
     def state_map(self, final):
         """The packed map of a chunk the incoming state cannot cross (a document starts in it):
         decay 0, ``b = final``."""
@@ -213,11 +224,11 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
                                   "passes state for B, C of shape [batch, d_state, seq] only")
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, (hidden_states.shape[0], hidden_states.shape[-1]), n)
     parts = [split_local(t, n, dim=-1) for t in (hidden_states, dt, B, C)]
     gates = split_local(z, n, dim=-1) if z is not None else [None] * n
-    segments = with_documents([Mamba1Segment(kernel, u, d, A, b, c, D, g, delta_bias, delta_softplus, kwargs)
-                               for u, d, b, c, g in zip(*parts, gates)], docs)
+    segments = document_segments([Mamba1Segment(kernel, u, d, A, b, c, D, g, delta_bias, delta_softplus, kwargs)
+                                  for u, d, b, c, g in zip(*parts, gates)], batch, ctx.path, size, rank, layout,
+                                 (hidden_states.shape[0], hidden_states.shape[-1]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return outs[0] if n == 1 else torch.cat(outs, dim=-1)

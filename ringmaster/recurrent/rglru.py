@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -84,6 +84,14 @@ class RglruSegment:
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
         return RglruSegment(self.kernel, cut(self.x), cut(self.a), cut(self.reset))
 
+    def with_tensors(self, fn):
+        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment)."""
+        return RglruSegment(self.kernel, fn(self.x), fn(self.a), fn(self.reset))
+
+    def packed_final(self, packed):
+        """The final state of a zero incoming state, from a packed map ``[b | decay]``."""
+        return packed[..., :self.x.shape[-1]]
+
     def state_map(self, final):
         """A chunk the incoming state cannot cross (a document starts in it): decay 0, ``b = final``."""
         final = hi(final)
@@ -111,10 +119,10 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
                            "packed rows; run the model with use_cache=False")
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(hidden_states.shape[:2]), n)
     reset = reset.expand(*hidden_states.shape[:2], 1) if reset.shape[0] != hidden_states.shape[0] else reset
     parts = [split_local(t, n, dim=1) for t in (hidden_states, recurrent_gate, reset)]
-    segments = with_documents([RglruSegment(kernel, *chunk) for chunk in zip(*parts)], docs)
+    segments = document_segments([RglruSegment(kernel, *chunk) for chunk in zip(*parts)], batch, ctx.path, size,
+                                 rank, layout, tuple(hidden_states.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=1)), None
@@ -137,7 +145,7 @@ def wire_rglru_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
         group, size, layout, _ = ctx.resolve(batch)
         return cp_causal_conv1d(conv_kernel, x, conv.weight[:, 0, :], group=group if size > 1 else None,
                                 layout=layout, docs=conv_documents(batch, ctx.path, size, x),
-                                runs=getattr(batch, "runs", None))
+                                runs=getattr(batch, "runs", None), pieces=getattr(batch, "pieces", None))
 
     def cp_conv(x):
         batch = ctx.take_batch({})

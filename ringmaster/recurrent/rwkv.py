@@ -156,7 +156,8 @@ def _shift(ctx: LayerContext, pad) -> Callable:
         if size == 1 and docs is None:
             return pad_forward(pad, hidden)
         return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=docs, runs=getattr(batch, "runs", None)).transpose(1, 2)
+                                docs=docs, runs=getattr(batch, "runs", None),
+                                pieces=getattr(batch, "pieces", None)).transpose(1, 2)
 
     def shift(hidden):
         batch = ctx.take_batch({})

@@ -227,7 +227,8 @@ class ChunkPieces:
     """One chunk of this rank's shard (``m`` tokens) cut at its document starts, as data.
 
     The pieces of every row go into a padded batch of ``rows * n`` pieces of ``L`` tokens (``n``, ``L``: powers
-    of two, the same for all of a rank's chunks, so a compiled graph sees few values): the first piece of a row
+    of two, the same for all of a rank's chunks; a compiled block reads them from ``sizes``, marked dynamic, so a
+    new pair is no new graph): the first piece of a row
     left-aligned in its slot (it may continue the incoming state; padding after it reaches no output), every
     later piece right-aligned (zero inputs before it keep a zero state zero). Built on the host in the shard step
     from the host runs; the recurrent kernels gather their inputs by ``index`` and run once over the padded
@@ -241,6 +242,8 @@ class ChunkPieces:
     keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
     whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
     trivial: bool           # every row whole: the kernels run the chunk as it is
+    # an empty [0, n, L]: n and L as sizes a compiled block may mark dynamic (read them from here in a block)
+    sizes: torch.Tensor
 
     @classmethod
     def of(cls, runs: "Runs", starts, m: int, device) -> "tuple[ChunkPieces, ...] | None":
@@ -254,8 +257,9 @@ class ChunkPieces:
                 keep.append(not (start > 0 and runs.starts_at(r, start)))
                 bounds.append([0, *runs.cuts(r, start, start + m), m])
             chunks.append((bounds, keep))
-        n = bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds))
-        L = min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:]))))
+        # at least 2 each: dynamo specialises a size of 1, so a chunk of one piece would be a graph of its own
+        n = max(2, bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds)))
+        L = max(min(2, m), min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))))
         if n * L > PIECES_BUDGET * m:
             return None
         out = []
@@ -269,8 +273,10 @@ class ChunkPieces:
                 index.append((r * n + piece) * L + offset + shift)
                 last.append(r * n + lengths.numel() - 1)
             whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
-            out.append(cls(n, L, _on(device, torch.stack(index), torch.long), _on(device, last, torch.long),
-                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), all(whole)))
+            # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
+            out.append(cls(n, L, _dynamic(_on(device, torch.stack(index), torch.long), 1), _on(device, last, torch.long),
+                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), all(whole),
+                           _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
         return tuple(out)
 
 
@@ -383,7 +389,7 @@ class CPBatch:
         lengths = torch.tensor([e - s for s, e in zip(runs.row(0), ends)], dtype=torch.long)
         ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).unsqueeze(0)
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
-        return _on(device, ids, torch.long)
+        return _dynamic(_on(device, ids, torch.long), 1)   # a part's length changes per packing
 
     def local_positions(self, device=None) -> torch.Tensor:
         """The row position of each token of this rank's shard, in the order the shard stores them: what a
