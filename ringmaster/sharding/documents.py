@@ -188,6 +188,13 @@ class Runs:
         i = bisect_left(st, t)
         return i < len(st) and st[i] == t
 
+    def pattern(self, t0: int, t1: int, rows: int | None = None) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+        """Per row (``rows`` of them, default this copy's; one row stands for all), how the chunk ``[t0, t1)`` is
+        cut at its document starts: ``(a document starts on its first token (never at the row's start: no state
+        enters there), the run starts inside it relative to t0)``. What the recurrent kinds' resets run by."""
+        return tuple((t0 > 0 and self.starts_at(r, t0), self.cuts(r, t0, t1))
+                     for r in range(self.rows if rows is None else rows))
+
     def disjoint(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """No row shares a document between tokens ``[q0, q1)`` and ``[k0, k1)``."""
         for r in range(self.rows):
@@ -249,11 +256,8 @@ class ChunkPieces:
         :data:`PIECES_BUDGET`."""
         chunks = []
         for start in starts:
-            bounds, keep = [], []
-            for r in range(runs.rows):
-                keep.append(not (start > 0 and runs.starts_at(r, start)))
-                bounds.append([0, *runs.cuts(r, start, start + m), m])
-            chunks.append((bounds, keep))
+            pattern = runs.pattern(start, start + m)
+            chunks.append(([[0, *cuts, m] for _, cuts in pattern], [not reset for reset, _ in pattern]))
         n = bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds))
         L = min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:]))))
         if n * L > PIECES_BUDGET * m:
