@@ -101,7 +101,8 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
 
 def row_cu_seqlens(runs, row: int, seq_len: int) -> torch.Tensor:
     """Row ``row``'s global ``cu_seqlens`` on the host (int64) from the batch's host runs: its document starts and
-    the row's end, or one document spanning the row (``runs`` None). The one place host runs become them."""
+    the row's end, or one document spanning the row (``runs`` None). The one place host runs become them
+    (flash varlen, :meth:`CPBatch.varlen_bounds`; FLA's CP context, ``recurrent/fla_cp``)."""
     return torch.tensor([*(runs.row(row) if runs is not None else (0,)), seq_len], dtype=torch.long)
 
 
@@ -453,30 +454,17 @@ class CPBatch:
             self._cache[key] = m
         return self._cache[key]
 
-    def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
-        """Flash-style boundaries of the whole (single-row) sequence and the longest document."""
-        if self.runs is None:
-            return _on(device, [0, self.seq_len], torch.int32), self.seq_len
-        if self.runs.rows != 1:
-            raise NotImplementedError("flash kernels take packed documents as one row; flatten the batch to B=1")
-        key = ("cu", str(device))
-        if key not in self._cache:
-            self._cache[key] = (_on(device, row_cu_seqlens(self.runs, 0, self.seq_len), torch.int32),
-                                self.runs.longest())
-        return self._cache[key]
-
     def varlen_bounds(self, batch_size: int, device) -> tuple[torch.Tensor, int]:
         """Flash varlen boundaries of all ``batch_size`` rows flattened into one (row-major): each
-        row's documents (padding tokens: one each) in order, never one across two rows; and the
-        longest document. Built once per forward."""
+        row's documents (padding tokens: one each) in order, never one across two rows (each row's
+        :func:`row_cu_seqlens`, shifted to where the row starts); and the longest document. Built once per
+        forward."""
         key = ("varlen", batch_size, str(device))
         if key not in self._cache:
             S = self.seq_len
-            if self.runs is None:
-                self._cache[key] = (_on(device, list(range(0, (batch_size + 1) * S, S)), torch.int32), S)
-            else:
-                cu = [r * S + s for r in range(batch_size) for s in self.runs.row(r)] + [batch_size * S]
-                self._cache[key] = (_on(device, cu, torch.int32), self.runs.longest())
+            rows = [row_cu_seqlens(self.runs, r, S)[:-1] + r * S for r in range(batch_size)]
+            cu = torch.cat([*rows, torch.tensor([batch_size * S])])
+            self._cache[key] = (_on(device, cu, torch.int32), S if self.runs is None else self.runs.longest())
         return self._cache[key]
 
 
