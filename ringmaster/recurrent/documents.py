@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ..sharding.documents import Runs
+# by_parts: the kinds cut a documents batch into its split and whole parts with the step context's one helper
+from ..sharding.documents import Runs, by_parts  # noqa: F401
 from .scan import chunk_ids, tie
 
 class DocumentSegment:
@@ -273,26 +274,3 @@ def with_documents(segments: Sequence, docs) -> list:
     if docs is None:
         return list(segments)
     return [DocumentSegment(seg, pattern, d.shape[1]) for seg, (d, _, _, pattern) in zip(segments, docs)]
-
-
-def by_parts(batch, call, tensors: Sequence[torch.Tensor | None], dims: Sequence[int], out_dim: int):
-    """A documents batch (``load_balance="documents"``) through a recurrent kernel: ``call(part, *cut)`` once
-    for the split documents (the shard's first ``split_share`` tokens, over the group: the state passing and
-    halos of today) and once for this rank's whole documents (the rest, a batch of one rank: no collective),
-    each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first element is
-    the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part first, so
-    the collectives line up."""
-    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
-    outs = []
-    for part, split in zip(batch.parts, (True, False)):
-        if part is None:
-            continue
-        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
-        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
-               for t, d in zip(tensors, dims)]
-        outs.append(call(part, *cut))
-    first = [_out(o) for o in outs]
-    out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
-    if isinstance(outs[0], tuple):
-        return (out, *[None] * (len(outs[0]) - 1))
-    return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -466,6 +466,30 @@ class CPBatch:
             cu = torch.cat([*rows, torch.tensor([batch_size * S])])
             self._cache[key] = (_on(device, cu, torch.int32), S if self.runs is None else self.runs.longest())
         return self._cache[key]
+
+
+def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | None], dims: Sequence[int], out_dim: int,
+             whole: Callable | None = None):
+    """A documents batch (``load_balance="documents"``) through a layer's CP kernel, attention or recurrent alike:
+    ``call(part, *cut)`` for the split documents (the shard's first ``split_share`` tokens, run over the group) and
+    ``whole(part, *cut)`` (default ``call``) for this rank's whole documents (the rest, a batch of one rank: no
+    collective), each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first
+    element is the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part
+    first, so the collectives line up. The one place a documents shard is cut into its parts."""
+    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
+    outs = []
+    for part, split in zip(batch.parts, (True, False)):
+        if part is None:
+            continue
+        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
+        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
+               for t, d in zip(tensors, dims)]
+        outs.append((call if split or whole is None else whole)(part, *cut))
+    first = [o[0] if isinstance(o, tuple) else o for o in outs]
+    out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
+    if isinstance(outs[0], tuple):
+        return (out, *[None] * (len(outs[0]) - 1))
+    return out
 
 
 def _dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:
