@@ -128,12 +128,13 @@ def eager_replay(model, args: tuple, kwargs: dict):
     with the random state restored after: what a first CP forward that ran compiled is recorded by (its
     one-time checks record per module, which a compiled block must not do). Every CP rank replays alike."""
     devices = sorted({t.device.index or 0 for t in tensors((args, kwargs)) if t.device.type == "cuda"})
-    eager = _Eager(model)
+    eager = Eager()
+    eager.start(model)
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             return model.forward(*args, **kwargs)
     finally:
-        eager.__exit__(None, None, None)
+        eager.stop()
 
 
 def tensors(obj) -> list[torch.Tensor]:
@@ -150,15 +151,29 @@ def tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-class _Eager:
-    """The blocks a model compiled (``module.compile()``: their ``_compiled_call_impl``) run their eager code
-    until :meth:`__exit__`; a block compiled by wrapping (``torch.compile(block)`` in the layer list) can only
-    be reached through torch.compile's ``force_eager`` stance, which also runs a kernel's own compiled
-    function eagerly (flex attention: its dense scores), so it is entered only then."""
+class Eager:
+    """The one holder of "``model``'s compiled blocks run their eager code", from :meth:`start` until :meth:`stop`
+    (both idempotent: a second start while running, or a stop while stopped, does nothing). The first CP forward
+    runs so: its one-time checks (:mod:`ringmaster.attention.accounting`, :mod:`ringmaster.architectures.mixing`,
+    each holding one) record per module, which inside a compiled block would specialise its graph on every layer;
+    :func:`eager_replay` too.
 
-    def __init__(self, model):
+    The blocks a model compiled (``module.compile()``: their ``_compiled_call_impl``) run their eager code; a block
+    compiled by wrapping (``torch.compile(block)`` in the layer list) can only be reached through torch.compile's
+    ``force_eager`` stance, which also runs a kernel's own compiled function eagerly (flex attention: its dense
+    scores), so it is entered only then. Kernels that compile themselves otherwise stay compiled."""
+
+    def __init__(self):
+        self.running = False
+        self.stashed: list = []
+        self.stance = None
+
+    def start(self, model) -> None:
+        if self.running:
+            return
         from torch._dynamo.eval_frame import OptimizedModule
 
+        self.running = True
         self.stashed = [(m, m._compiled_call_impl) for m in model.modules()
                         if getattr(m, "_compiled_call_impl", None) is not None]
         for m, _ in self.stashed:
@@ -166,18 +181,14 @@ class _Eager:
         wrapped = any(isinstance(m, OptimizedModule) for m in model.modules())
         self.stance = torch.compiler.set_stance("force_eager") if wrapped else None
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Back to the compiled code and the stance from before :meth:`start`."""
+        if not self.running:
+            return
+        self.running = False
         for m, compiled in self.stashed:
             m._compiled_call_impl = compiled
         self.stashed = []
         if self.stance is not None:
             stance, self.stance = self.stance, None
             stance.__exit__(None, None, None)
-
-
-def run_eagerly(model):
-    """Run ``model``'s compiled blocks eagerly from now until the returned object's ``__exit__(None, None,
-    None)``. The first CP forward runs so: its one-time checks (:mod:`ringmaster.attention.accounting`,
-    :mod:`ringmaster.architectures.mixing`) record per module, which inside a compiled block would specialise
-    its graph on every layer. Kernels that compile themselves (flex attention) stay compiled."""
-    return _Eager(model)

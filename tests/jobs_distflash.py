@@ -17,7 +17,7 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="aten", B=2, S=48,
     from ringmaster.attention.ring.kernels import get_kernel
     from ringmaster.attention.ring.merge import reference_attention
     from ringmaster.config import RingImpl
-    from ringmaster.sharding.documents import doc_ids_from_cu_seqlens
+    from ringmaster.sharding.documents import Runs, doc_ids_from_cu_seqlens
     from ringmaster_tools.parity import rel_err
 
     group = ctx.mesh(P)["cp"].get_group()
@@ -39,7 +39,7 @@ def attention_parity(ctx, P, doc_lens=None, sinks=False, impl="aten", B=2, S=48,
     span = slice(r * c, (r + 1) * c)
     local = [t[:, :, span].clone().requires_grad_(True) for t in (q, k, v)]
     sink_cp = sink.clone().requires_grad_(True) if sinks else None
-    plan = DistFlashPlan(P, r, c, docs)
+    plan = DistFlashPlan(P, r, c, docs, runs=None if docs is None else Runs.from_doc_ids(docs))
     with rm.profile_comms() as comms:
         kernel = get_kernel(RingImpl(impl), "flash_attention_2" if impl == "hf_kernels" else None)
         out = distflash_attention(*local, group, plan, kernel, sinks=sink_cp)

@@ -307,7 +307,7 @@ def _packed_function_level(ctx, P, layout, strategy, rows, l=24, chunk_size=5):
     import torch.distributed as dist
 
     from ringmaster.sharding import balancers
-    from ringmaster.sharding.documents import CPBatch
+    from ringmaster.sharding.documents import CPBatch, Runs
     from standins import naive
     from ringmaster.recurrent.conv import cp_causal_conv1d
     from ringmaster.recurrent.documents import local_documents, with_documents
@@ -354,7 +354,7 @@ def _packed_function_level(ctx, P, layout, strategy, rows, l=24, chunk_size=5):
     (y_ref * W).sum().backward()
     loc = leaves(base)
     y = cp_causal_conv1d(naive.causal_conv1d_ref, loc["x"][:, :, pos], loc["weight"], loc["bias"], "silu",
-                         group=group, layout=layout, docs=docs)
+                         group=group, layout=layout, docs=docs, runs=Runs.from_doc_ids(docs))
     (y * W[:, :, pos]).sum().backward()
     errs["conv_out"] = rel(y, y_ref[:, :, pos])
     for k in ("x", "weight", "bias"):

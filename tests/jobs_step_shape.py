@@ -28,20 +28,18 @@ def _item_in_ring_loop():
 
 @contextlib.contextmanager
 def _runs_dropped():
-    """The step context without its host copy of the documents: every layer reads the ids' values again."""
+    """The step context without its host copy of the documents: every layer that asks for it reads the ids' values
+    again (the layers no longer fall back to reading them themselves: they refuse a batch without runs)."""
     from ringmaster.sharding import documents
 
-    original = documents.CPBatch.__init__
+    def read_again(self):
+        return None if self.doc_ids is None else documents.Runs.from_doc_ids(self.doc_ids)
 
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.runs = None
-
-    documents.CPBatch.__init__ = init
+    documents.CPBatch.runs = property(read_again, lambda self, value: None)
     try:
         yield
     finally:
-        documents.CPBatch.__init__ = original
+        del documents.CPBatch.runs
 
 
 MUTATIONS = {"item_in_ring_loop": _item_in_ring_loop, "runs_dropped": _runs_dropped}

@@ -89,12 +89,13 @@ def test_schedule_plans_blocks_without_dense_masks():
 
     from ringmaster.attention.ring.distflash import DistFlashPlan, active_tasks, task_mask
     from ringmaster.attention.ring.masks import BlockMask
+    from ringmaster.sharding.documents import Runs
 
     S, P = 2048, 4
     c = S // P
     docs = torch.repeat_interleave(torch.arange(3), torch.tensor([700, 500, 848]))[None]
     for rank in range(P):
-        plan = DistFlashPlan(P, rank, c, docs)
+        plan = DistFlashPlan(P, rank, c, docs, runs=Runs.from_doc_ids(docs))
         with _Largest() as seen:
             active = active_tasks(plan)
             masks = [task_mask(plan, step[rank]) for s, step in enumerate(plan.steps()) if active[s][rank]]

@@ -17,6 +17,7 @@ import torch
 from standins import naive
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+from ringmaster.sharding.documents import Runs
 
 FP64_PARAM_TOL = 1e-5   # every parameter, fp64
 FP64_TOL = 1e-10        # fp64 loss and gathered logits
@@ -68,8 +69,9 @@ def test_lightning_resets_at_document_starts(strategy):
         start += n
     ref = torch.cat(ref, dim=1)
     b = SPLITS["head_tail4"]
+    runs = Runs.from_doc_ids(docs)
     segs = [DocumentSegment(LightningSegment(*(t[:, x:y] for t in inputs.values()), slope[:, None, None], 5),
-                            docs[:, x:y], docs[:, x - 1] if x else None) for x, y in zip(b, b[1:])]
+                            runs.pattern(x, y), y - x) for x, y in zip(b, b[1:])]
     outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
     y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
     assert (y - ref).abs().max() <= 1e-11 * ref.abs().max()

@@ -17,6 +17,7 @@ import torch
 
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+from ringmaster.sharding.documents import Runs
 
 SPLITS = {
     "whole": [0, 24],
@@ -129,7 +130,8 @@ def test_mamba1_resets_at_document_starts_float64(layout, split, strategy):
     ref_in, cp_in = jm1.leaves(inputs), jm1.leaves(inputs)
     y_ref = jm1.per_document_reference("ref", ref_in, docs)
     bounds = SPLITS[split]
-    segs = [DocumentSegment(jm1.segment("ref", cp_in, slice(a, b)), docs[:, a:b], docs[:, a - 1] if a else None)
+    runs = Runs.from_doc_ids(docs)
+    segs = [DocumentSegment(jm1.segment("ref", cp_in, slice(a, b)), runs.pattern(a, b), b - a)
             for a, b in zip(bounds, bounds[1:])]
     outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
     y = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=-1)

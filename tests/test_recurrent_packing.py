@@ -19,6 +19,7 @@ from standins import naive
 from ringmaster.recurrent.conv import conv_with_documents, halos_from_tails
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+from ringmaster.sharding.documents import Runs
 
 L = 24
 # shard edges of L=24: P=4 -> 6/12/18; head_tail P=4 -> every 3 tokens
@@ -59,10 +60,10 @@ def per_document_reference(kind, kernel, inputs, docs, chunk_size):
 
 
 def cp_documents(kind, kernel, inputs, docs, bounds, strategy, chunk_size):
-    segs = []
+    segs, runs = [], Runs.from_doc_ids(docs)
     for a, b in zip(bounds, bounds[1:]):
         base = jr.segment(kind, kernel, inputs, slice(a, b), chunk_size)
-        segs.append(DocumentSegment(base, docs[:, a:b], docs[:, a - 1] if a > 0 else None))
+        segs.append(DocumentSegment(base, runs.pattern(a, b), b - a))
     outs = (simulate_scan if strategy == "scan" else simulate_sequential)(segs)
     return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
 
@@ -132,8 +133,9 @@ def test_conv_taps_never_cross_a_document_start(layout, split, kernel_size):
     width = kernel_size - 1
     tails = [torch.nn.functional.pad(c[..., -width:], (max(0, width - c.shape[-1]), 0)) for c in chunks]
     halos = halos_from_tails(tails, [c.shape[-1] for c in chunks], width)
+    runs = Runs.from_doc_ids(docs)
     for kernel in (naive.causal_conv1d_ref, causal_conv1d_fn):
-        out = torch.cat([conv_with_documents(kernel, c, h, docs, a, w, bias, "silu")
+        out = torch.cat([conv_with_documents(kernel, c, h, docs, a, w, bias, "silu", runs=runs)
                          for c, h, a in zip(chunks, halos, bounds)], dim=-1)
         assert jr.rel(out, ref) < 1e-12, (kernel, jr.rel(out, ref))
 

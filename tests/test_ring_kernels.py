@@ -20,6 +20,7 @@ from ringmaster.attention.ring.masks import BlockMask, as_block_mask, flash_call
 from ringmaster.attention.ring.merge import merge, merge_sink, reference_attention
 from ringmaster.attention.ring.select import resolve_ring_impl
 from ringmaster.config import RingImpl
+from ringmaster.sharding.documents import Runs
 
 HUB = {"fa2": "flash_attention_2", "fa3": "kernels-community/flash-attn3", "vllm-fa3": "kernels-community/vllm-flash-attn3"}
 
@@ -58,6 +59,13 @@ def _docs(B, S, gen, lengths=None):
     return torch.tensor(rows)
 
 
+def _doc_block(docs, q0, sq, k0, sk, **band):
+    """The block of queries ``[q0, q0 + sq)`` against keys ``[k0, k0 + sk)`` of the rows ``docs``, cut by their
+    documents as the ring plans it: the ids with their host runs and the block's global offsets."""
+    return BlockMask(sq, sk, q_docs=docs[:, q0:q0 + sq], k_docs=docs[:, k0:k0 + sk], runs=Runs.from_doc_ids(docs),
+                     q_start=q0, k_start=k0, **band)
+
+
 def _masks(B, sq, sk, gen):
     """(name, mask, dense-only): every block kind the ring plans, and arbitrary ones."""
     out = [("none", None, False), ("band-off-diag-window", BlockMask(sq, sk, lo=-sk, hi=4 - sk), False),
@@ -65,14 +73,15 @@ def _masks(B, sq, sk, gen):
            ("band-nothing", BlockMask(sq, sk, lo=sq + 1), False)]
     if sq == sk:
         out += [("causal", "causal", False), ("causal-window", BlockMask(sq, sk, lo=0, hi=3), False)]
-    docs = _docs(B, max(sq, sk) * 2, gen)
-    qd, kd = docs[:, -sq:], docs[:, :sk]   # queries after keys: earlier documents never reach the queries
+    S = max(sq, sk) * 2
+    docs = _docs(B, S, gen)
     if sq == sk:
-        out.append(("docs-same-chunk-causal", BlockMask(sq, sk, lo=0, q_docs=docs[:, :sq], k_docs=docs[:, :sq]), False))
-    out += [("docs", BlockMask(sq, sk, q_docs=qd, k_docs=kd), False),
-            ("docs-window", BlockMask(sq, sk, lo=-sk, hi=5 - sk, q_docs=qd, k_docs=kd), False),
-            ("docs-none-shared", BlockMask(sq, sk, q_docs=torch.full((B, sq), 7), k_docs=torch.full((B, sk), 3)),
-             False)]
+        out.append(("docs-same-chunk-causal", _doc_block(docs, 0, sq, 0, sq, lo=0), False))
+    # queries after keys: earlier documents never reach the queries
+    out += [("docs", _doc_block(docs, S - sq, sq, 0, sk), False),
+            ("docs-window", _doc_block(docs, S - sq, sq, 0, sk, lo=-sk, hi=5 - sk), False),
+            ("docs-none-shared", _doc_block(torch.cat([torch.full((B, sk), 3), torch.full((B, sq), 7)], 1), sk, sq, 0,
+                                            sk), False)]
     rnd = torch.rand(sq, sk, generator=gen) < 0.5
     rnd[0] = False
     out += [("random-with-empty-rows", rnd, True), ("empty", torch.zeros(sq, sk, dtype=torch.bool), True),
@@ -289,8 +298,8 @@ def test_aten_cpu_masked_blocks_build_no_block_sized_temporary():
     kernel = AtenKernel()
     for name, mask in (("window-off-diag", BlockMask(c, c, lo=-c, hi=200 - c)),
                        ("window-diag", BlockMask(c, c, lo=0, hi=63)),
-                       ("docs-causal", BlockMask(c, c, lo=0, q_docs=docs[:, :c], k_docs=docs[:, :c])),
-                       ("docs", BlockMask(c, c, q_docs=docs[:, c:], k_docs=docs[:, :c]))):
+                       ("docs-causal", _doc_block(docs, 0, c, 0, c, lo=0)),
+                       ("docs", _doc_block(docs, c, c, 0, c))):
         with _Largest() as seen:
             out, lse = kernel.forward(q, k, v, 0.3, mask)
             kernel.backward(torch.ones_like(q), q, k, v, out, lse, 0.3, mask)
@@ -303,7 +312,7 @@ def test_ring_loop_plans_blocks_without_dense_masks():
 
     S, P = 2048, 4
     docs = _docs(1, S, torch.Generator().manual_seed(5), lengths=[700, 500, 848])
-    plan = RingPlan("head_tail", P, 1, S // (2 * P), window=300, docs=docs)
+    plan = RingPlan("head_tail", P, 1, S // (2 * P), window=300, docs=docs, runs=Runs.from_doc_ids(docs))
     with _Largest() as seen:
         pairs = [p for src in range(P) for p in block_pairs(plan, src, "cpu")]
     assert pairs and all(isinstance(m, BlockMask) and m.dense is None for _, _, m in pairs)

@@ -16,6 +16,7 @@ import torch
 from standins import naive
 from ringmaster.recurrent.documents import DocumentSegment
 from ringmaster.recurrent.scan import simulate_scan, simulate_sequential
+from ringmaster.sharding.documents import Runs
 from ringmaster_tools.parity import keep_fp64
 
 FP64_PARAM_TOL = 1e-5   # every parameter, fp64
@@ -93,8 +94,9 @@ def test_mlstm_resets_at_document_starts(strategy):
             start += n
         ref = torch.cat(ref, dim=2)
         b = SPLITS["head_tail4"]
-        segs = [DocumentSegment(MlstmSegment(kernel, *(t[:, :, x:y] for t in inputs)), docs[:, x:y],
-                                docs[:, x - 1] if x else None) for x, y in zip(b, b[1:])]
+        runs = Runs.from_doc_ids(docs)
+        segs = [DocumentSegment(MlstmSegment(kernel, *(t[:, :, x:y] for t in inputs)), runs.pattern(x, y), y - x)
+                for x, y in zip(b, b[1:])]
         y = _run(segs, strategy)
     assert _rel(y, ref) <= 1e-12, _rel(y, ref)
 

@@ -31,7 +31,7 @@ draws shared along the sequence are :mod:`.generic`'s concern) and every run sta
 state, so other draws repeat. The verdicts are agreed over the CP group (one all-reduce of a flag): a failure
 raises on every rank, naming the innermost module whose inputs agree and whose outputs do not (or the
 decoder's own code), its class and source line, what was measured and the fix. The check's runs are eager
-(:func:`ringmaster.compat.run_eagerly`), so its runs at other lengths never compile; where the blocks are
+(:class:`ringmaster.compat.Eager`), so its runs at other lengths never compile; where the blocks are
 compiled, the first forward of a mode runs compiled and the check records an eager replay of it
 (:func:`ringmaster.compat.eager_replay`) before its runs. The report says what was checked, at which length, in how long.
 """
@@ -288,7 +288,7 @@ class MixingCheck:
         self.handles: list = []            # the model's hooks, until both modes are checked
         self.step_handles: list = []       # during a first CP forward of a mode only
         self.active: dict | None = None    # that forward's record
-        self.stance = None
+        self.eager = compat.Eager()        # the model's compiled blocks run eagerly during a first CP forward
         self.results: dict[bool, str] = {}
         self.seconds: dict[bool, float] = {}   # the check's wall time per mode (the report rounds it)
 
@@ -304,8 +304,7 @@ class MixingCheck:
                        "decoder_call": None, "decoder_out": None, "deferred": compat.has_compiled_blocks(model)}
         if self.active["deferred"]:
             return   # the forward runs compiled: finish() records an eager replay of it (no hook in a compiled block)
-        if self.stance is None:
-            self.stance = compat.run_eagerly(model)
+        self.eager.start(model)
         self._record_step(length)
 
     def _record_step(self, length: int) -> None:
@@ -341,9 +340,7 @@ class MixingCheck:
         self.step_handles = []
         for entry in self.routed.values():
             entry.calls = []
-        if self.stance is not None:
-            stance, self.stance = self.stance, None
-            stance.__exit__(None, None, None)
+        self.eager.stop()
 
     # ---- after it: check, agree, refuse or record
     def finish(self, output) -> None:
@@ -352,7 +349,7 @@ class MixingCheck:
             return
         started = time.perf_counter()
         if rec["deferred"]:   # the forward ran compiled: record it again, eagerly, without grad
-            self.stance = compat.run_eagerly(self.model)   # the check's runs at other lengths never compile
+            self.eager.start(self.model)   # the check's runs at other lengths never compile
             self._record_step(rec["length"])
             args, kwargs = rec["model_call"]
             compat.eager_replay(self.model, args, kwargs)

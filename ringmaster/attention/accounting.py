@@ -57,7 +57,7 @@ class Ledger:
         self.positions = None                 # the PositionConvention of the model's absolute position tables
         self.tables: dict[int, tuple[str, nn.Module, int]] = {}   # id(table) -> (path, table, offset)
         self.lookups: dict[int, list] = {}    # id(table) -> what each call looked up (index, or output)
-        self.stance = None                    # compat.run_eagerly(model) while a first forward runs
+        self.eager = compat.Eager()           # the model's compiled blocks run eagerly while a first forward runs
         self.deferred = False                 # the first CP forward runs compiled: recorded by an eager replay
 
     # ---- called by the CP attention function (only while armed)
@@ -154,19 +154,9 @@ class Ledger:
                 "(ArchitectureSpec(refuse=...)); a decoder layer must pass **kwargs down to its attention")
         self.disarm()
 
-    def run_eagerly(self, model) -> None:
-        """Until :meth:`compile_again`: ``model``'s compiled blocks run their eager code (the first CP forward)."""
-        if self.stance is None:
-            self.stance = compat.run_eagerly(model)
-
-    def compile_again(self) -> None:
-        if self.stance is not None:
-            stance, self.stance = self.stance, None
-            stance.__exit__(None, None, None)   # back to the stance before the first forward
-
     def disarm(self) -> None:
         self.armed = False
-        self.compile_again()
+        self.eager.stop()   # back to the compiled blocks and the stance before the first forward
         self.lookups.clear()
         for handle in self.handles:
             handle.remove()
@@ -197,7 +187,7 @@ def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tab
             if compat.has_compiled_blocks(module):
                 ledger.deferred = True   # the forward runs compiled; post replays it eagerly for the record
             else:
-                ledger.run_eagerly(module)
+                ledger.eager.start(module)
 
     @torch.compiler.disable
     def post(module, args, kwargs, output):
@@ -209,7 +199,7 @@ def arm(ledger: Ledger, model, attention: dict[str, object], positions=None, tab
 
     @torch.compiler.disable
     def restore(module, *args):   # always: a forward that raised, or one without CP (no batch)
-        ledger.compile_again()
+        ledger.eager.stop()
 
     def lookup(table, args, output):
         if ledger.armed:

@@ -15,7 +15,7 @@ import torch
 
 from ..comm import with_layer_context
 from ..compat import has_module
-from ..sharding.documents import BATCH_KWARG, CPBatch
+from ..sharding.documents import BATCH_KWARG, CPBatch, by_parts
 from . import layer_rules, local, relbias, ulysses, usp
 from .token_sinks import KWARG as TOKEN_SINKS
 from .binding import AttentionBinding
@@ -93,7 +93,8 @@ def _documents(fn, binding: AttentionBinding, module, query, key, value, cpb: CP
     """A documents batch's attention: the shard's first ``split_share`` tokens are its piece of the long
     documents, run by the backend over the group (only they travel); the rest are this rank's whole
     documents, run by the model's own kernel here with no collective (Ulysses' path at one rank). Both
-    parts mask by their own documents; their outputs are concatenated in the shard's order."""
+    parts mask by their own documents; their outputs are concatenated in the shard's order (the step context's
+    one cut, :func:`~ringmaster.sharding.documents.by_parts`, as the recurrent kernels')."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ulysses.LOCAL_ONLY_KWARGS}   # each part masks by cpb
     for name in _PER_TOKEN_KWARGS:
         if kwargs.get(name) is not None:
@@ -101,22 +102,18 @@ def _documents(fn, binding: AttentionBinding, module, query, key, value, cpb: CP
                 f"{type(module).__name__}: load_balance='documents' runs each document's attention in one of two "
                 f"parts, and this call brings per-token {name!r} ringmaster does not cut yet; use "
                 "load_balance='auto' for this model")
-    n = cpb.split_marker.shape[1]   # cpb.split_share, as a size (a compiled block does not specialise on it)
-    outs = []
-    split, whole = cpb.parts
-    if split is not None:
-        if split.layout not in binding.layouts():
-            raise RuntimeError(f"the split documents were cut {split.layout!r}, but {binding.backend} attention "
-                               f"({binding.name}) needs {' or '.join(binding.layouts())}")
+    split = cpb.parts[0]
+    if split is not None and split.layout not in binding.layouts():
+        raise RuntimeError(f"the split documents were cut {split.layout!r}, but {binding.backend} attention "
+                           f"({binding.name}) needs {' or '.join(binding.layouts())}")
+
+    def attend(kernel, part, q, k, v):
         kw = dict(kwargs)
-        part, q = layer_rules.apply(module, query[:, :, :n], key[:, :, :n], split, kw)
-        outs.append(fn(module, q, key[:, :, :n], value[:, :, :n], binding=binding, cpb=part, **kw)[0])
-    if whole is not None:
-        kw = dict(kwargs)
-        part, q = layer_rules.apply(module, query[:, :, n:], key[:, :, n:], whole, kw)
-        outs.append(ulysses.local_attention(module, q, key[:, :, n:], value[:, :, n:], binding=binding, cpb=part,
-                                            **kw)[0])
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+        part, q = layer_rules.apply(module, q, k, part, kw)
+        return kernel(module, q, k, v, binding=binding, cpb=part, **kw)[0], None
+
+    return by_parts(cpb, partial(attend, fn), (query, key, value), (2, 2, 2), 1,
+                    whole=partial(attend, ulysses.local_attention))
 
 
 # per-token attention inputs a documents batch would have to cut per part (Inkling's relative-bias states,

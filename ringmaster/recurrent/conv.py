@@ -96,7 +96,8 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
     so one kernel call on ``[halo | x with gaps]`` computes every output (read back at the real
     positions): a masked conv with any kernel, ``causal-conv1d``'s included, no ``seq_idx`` needed.
     ``gaps``: at least the most document starts inside the chunk of any row (the batch's chunk pieces give a
-    power of two: a compiled block sees few values), else counted from ``runs``."""
+    power of two: a compiled block sees few values), else counted from ``runs``, the batch's host copy of its
+    documents (one of the two is required: the ids' values are never read back)."""
     width = halo.shape[-1]
     b, ch, m = x.shape
     d = docs[:, start:start + m].to(x.device)
@@ -105,11 +106,11 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
     keep = (hdoc == d[:, :1]) & (hpos >= 0)                               # [b, width]
     halo = halo.to(x.dtype) * keep[:, None, :].to(x.dtype)
     starts = torch.cat([d.new_zeros(b, 1), (d[:, 1:] != d[:, :-1]).long().cumsum(-1)], dim=-1)   # [b, m]
-    # the most document starts inside the chunk of any row: from the host runs (``runs``, made in the shard
-    # step), or read from the ids (direct callers without them)
+    # the most document starts inside the chunk of any row: from the host runs (``runs``, made in the shard step)
     if gaps is None:
-        gaps = (max(len(runs.cuts(r, start, start + m)) for r in range(b)) if runs is not None
-                else int(starts[:, -1].max()))
+        if runs is None:
+            raise RuntimeError("conv_with_documents needs the batch's host runs (CPBatch.runs) or the gap count")
+        gaps = max(len(runs.cuts(r, start, start + m)) for r in range(b))
     if gaps == 0:
         return conv_with_halo(kernel, x, halo, weight, bias, activation, **kwargs)
     pos = (width + torch.arange(m, device=x.device) + width * starts)[:, None, :].expand(b, ch, m)

@@ -13,16 +13,17 @@ from typing import Sequence
 
 import torch
 
-from ..sharding.documents import Runs
+# by_parts: the kinds cut a documents batch into its split and whole parts with the step context's one helper
+from ..sharding.documents import Runs, by_parts  # noqa: F401
 from .scan import chunk_ids, tie
 
 class DocumentSegment:
     """A segment whose tokens may belong to several documents (a packed row, or padding).
 
     The recurrence restarts from a zero state at every document start, exactly as if each
-    document ran alone. ``docs [B, m]``: the global document id of each token of the chunk;
-    ``prev [B]``: the id of the token just before the chunk in sequence order (None for the
-    first chunk of the sequence, whose incoming state is zero anyway).
+    document ran alone. ``pattern``: per row of the chunk's ``B`` rows, ``(a document starts on the chunk's
+    first token, the document starts inside it)``, from the batch's host runs (``Runs.pattern``, through
+    :func:`local_documents`); ``length``: the chunk's tokens.
 
     The chunk is cut at its document starts into pieces, each run by the unmodified kernel (any
     kernel: no ``seq_idx`` support needed). The first piece continues the incoming state unless a
@@ -36,27 +37,21 @@ class DocumentSegment:
     same kind of segment over some batch rows and a token range) and ``state_map(final)`` (the
     packed map ``(A=0, b=final)``)."""
 
-    def __init__(self, base, docs: torch.Tensor, prev: torch.Tensor | None, pattern: Sequence[tuple] | None = None):
-        """``pattern``: per row, ``(a document starts on the first token, cuts inside the chunk)``, from the
-        batch's host runs (:func:`local_documents`); without it (direct callers, tests) it is read from
-        ``docs``' values."""
+    def __init__(self, base, pattern: Sequence[tuple], length: int):
         self.base = base
         self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's outputs ([b, d, l]: 2)
-        B, m = docs.shape
-        if pattern is None:
-            pattern = _pattern_of(docs, prev)
         patterns: dict[tuple, list[int]] = {}
         for r, key in enumerate(pattern):
             patterns.setdefault(key, []).append(r)
-        self.length = m
-        self.batch = B
+        self.length = length
+        self.batch = len(pattern)
         self.groups = [(rows, reset, list(cuts)) for (reset, cuts), rows in patterns.items()]
         self.trivial = len(self.groups) == 1 and not self.groups[0][1] and not self.groups[0][2]
         order = [r for rows, _, _ in self.groups for r in rows]
         self._inverse = None
-        if order != list(range(B)):
-            self._inverse = torch.empty(B, dtype=torch.long)
-            self._inverse[torch.tensor(order)] = torch.arange(B)
+        if order != list(range(self.batch)):
+            self._inverse = torch.empty(self.batch, dtype=torch.long)
+            self._inverse[torch.tensor(order)] = torch.arange(self.batch)
 
     # the prefix composition and the state's layout are the base segment's
     def state_meta(self):
@@ -227,19 +222,14 @@ def document_segments(segments: Sequence, batch, path: str, size: int, rank: int
     return with_documents(segments, local_documents(batch, path, size, rank, layout, shape, len(segments)))
 
 
-def _pattern_of(docs: torch.Tensor, prev: torch.Tensor | None) -> list[tuple[bool, tuple[int, ...]]]:
-    """Per row, ``(starts on the first token, cuts)`` read from the ids' values (a host read)."""
-    B = docs.shape[0]
-    inner = docs[:, 1:] != docs[:, :-1]
-    at_start = (docs[:, 0] != prev) if prev is not None else torch.zeros(B, dtype=torch.bool, device=docs.device)
-    return [(bool(at_start[r]), tuple((inner[r].nonzero().flatten() + 1).tolist())) for r in range(B)]
-
-
-def host_runs(batch, docs: torch.Tensor) -> Runs:
-    """The batch's host copy of its documents (``CPBatch.runs``, made in the shard step); a batch object
-    without one (tests calling the kernels directly) gets it read from ``docs``."""
+def host_runs(batch) -> Runs:
+    """The batch's host copy of its documents (``CPBatch.runs``, made in the shard step): the one source of the
+    document cuts; a batch with document ids and no host copy is refused (nothing reads the ids' values)."""
     runs = getattr(batch, "runs", None)
-    return runs if runs is not None else Runs.from_doc_ids(docs)
+    if runs is None:
+        raise RuntimeError("a batch with document ids but no host runs (CPBatch.runs): build it with CPBatch, as the "
+                           "shard step does, so the document cuts are never read back from the device")
+    return runs
 
 
 def _first(result) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,14 +270,13 @@ def local_documents(batch, path: str, size: int, rank: int, layout: str, shape: 
     docs = global_documents(batch, path, size, B, local_len)
     if docs is None:
         return None
-    runs = host_runs(batch, docs)
+    runs = host_runs(batch)
     m = local_len // n_chunks
     out = []
     for c in chunk_ids(layout, size, rank):
         start = c * m
         prev = docs[:, start - 1] if start > 0 else None
-        pattern = tuple((start > 0 and runs.starts_at(r, start), runs.cuts(r, start, start + m)) for r in range(B))
-        out.append((docs[:, start:start + m], prev, start, pattern))
+        out.append((docs[:, start:start + m], prev, start, runs.pattern(start, start + m, B)))
     return out
 
 
@@ -295,32 +284,4 @@ def with_documents(segments: Sequence, docs) -> list:
     """Wrap each segment in a :class:`DocumentSegment` (``docs`` from :func:`local_documents`)."""
     if docs is None:
         return list(segments)
-    return [DocumentSegment(seg, d.to(_device(seg)), None if p is None else p.to(_device(seg)), pattern)
-            for seg, (d, p, _, pattern) in zip(segments, docs)]
-
-
-def _device(seg) -> torch.device:
-    return seg.state_meta()[2]
-
-
-def by_parts(batch, call, tensors: Sequence[torch.Tensor | None], dims: Sequence[int], out_dim: int):
-    """A documents batch (``load_balance="documents"``) through a recurrent kernel: ``call(part, *cut)`` once
-    for the split documents (the shard's first ``split_share`` tokens, over the group: the state passing and
-    halos of today) and once for this rank's whole documents (the rest, a batch of one rank: no collective),
-    each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first element is
-    the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part first, so
-    the collectives line up."""
-    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
-    outs = []
-    for part, split in zip(batch.parts, (True, False)):
-        if part is None:
-            continue
-        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
-        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
-               for t, d in zip(tensors, dims)]
-        outs.append(call(part, *cut))
-    first = [_out(o) for o in outs]
-    out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
-    if isinstance(outs[0], tuple):
-        return (out, *[None] * (len(outs[0]) - 1))
-    return out
+    return [DocumentSegment(seg, pattern, d.shape[1]) for seg, (d, _, _, pattern) in zip(segments, docs)]

@@ -143,7 +143,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
                            "with packed rows; run the model with use_cache=False")
     if strategy == FLA_CP and size > 1:
         docs = global_documents(batch, ctx.path, size, query.shape[0], query.shape[1])
-        runs = None if docs is None else host_runs(batch, docs)
+        runs = None if docs is None else host_runs(batch)
         return fla_cp_rule(kernel, ctx.path, group, layout, runs, query, key, value, g, beta, kwargs), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -101,7 +101,8 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
 
 def row_cu_seqlens(runs, row: int, seq_len: int) -> torch.Tensor:
     """Row ``row``'s global ``cu_seqlens`` on the host (int64) from the batch's host runs: its document starts and
-    the row's end, or one document spanning the row (``runs`` None). The one place host runs become them."""
+    the row's end, or one document spanning the row (``runs`` None). The one place host runs become them
+    (flash varlen, :meth:`CPBatch.varlen_bounds`; FLA's CP context, ``recurrent/fla_cp``)."""
     return torch.tensor([*(runs.row(row) if runs is not None else (0,)), seq_len], dtype=torch.long)
 
 
@@ -188,6 +189,13 @@ class Runs:
         i = bisect_left(st, t)
         return i < len(st) and st[i] == t
 
+    def pattern(self, t0: int, t1: int, rows: int | None = None) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+        """Per row (``rows`` of them, default this copy's; one row stands for all), how the chunk ``[t0, t1)`` is
+        cut at its document starts: ``(a document starts on its first token (never at the row's start: no state
+        enters there), the run starts inside it relative to t0)``. What the recurrent kinds' resets run by."""
+        return tuple((t0 > 0 and self.starts_at(r, t0), self.cuts(r, t0, t1))
+                     for r in range(self.rows if rows is None else rows))
+
     def disjoint(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """No row shares a document between tokens ``[q0, q1)`` and ``[k0, k1)``."""
         for r in range(self.rows):
@@ -252,11 +260,8 @@ class ChunkPieces:
         :data:`PIECES_BUDGET`."""
         chunks = []
         for start in starts:
-            bounds, keep = [], []
-            for r in range(runs.rows):
-                keep.append(not (start > 0 and runs.starts_at(r, start)))
-                bounds.append([0, *runs.cuts(r, start, start + m), m])
-            chunks.append((bounds, keep))
+            pattern = runs.pattern(start, start + m)
+            chunks.append(([[0, *cuts, m] for _, cuts in pattern], [not reset for reset, _ in pattern]))
         # at least 2 each: dynamo specialises a size of 1, so a chunk of one piece would be a graph of its own
         n = max(2, bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds)))
         L = max(min(2, m), min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))))
@@ -455,31 +460,42 @@ class CPBatch:
             self._cache[key] = m
         return self._cache[key]
 
-    def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
-        """Flash-style boundaries of the whole (single-row) sequence and the longest document."""
-        if self.runs is None:
-            return _on(device, [0, self.seq_len], torch.int32), self.seq_len
-        if self.runs.rows != 1:
-            raise NotImplementedError("flash kernels take packed documents as one row; flatten the batch to B=1")
-        key = ("cu", str(device))
-        if key not in self._cache:
-            self._cache[key] = (_on(device, row_cu_seqlens(self.runs, 0, self.seq_len), torch.int32),
-                                self.runs.longest())
-        return self._cache[key]
-
     def varlen_bounds(self, batch_size: int, device) -> tuple[torch.Tensor, int]:
         """Flash varlen boundaries of all ``batch_size`` rows flattened into one (row-major): each
-        row's documents (padding tokens: one each) in order, never one across two rows; and the
-        longest document. Built once per forward."""
+        row's documents (padding tokens: one each) in order, never one across two rows (each row's
+        :func:`row_cu_seqlens`, shifted to where the row starts); and the longest document. Built once per
+        forward."""
         key = ("varlen", batch_size, str(device))
         if key not in self._cache:
             S = self.seq_len
-            if self.runs is None:
-                self._cache[key] = (_on(device, list(range(0, (batch_size + 1) * S, S)), torch.int32), S)
-            else:
-                cu = [r * S + s for r in range(batch_size) for s in self.runs.row(r)] + [batch_size * S]
-                self._cache[key] = (_on(device, cu, torch.int32), self.runs.longest())
+            rows = [row_cu_seqlens(self.runs, r, S)[:-1] + r * S for r in range(batch_size)]
+            cu = torch.cat([*rows, torch.tensor([batch_size * S])])
+            self._cache[key] = (_on(device, cu, torch.int32), S if self.runs is None else self.runs.longest())
         return self._cache[key]
+
+
+def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | None], dims: Sequence[int], out_dim: int,
+             whole: Callable | None = None):
+    """A documents batch (``load_balance="documents"``) through a layer's CP kernel, attention or recurrent alike:
+    ``call(part, *cut)`` for the split documents (the shard's first ``split_share`` tokens, run over the group) and
+    ``whole(part, *cut)`` (default ``call``) for this rank's whole documents (the rest, a batch of one rank: no
+    collective), each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first
+    element is the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part
+    first, so the collectives line up. The one place a documents shard is cut into its parts."""
+    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
+    outs = []
+    for part, split in zip(batch.parts, (True, False)):
+        if part is None:
+            continue
+        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
+        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
+               for t, d in zip(tensors, dims)]
+        outs.append((call if split or whole is None else whole)(part, *cut))
+    first = [o[0] if isinstance(o, tuple) else o for o in outs]
+    out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
+    if isinstance(outs[0], tuple):
+        return (out, *[None] * (len(outs[0]) - 1))
+    return out
 
 
 def _dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:

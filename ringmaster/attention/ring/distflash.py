@@ -29,8 +29,7 @@ import torch
 
 from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
 from ...sharding import balancers
-from ...sharding.documents import Runs
-from .masks import BlockMask
+from .masks import BlockMask, check_documents
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
 SKIP = "skip"
@@ -86,13 +85,13 @@ class DistFlashPlan:
     chunk: int                 # tokens per rank
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
     runs: object | None = field(default=None, compare=False)  # the documents' host copy (sharding.documents.Runs)
-    # under torch.compile: plan without the host copy (every task runs, its document mask from ``docs`` on the
-    # device), so the graph does not depend on the packing; tasks of disjoint documents are not skipped
+    # under torch.compile: every task runs, its document mask from ``docs`` on the device (tasks of disjoint
+    # documents are not skipped), so the graph does not depend on the packing; ``runs`` is then absent, except
+    # for a flash-style block kernel, which cuts documents into varlen calls on the host (ring/hf.py)
     static_docs: bool = False
 
     def __post_init__(self):
-        if self.docs is not None and self.runs is None and not self.static_docs:   # a caller without the host copy
-            object.__setattr__(self, "runs", Runs.from_doc_ids(self.docs))
+        check_documents(self.docs, self.runs, self.static_docs, "DistFlashPlan")
 
     def steps(self):
         return balancers.distflash_schedule(self.size)

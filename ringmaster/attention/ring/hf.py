@@ -67,6 +67,18 @@ def check_call(binding: AttentionBinding, module, query, value, kwargs) -> None:
                 "'head_tail' or 'none', or backend='ulysses'")
 
 
+def _plan_runs(cpb, kernel, device, by_op: bool = False):
+    """The host runs a ring plan carries: the batch's in eager mode. Compiled, none where every pair and tile runs
+    under its mask from the ids on the device (the tile kernels: math, aten on CPU) or the op plans the pairs
+    from the step handle (``by_op``), so the graph does not depend on the packing; a flash-style kernel (hub, aten
+    on CUDA) cuts documents into varlen calls on the host, so its plan keeps them."""
+    if not torch.compiler.is_compiling():
+        return cpb.runs
+    name = getattr(kernel, "name", None)
+    tiles = name is RingImpl.MATH or (name is RingImpl.ATEN and torch.device(device).type == "cpu")
+    return None if by_op or tiles else cpb.runs
+
+
 def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, layout: str, kwargs, sinks):
     """Ring attention over ``group`` for q ``[B, H, n, D]`` in ``layout``; returns ``[B, H, n, D_v]``."""
     check_call(binding, module, query, value, kwargs)
@@ -76,7 +88,7 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
         static = torch.compiler.is_compiling()   # compiled: no per-packing value in the graph (no task skipped)
         plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
                                        chunk=query.shape[2], docs=cpb.docs_on(query.device),
-                                       runs=None if static else cpb.runs,
+                                       runs=_plan_runs(cpb, binding.ring_kernel, query.device),
                                        static_docs=static and cpb.doc_ids is not None)
         return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
                                              scale=kwargs.get("scaling"), sinks=sinks)
@@ -93,7 +105,7 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
         and rel is None and getattr(kernel, "name", None) in (RingImpl.ATEN, RingImpl.MATH)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
-                    alibi=kwargs.get("alibi_slopes"), runs=None if static else cpb.runs,
+                    alibi=kwargs.get("alibi_slopes"), runs=_plan_runs(cpb, kernel, query.device, by_op),
                     static_docs=static and cpb.doc_ids is not None, handle=cpb.handle if by_op else None)
     return ring_attention(query, key, value, group, plan, kernel, rotate=binding.rotate,
                           scale=kwargs.get("scaling"), sinks=sinks, softcap=kwargs.get("softcap"),

@@ -34,11 +34,10 @@ import torch.distributed as dist
 from ...comm import _all_gather, _reduce_scatter, complete, diagnosed, start_exchange, timed_comm
 from ...config import RingImpl
 from ...sharding import balancers, handle
-from ...sharding.documents import Runs
 from ...sharding.handle import StepHandle
 from .. import work
 from .kernels import get_kernel
-from .masks import BlockMask
+from .masks import BlockMask, check_documents
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
 SKIP = "skip"
@@ -57,8 +56,9 @@ class RingPlan:
     docs: torch.Tensor | None = field(default=None, compare=False)  # [B, S] global document ids
     alibi: torch.Tensor | None = field(default=None, compare=False)  # ALiBi slopes [Hq] (bloom, mpt)
     runs: object | None = field(default=None, compare=False)  # the documents' host copy (sharding.documents.Runs)
-    # under torch.compile: plan without the host copy (no pair or tile skipped by documents; the document
-    # masks come from ``docs`` on the device), so the compiled graph does not depend on the packing
+    # under torch.compile: no pair or tile skipped by documents (the document masks come from ``docs`` on the
+    # device), so the compiled graph does not depend on the packing; ``runs`` is then absent, except for a
+    # flash-style block kernel, which cuts documents into varlen calls on the host (ring/hf.py)
     static_docs: bool = False
     # under torch.compile: the batch's opaque step handle (sharding.handle); the block pairs are then planned
     # from the host runs inside torch.ops.ringmaster.ring_block (pairs of disjoint documents skipped, as in
@@ -66,8 +66,7 @@ class RingPlan:
     handle: object | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        if self.docs is not None and self.runs is None and not self.static_docs:   # a caller without the host copy
-            object.__setattr__(self, "runs", Runs.from_doc_ids(self.docs))
+        check_documents(self.docs, self.runs, self.static_docs, "RingPlan")
 
     def chunks(self, rank: int) -> list[int]:
         return balancers.shard_chunks(self.layout, self.size, rank)

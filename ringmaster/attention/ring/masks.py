@@ -40,9 +40,12 @@ class BlockMask:
     runs: object | None = field(default=None, compare=False)
     q_start: int = 0
     k_start: int = 0
-    # documents planned without the host copy (compiled steps): a tile the band shows is computed with its
-    # document mask, never skipped by documents
+    # documents planned statically (compiled steps): a tile the band shows is computed with its document mask
+    # from q_docs / k_docs on the device, never skipped by documents; the host copy may then be absent
     static_docs: bool = False
+
+    def __post_init__(self):
+        check_documents(self.q_docs, self.runs, self.static_docs, "BlockMask")
 
     # ---- what kind of block this is
     @property
@@ -121,21 +124,13 @@ class BlockMask:
     def segments(self) -> list[tuple[int, int, int, int, int]]:
         """``(b, q0, q1, k0, k1)`` per document present in both the query and the key block, each
         trimmed to the rows and keys its band reaches, so every listed row sees at least one key.
-        A host sync per row (the run bounds become ``cu_seqlens``); never a per-token loop."""
+        From the host runs (no device read): a flash-style kernel cuts documents on the host, so its plan carries
+        them even when compiled (``attention/ring/hf.py``)."""
         assert self.q_docs is not None and self.dense is None
-        if self.runs is not None:
-            return self._host_segments(0, self.sq, 0, self.sk)
-        out = []
-        for b in range(self.q_docs.shape[0]):
-            qspans, kspans = _runs(self.q_docs[b]), _runs(self.k_docs[b])
-            for doc, (q0, q1) in qspans.items():
-                if doc not in kspans:
-                    continue
-                k0, k1 = kspans[doc]
-                seg = _trim(q0, q1, k0, k1, self.lo, self.hi)
-                if seg is not None:
-                    out.append((b, *seg))
-        return out
+        if self.runs is None:
+            raise RuntimeError("a document block cut into flash calls needs the batch's host runs (BlockMask.runs); "
+                               "a static plan without them runs only through the tile kernels (math, aten on CPU)")
+        return self._host_segments(0, self.sq, 0, self.sk)
 
     def _host_segments(self, r0: int, r1: int, k0: int, k1: int) -> list[tuple[int, int, int, int, int]]:
         """:meth:`segments` of the tile ``[r0, r1) x [k0, k1)`` from the host runs (no device read)."""
@@ -152,13 +147,12 @@ class BlockMask:
 
     def visibility(self, r0: int, r1: int, k0: int, k1: int) -> str | None:
         """``"none"``, ``"all"`` or ``"some"`` of the tile's (row, key) pairs are visible, decided on the host
-        (band and host runs); ``None`` when only the mask's values can tell (an arbitrary dense mask, or
-        documents without their host copy)."""
-        if self.dense is not None or (self.q_docs is not None and self.runs is None and not self.static_docs):
+        (band and host runs); ``None`` when only the mask's values can tell (an arbitrary dense mask)."""
+        if self.dense is not None:
             return None
         if _trim(r0, r1, k0, k1, self.lo, self.hi) is None:
             return "none"
-        if self.q_docs is not None and self.runs is None:   # static documents: the tile mask decides per row
+        if self.q_docs is not None and self.static_docs:   # static documents: the tile mask decides per row
             return "some"
         band_all = (self.lo is None or r0 - (k1 - 1) >= self.lo) and (self.hi is None or (r1 - 1) - k0 <= self.hi)
         if self.q_docs is None:
@@ -172,12 +166,14 @@ class BlockMask:
         return "all" if band_all and one_doc else "some"
 
 
-def _runs(ids: torch.Tensor) -> dict:
-    """{id: (start, end)} of the runs in a non-decreasing id row (only the run bounds reach the host)."""
-    n = ids.shape[0]
-    starts = torch.cat([ids.new_zeros(1), torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1])
-    ends = torch.cat([starts[1:], ids.new_full((1,), n)])
-    return {d: (s, e) for d, s, e in zip(ids[starts].tolist(), starts.tolist(), ends.tolist())}
+def check_documents(docs, runs, static_docs: bool, what: str) -> None:
+    """Document ids come with their host copy (``sharding.documents.Runs``, the step context's ``CPBatch.runs``),
+    or are planned statically (``static_docs``: every pair and tile computed under its mask from the ids on the
+    device). Nothing reads the document structure back from the ids' values. The one check of every ring plan
+    (:class:`BlockMask`, ``loop.RingPlan``, ``distflash.DistFlashPlan``)."""
+    if docs is not None and runs is None and not static_docs:
+        raise ValueError(f"{what}: document ids without their host runs; pass runs= (the batch's CPBatch.runs; "
+                         "Runs.from_doc_ids(ids) where a test builds the ids itself) or static_docs=True")
 
 
 def _trim(q0, q1, k0, k1, lo, hi):
