@@ -110,6 +110,11 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "row of one document, a chunk of one piece and a packed chunk each compile once) a new packing "
                      "compiles nothing; a packing whose pieces would pad past 4x the chunk is cut in Python and "
                      "recompiles")
+    if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
+        notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
+                     "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 6-11 "
+                     "graphs in 12 packings): raise torch._dynamo.config.recompile_limit (32), or use a static "
+                     "load_balance for compiled hybrids")
     if cut:
         notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: a zero input moves their "
                      "stabilised state, so the chunks are not padded into pieces but cut at their document starts "

@@ -182,8 +182,10 @@ def test_wire_for_compile_names_what_does_not_compile():
     ok = rm.RingmasterConfig(size=2, backend="ulysses").resolve(num_kv_heads=2)
     assert compile_notes(ok, "sdpa", [], "scan") == []
     hybrid = compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan")
-    assert len(hybrid) == 1 and "padded pieces" in hybrid[0] and "recompile_limit" in hybrid[0], hybrid
+    assert len(hybrid) == 1 and "padded pieces" in hybrid[0] and "dynamic sizes" in hybrid[0], hybrid
     other = compile_notes(ok, "sdpa", ["rwkv"], "scan")
     assert len(other) == 1 and "recompiles the block" in other[0], other
     docs = rm.RingmasterConfig(size=2, backend="ulysses", load_balance="documents").resolve(num_kv_heads=2)
     assert compile_notes(docs, "sdpa", [], "scan") == []   # its sizes are dynamic: tests above
+    hybrid_docs = compile_notes(docs, "sdpa", ["mamba1"], "scan")
+    assert len(hybrid_docs) == 2 and "recompile_limit" in hybrid_docs[1], hybrid_docs
