@@ -112,7 +112,7 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
-                     "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 6-11 "
+                     "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 7-11 "
                      "graphs in 12 packings): raise torch._dynamo.config.recompile_limit (32), or use a static "
                      "load_balance for compiled hybrids")
     if cut:
