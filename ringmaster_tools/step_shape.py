@@ -38,6 +38,7 @@ TWO_BLOCKS = {
     "llama": dict(num_hidden_layers=2),
     "gdn-hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    "llama-flex": dict(num_hidden_layers=2),
     **{name: {} for name in ("mamba1", "kda-hybrid", "lightning-hybrid", "rglru-hybrid", "conv-hybrid")},
 }
 
