@@ -249,7 +249,7 @@ class ChunkPieces:
     last: torch.Tensor      # [rows] int64: the padded row (r * n + i) of each row's last piece
     keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
     whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
-    trivial: bool           # every row whole: the kernels run the chunk as it is
+    trivial: bool           # every row of every chunk of the rank whole: the kernels run the chunks as they are
     # an empty [0, n, L]: n and L as sizes a compiled block may mark dynamic (read them from here in a block)
     sizes: torch.Tensor
 
@@ -267,6 +267,9 @@ class ChunkPieces:
         L = max(min(2, m), min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))))
         if n * L > PIECES_BUDGET * m:
             return None
+        # the rank's chunks run as cut only when every row of every one is whole: one flag for all of them, so a
+        # compiled block sees one case, not a combination per chunk (Ring's head_tail holds two)
+        trivial = all(len(b) == 2 and k for bounds, keep in chunks for b, k in zip(bounds, keep))
         out = []
         for bounds, keep in chunks:
             index, last = [], []
@@ -280,7 +283,7 @@ class ChunkPieces:
             whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
             # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
             out.append(cls(n, L, _dynamic(_on(device, torch.stack(index), torch.long), 1), _on(device, last, torch.long),
-                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), all(whole),
+                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), trivial,
                            _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
         return tuple(out)
 
