@@ -98,10 +98,18 @@ def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
     """The attention work (query-key pairs issued, forward) of each step's new packing, compiled and eager.
     ``skip_in_op=False``: the mutation, the compiled ring plans its pairs without the host runs (as before the
     step handle: every document pair computed under its mask)."""
-    from ringmaster.attention.ring import loop
+    from ringmaster.attention import work
+    from ringmaster.attention.ring import distflash, loop
     from ringmaster_tools import packings
 
-    original = loop._host_pairs
+    original, task_forward = loop._host_pairs, distflash._task_forward
+
+    def every_task(q, k, v, step, size, rank, chunk, s, scale, impl):   # distflash: no task skipped in the op
+        plan = distflash._op_plan(step, size, rank, chunk, q.device)
+        work.issued(q, k)
+        o, lse = distflash.get_kernel(distflash.RingImpl(impl)).forward(q, k, v, scale,
+                                                                          distflash.task_mask(plan, distflash._task(plan, s)))
+        return o.to(distflash.acc_dtype(q)), lse.to(distflash.acc_dtype(q))
 
     def without_runs(step, layout, size, rank, chunk, causal, window, src, select, device):
         plan = loop.RingPlan(layout=layout, size=size, rank=rank, chunk=chunk, causal=causal,
@@ -111,12 +119,12 @@ def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
         return loop._own_split(pairs)[select - 1] if select else pairs
 
     if not skip_in_op:
-        loop._host_pairs = without_runs
+        loop._host_pairs, distflash._task_forward = without_runs, every_task
     try:
         compiled = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P, backward=False)
         eager = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P, backward=False, eager=True)
     finally:
-        loop._host_pairs = original
+        loop._host_pairs, distflash._task_forward = original, task_forward
     return {"compiled": compiled["pairs"], "eager": eager["pairs"], "loss": max(compiled["loss"])}
 
 

@@ -164,19 +164,23 @@ def _packed_steps(r):
     return [(c, e) for c, e in list(zip(r["compiled"], r["eager"]))[1:] if c]
 
 
-def test_compiled_ring_skips_the_pairs_eager_skips(pool):
+@pytest.mark.parametrize("backend", ["ring-alltoall", "distflash"])
+def test_compiled_ring_skips_the_pairs_eager_skips(pool, backend):
     """Packed rows (new packings): the compiled ring issues exactly the attention work of eager mode (document
-    pairs skipped from the host runs inside the op), and stays exact."""
-    for r in pool.run(jobs_compile.work_compiled_vs_eager, "ring-alltoall"):
+    pairs skipped from the host runs inside the op: ``ring_block``; distflash's tasks of disjoint documents inside
+    ``distflash_task``, their messages still moving), and stays exact."""
+    for r in pool.run(jobs_compile.work_compiled_vs_eager, backend):
         steps = _packed_steps(r)
         assert len(steps) >= 3 and all(c == e for c, e in steps), r
         assert any(c < max(r["eager"]) for c, _ in steps), r   # some packing skips pairs
         assert r["loss"] <= TOL, r
 
 
-def test_mutation_compiled_ring_without_host_runs_does_more_work(pool):
-    """Mutation: the op plans its pairs without the host runs: exact still, but more work than eager."""
-    for r in pool.run(jobs_compile.work_compiled_vs_eager, "ring-alltoall", skip_in_op=False):
+@pytest.mark.parametrize("backend", ["ring-alltoall", "distflash"])
+def test_mutation_compiled_ring_without_host_runs_does_more_work(pool, backend):
+    """Mutation: the op plans its pairs (runs every distflash task) without the host runs: exact still, but more
+    work than eager."""
+    for r in pool.run(jobs_compile.work_compiled_vs_eager, backend, skip_in_op=False):
         assert any(c > e for c, e in _packed_steps(r)), r
 
 

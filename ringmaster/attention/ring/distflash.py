@@ -28,7 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
-from ...sharding import balancers
+from ...config import RingImpl
+from ...sharding import balancers, handle
+from ...sharding.handle import StepHandle
+from .. import work
+from .kernels import get_kernel
 from .masks import BlockMask, check_documents
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -89,6 +93,10 @@ class DistFlashPlan:
     # documents are not skipped), so the graph does not depend on the packing; ``runs`` is then absent, except
     # for a flash-style block kernel, which cuts documents into varlen calls on the host (ring/hf.py)
     static_docs: bool = False
+    # under torch.compile with packed rows: the batch's opaque step handle (sharding.handle); each task then runs
+    # inside torch.ops.ringmaster.distflash_task(_backward), which skips a task of disjoint documents from the host
+    # runs as eager mode does (the messages still move: the graph does not depend on the packing)
+    handle: object | None = field(default=None, compare=False)
 
     def __post_init__(self):
         check_documents(self.docs, self.runs, self.static_docs, "DistFlashPlan")
@@ -104,13 +112,92 @@ def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
     active = [[task.rows(plan.chunk)[1] > task.rows(plan.chunk)[0] for task in step] for step in steps]
     if plan.docs is None or plan.static_docs:
         return active
-    c = plan.chunk
     for s, step in enumerate(steps):
         for r, task in enumerate(step):
             if active[s][r]:   # from the host runs: no device read
-                a, b = task.rows(c)
-                active[s][r] = not plan.runs.disjoint(task.q * c + a, task.q * c + b, task.kv * c, task.kv * c + c)
+                active[s][r] = not _disjoint(plan, task)
     return active
+
+
+def _disjoint(plan: DistFlashPlan, task) -> bool:
+    """Task ``task``'s queries and keys share no document (from the host runs: no device read)."""
+    c = plan.chunk
+    a, b = task.rows(c)
+    return plan.runs.disjoint(task.q * c + a, task.q * c + b, task.kv * c, task.kv * c + c)
+
+
+def _impl(kernel) -> str:
+    name = getattr(kernel, "name", None)
+    return str(getattr(name, "value", name))
+
+
+def _op_plan(step: StepHandle, size: int, rank: int, chunk: int, device) -> DistFlashPlan:
+    """Inside the ops: the eager plan, from the batch's host runs."""
+    batch = step.batch
+    return DistFlashPlan(size=size, rank=rank, chunk=chunk, docs=batch.docs_on(device), runs=batch.runs)
+
+
+def _task(plan: DistFlashPlan, s: int):
+    return plan.steps()[s][plan.rank]
+
+
+def _task_forward(q, k, v, step, size, rank, chunk, s, scale, impl):
+    plan = _op_plan(step, size, rank, chunk, q.device)
+    task = _task(plan, s)
+    if _disjoint(plan, task):   # as eager mode skips it: no kernel call, a partial that merges to nothing
+        return (q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q)),
+                q.new_full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q)))
+    work.issued(q, k)
+    o, lse = get_kernel(RingImpl(impl)).forward(q, k, v, scale, task_mask(plan, task))
+    return o.to(acc_dtype(q)), lse.to(acc_dtype(q))
+
+
+def _task_backward(dout, q, k, v, out, lse, step, size, rank, chunk, s, scale, impl):
+    plan = _op_plan(step, size, rank, chunk, q.device)
+    task = _task(plan, s)
+    if _disjoint(plan, task):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    g = get_kernel(RingImpl(impl)).backward(dout, q, k, v, out, lse, scale, task_mask(plan, task))
+    return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype)
+
+
+if handle.AVAILABLE:
+    @torch.library.custom_op("ringmaster::distflash_task", mutates_args=())
+    def _task_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepHandle, size: int, rank: int,
+                 chunk: int, s: int, scale: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _task_forward(q, k, v, step, size, rank, chunk, s, scale, impl)
+
+    @_task_op.register_fake
+    def _(q, k, v, step, size, rank, chunk, s, scale, impl):
+        return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q)),
+                q.new_empty(q.shape[:-1], dtype=acc_dtype(q)))
+
+    @torch.library.custom_op("ringmaster::distflash_task_backward", mutates_args=())
+    def _task_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, step: StepHandle, size: int, rank: int, chunk: int, s: int,
+                          scale: float, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _task_backward(dout, q, k, v, out, lse, step, size, rank, chunk, s, scale, impl)
+
+    @_task_backward_op.register_fake
+    def _(dout, q, k, v, out, lse, step, size, rank, chunk, s, scale, impl):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _forward_task(plan: DistFlashPlan, kernel, s: int, task, q, k, v, scale):
+    """One task's partial ``(out, lse)``: compiled with packed rows, inside the op (which skips a task of disjoint
+    documents from the host runs); else the kernel under the task's mask (active_tasks skipped those already)."""
+    if plan.handle is not None:
+        return torch.ops.ringmaster.distflash_task(q, k, v, plan.handle, plan.size, plan.rank, plan.chunk, s,
+                                                   float(scale), _impl(kernel))
+    work.issued(q, k)
+    return kernel.forward(q, k, v, scale, task_mask(plan, task))
+
+
+def _backward_task(plan: DistFlashPlan, kernel, s: int, task, dout, q, k, v, out, lse, scale):
+    if plan.handle is not None:
+        return torch.ops.ringmaster.distflash_task_backward(dout, q, k, v, out, lse, plan.handle, plan.size,
+                                                            plan.rank, plan.chunk, s, float(scale), _impl(kernel))
+    return kernel.backward(dout, q, k, v, out, lse, scale, task_mask(plan, task))
 
 
 def task_mask(plan: DistFlashPlan, task):
@@ -250,7 +337,7 @@ class DistFlashAttention(torch.autograd.Function):
                 kv_in, q_in = _received(task, me, got)
                 kv_t = kv if kv_in is None else kv_in
                 q_t = _rows(q, task, c) if q_in is None else q_in
-                o, l = kernel.forward(q_t, kv_t[0], kv_t[1], scale, task_mask(plan, task))
+                o, l = _forward_task(plan, kernel, s, task, q_t, kv_t[0], kv_t[1], scale)
                 part = torch.cat([o.to(acc), l.to(acc).unsqueeze(-1)], -1)
                 if task.q == me:
                     absorb([(me, task)], [part])
@@ -318,8 +405,7 @@ class DistFlashAttention(torch.autograd.Function):
                 else:
                     q_t, do_t, o_t, l_t = (q_in[..., :D].to(q.dtype), q_in[..., D:2 * D].to(dout.dtype),
                                            q_in[..., 2 * D:3 * D], q_in[..., 3 * D])
-                g_q, g_k, g_v = kernel.backward(do_t, q_t, kv_t[0], kv_t[1], o_t, l_t, scale,
-                                                task_mask(plan, task))
+                g_q, g_k, g_v = _backward_task(plan, kernel, s, task, do_t, q_t, kv_t[0], kv_t[1], o_t, l_t, scale)
                 if task.q == me:
                     add_dq(task, g_q.to(acc))
                 else:

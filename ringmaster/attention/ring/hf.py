@@ -85,11 +85,16 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     if binding.schedule == "distflash":
         distflash.check_call(causal, kwargs.get("sliding_window"), cpb.seq_len)
-        static = torch.compiler.is_compiling()   # compiled: no per-packing value in the graph (no task skipped)
+        # compiled: no per-packing value in the graph; every task's messages move, and a task of disjoint documents
+        # is skipped inside torch.ops.ringmaster.distflash_task from the step handle (an aten or math kernel)
+        static = torch.compiler.is_compiling()
+        by_op = static and handle.AVAILABLE and cpb.doc_ids is not None \
+            and getattr(binding.ring_kernel, "name", None) in (RingImpl.ATEN, RingImpl.MATH)
         plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
                                        chunk=query.shape[2], docs=cpb.docs_on(query.device),
-                                       runs=_plan_runs(cpb, binding.ring_kernel, query.device),
-                                       static_docs=static and cpb.doc_ids is not None)
+                                       runs=_plan_runs(cpb, binding.ring_kernel, query.device, by_op),
+                                       static_docs=static and cpb.doc_ids is not None,
+                                       handle=cpb.handle if by_op else None)
         return distflash.distflash_attention(query, key, value, group, plan, binding.ring_kernel,
                                              scale=kwargs.get("scaling"), sinks=sinks)
     rel = kwargs.get(REL_KWARG)
