@@ -106,10 +106,10 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
     cut = [k for k in kinds if k not in PIECES_KINDS + CONV_KINDS]
     if padded:
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
-                     "as padded pieces whose count and length are dynamic sizes: after the first few packings (a "
-                     "row of one document, a chunk of one piece and a packed chunk each compile once) a new packing "
-                     "compiles nothing; a packing whose pieces would pad past 4x the chunk is cut in Python and "
-                     "recompiles")
+                     "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
+                     "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
+                     "not per packing (measured: 4-6 graphs for a hybrid over 30 packings); a packing whose pieces "
+                     "would pad past 4x the chunk is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
                      "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 7-11 "
