@@ -117,20 +117,29 @@ def _cp_step(model, runtime, batch, backward: bool = True):
     return out
 
 
-def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2) -> dict:
+def host_syncs(ctx, model_name: str, backend: str, batch_kind: str, size: int = 2, overrides: dict | None = None,
+               plain_cache: dict | None = None) -> dict:
     """Host syncs of one warm step: ``plain`` (no CP), ``cp`` (forward + backward under CP) and ``shard``
-    (the shard step: once per batch, on the host)."""
+    (the shard step: once per batch, on the host). ``overrides``: config fields over the row's model (fewer
+    layers for a quick test). ``plain_cache``: a dict kept across calls, so the model without CP is built, warmed
+    and counted once per (model, overrides, batch) rather than once per backend."""
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
     from ringmaster_tools.profiling import count_host_syncs
 
     mesh = ctx.mesh(size)
-    torch.manual_seed(0)
-    plain = _model(model_name)
-    batch = make_batch(batch_kind, plain.config.vocab_size)
-    _step(plain, batch)
-    with count_host_syncs() as ref:
+    key = (model_name, repr(sorted((overrides or {}).items())), batch_kind)
+    if plain_cache is not None and key in plain_cache:
+        plain, batch, ref = plain_cache[key]
+    else:
+        torch.manual_seed(0)
+        plain = _model(model_name, **(overrides or {}))
+        batch = make_batch(batch_kind, plain.config.vocab_size)
         _step(plain, batch)
+        with count_host_syncs() as ref:
+            _step(plain, batch)
+        if plain_cache is not None:
+            plain_cache[key] = plain, batch, ref
     model = copy.deepcopy(plain)
     runtime = rm.wire(model, _cfg(backend, size), device_mesh=mesh)
     try:

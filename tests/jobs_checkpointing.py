@@ -268,9 +268,23 @@ def _mutation(name: str | None):
         setattr(target, attr, stock)
 
 
-def matrix(ctx, cells, mutation: str | None = None) -> dict:
+def _world_cell(ctx, backend: str, mode: str) -> bool:
+    """A cell that needs every rank of the pool: P equals the world (USP) or FSDP2 over the flattened dp x cp."""
+    return BACKENDS[backend][2] == ctx.world or mode.partition("+")[0] == "fsdp2"
+
+
+def matrix(ctx, cells, mutation: str | None = None, share: bool = False) -> dict:
     """Many cells in one pool job, one reference per model type (P=4 cells run on the (1, 4) mesh;
-    P=2 on (2, 2))."""
+    P=2 on (2, 2)). ``share``: the cells that need every rank (:func:`_world_cell`) run first on all of them, then
+    the dp groups of each smaller CP size take alternate cells of that size (each cell runs on one CP group, not
+    the same cell on every group side by side); the caller merges the ranks' results."""
+    if share:
+        mine = [c for c in cells if _world_cell(ctx, *c)]
+        for P in sorted({BACKENDS[b][2] for b, m in cells if not _world_cell(ctx, b, m)}):
+            mesh = ctx.mesh(P)
+            of_size = [c for c in cells if not _world_cell(ctx, *c) and BACKENDS[c[0]][2] == P]
+            mine += of_size[mesh.get_local_rank("dp")::mesh["dp"].size()]
+        cells = mine
     out, refs = {}, {}
     with keep_fp64(recompute=True), _mutation(mutation):
         for backend, mode in cells:

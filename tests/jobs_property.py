@@ -80,3 +80,8 @@ def attention_case(ctx, case: dict) -> dict:
         return errs
     finally:
         rm.teardown()
+
+
+def attention_cases(ctx, cases: list[dict]) -> list[dict]:
+    """:func:`attention_case` for each of ``cases`` (one CP size) in one pool job: one dispatch for several."""
+    return [attention_case(ctx, case) for case in cases]

@@ -45,14 +45,19 @@ def _runs_dropped():
 MUTATIONS = {"item_in_ring_loop": _item_in_ring_loop, "runs_dropped": _runs_dropped}
 
 
-def grid(ctx, cases, size: int = 2, mutation: str | None = None) -> list[dict]:
-    """``step_shape.host_syncs`` for every ``(model, backend, batch)`` of ``cases``."""
+def grid(ctx, cases, size: int = 2, mutation: str | None = None, overrides: dict | None = None) -> list[dict]:
+    """``step_shape.host_syncs`` for every ``(model, backend, batch)`` of ``cases``; ``overrides``: model name ->
+    config fields over it (``step_shape.TWO_BLOCKS``)."""
+    overrides = overrides or {}
     patch = MUTATIONS[mutation]() if mutation else contextlib.nullcontext()
     out = []
+    plain = {}   # the model without CP, warmed and counted once per (model, batch) and shared by the backends
     with patch:
         for model, backend, batch in cases:
             try:
-                out.append({"case": (model, backend, batch), **step_shape.host_syncs(ctx, model, backend, batch, size)})
+                out.append({"case": (model, backend, batch),
+                            **step_shape.host_syncs(ctx, model, backend, batch, size, overrides=overrides.get(model),
+                                                    plain_cache=plain)})
             except Exception as exc:   # a mutation may break the step outright: report it as a failed row
                 if mutation is None:
                     raise

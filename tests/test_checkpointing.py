@@ -8,7 +8,7 @@ same). Modes: HF
 ``checkpoint_wrapper`` around the decoder layers, and FSDP2 (``fully_shard``) with HF checkpointing.
 Each cell runs two micro-batches (different packed documents) forward, then one backward, against the
 same model without CP or checkpointing (fp64): loss, gathered logits, every parameter gradient against
-its own norm, and the collectives the recomputation issued equal the forward's. Cells of one mode run
+its own norm, and the collectives the recomputation issued equal the forward's. All cells run
 in one pool job (the pool's timeout turns a hang into a failure). See tests/jobs_checkpointing.py.
 """
 
@@ -29,8 +29,24 @@ TILED = [("ulysses", "hf+tiled"), ("scan", "hf_reentrant+tiled"), ("ring_p2p", "
 
 @pytest.fixture(scope="module")
 def matrix(pool):
-    """Every cell in one pool job (one reference per model type)."""
-    return pool.run(jobs.matrix, CELLS + TILED)[0]
+    """Every cell in one pool job (one reference per model type): the cells that need every rank (USP, FSDP2) on
+    all four, each other cell on one of the two CP groups of P=2 (jobs.matrix's share). ``{"backend/mode (rank r)":
+    result}`` for every rank that ran the cell."""
+    out = {}
+    for rank, per_rank in enumerate(pool.run(jobs.matrix, CELLS + TILED, share=True)):
+        out.update({f"{name} (rank {rank})": r for name, r in per_rank.items()})
+    ran = {name.split(" (")[0] for name in out}
+    assert ran == {f"{b}/{m}" for b, m in CELLS + TILED}, sorted(ran)
+    return out
+
+
+def _cells(matrix, keys) -> dict:
+    """Every rank's result of the cells ``keys`` (``"backend/mode"``); each cell ran on at least one CP group."""
+    got = {name: r for name, r in matrix.items() if name.split(" (")[0] in keys}
+    for key in keys:
+        P = jobs.BACKENDS[key.split("/")[0]][2]
+        assert sum(name.startswith(key + " (") for name in got) >= P, (key, sorted(got))
+    return got
 
 
 def check(results):
@@ -49,14 +65,12 @@ def check(results):
 
 
 def test_tiled_mlp_composes_with_cp_and_checkpointing(matrix):
-    results = {f"{b}/{m}": matrix[f"{b}/{m}"] for b, m in TILED}
-    check(results)
+    check(_cells(matrix, [f"{b}/{m}" for b, m in TILED]))
 
 
 @pytest.mark.parametrize("mode", jobs.MODES)
 def test_every_backend_exact_under_checkpointing(matrix, mode):
-    results = {k: v for k, v in matrix.items() if k.endswith("/" + mode)}
-    assert len(results) == sum(m == mode for _, m in CELLS), sorted(matrix)
+    results = _cells(matrix, [f"{b}/{m}" for b, m in CELLS if m == mode])
     check(results)
     if mode == "hf_offload":   # the layers' saved inputs went through save_on_cpu (2 micro-batches x layers)
         assert all(r["offloaded_calls"] > 0 for r in results.values()), results
@@ -76,7 +90,8 @@ def test_mutation_stale_slot_is_caught(pool):
     """Without the step carrier's replay (ringmaster/checkpointing.py; the carrier left holding the last
     forward's batch), Mamba2's recomputation of the first micro-batch reads the second's documents: under reentrant checkpointing the gradients are silently
     wrong (measured 0.87 relative), and the matrix's gradient check fails."""
-    r = pool.run(jobs.matrix, [("mamba2", "hf_reentrant")], mutation="stale_slot")[0]["mamba2/hf_reentrant"]
+    r = pool.run(jobs.matrix, [("mamba2", "hf_reentrant")], mutation="stale_slot",
+                 share=True)[0]["mamba2/hf_reentrant"]
     assert r["grad_err"] > 1e-3, r
     with pytest.raises(AssertionError, match="grad"):
         check({"mamba2/hf_reentrant": r})
@@ -84,14 +99,16 @@ def test_mutation_stale_slot_is_caught(pool):
 
 def test_mutation_stale_site_slot_is_caught(pool):
     """The same for a self-attention site (falcon): without the replay, measured 0.91 relative."""
-    r = pool.run(jobs.matrix, [("falcon", "hf_reentrant")], mutation="stale_site_slot")[0]["falcon/hf_reentrant"]
+    r = pool.run(jobs.matrix, [("falcon", "hf_reentrant")], mutation="stale_site_slot",
+                 share=True)[0]["falcon/hf_reentrant"]
     assert r["grad_err"] > 1e-3, r
 
 
 def test_mutation_other_collective_path_in_recompute_is_caught(pool):
     """A path chosen by grad mode (q, k, v unfused when the reentrant forward runs without grad, fused in the
     recomputation): the loss and gradients stay exact, the collective check is what fails."""
-    r = pool.run(jobs.matrix, [("ulysses", "hf_reentrant")], mutation="grad_path")[0]["ulysses/hf_reentrant"]
+    r = pool.run(jobs.matrix, [("ulysses", "hf_reentrant")], mutation="grad_path",
+                 share=True)[0]["ulysses/hf_reentrant"]
     assert r["grad_err"] <= jobs.TOL and not r["recompute_matches"], r
     with pytest.raises(AssertionError, match="recomputation issued"):
         check({"ulysses/hf_reentrant": r})
@@ -103,7 +120,8 @@ def test_mutation_carrier_not_replayed_is_caught(pool):
     ``**kwargs``, so the mixers read the carrier) recompute the first micro-batch with the second's documents.
     Under reentrant checkpointing that is silent (measured 1.25 relative) and the parity check fails;
     non-reentrant checkpointing notices the shapes differ (``CheckpointError``) on some ranks only."""
-    r = pool.run(jobs.matrix, [("jamba", "hf_reentrant")], mutation="stale_carrier")[0]["jamba/hf_reentrant"]
+    r = pool.run(jobs.matrix, [("jamba", "hf_reentrant")], mutation="stale_carrier",
+                 share=True)[0]["jamba/hf_reentrant"]
     assert r["grad_err"] > 1e-3, r
     with pytest.raises(AssertionError, match="grad"):
         check({"jamba/hf_reentrant": r})

@@ -68,9 +68,23 @@ def test_cli_json_under_a_minute():
     assert elapsed < 60, elapsed
 
 
-def test_refused_family_prints_a_clean_refusal(capsys, tmp_path):
+def test_refused_family_prints_a_clean_refusal(pool, capsys, tmp_path, monkeypatch):
+    """``ringmaster check`` through ``cli.main`` (arguments, config, the check, the printed report, the exit code) on
+    the session's ranks: the CLI's own pool, spawned with its init, is test_cli_json_under_a_minute's."""
     from ringmaster.cli import main
+    from ringmaster_tools import zoo
 
+    class SessionRanks:   # what cli.check opens: the session pool instead of a fresh RestartingPool
+        def __init__(self, world, timeout=None):
+            assert world == 2, world
+
+        def __enter__(self):
+            return pool
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(zoo, "RestartingPool", SessionRanks)
     AutoConfig.for_model("phi3").save_pretrained(tmp_path)
     rc = main(["check", str(tmp_path / "config.json"), "--sizes", "2"])
     out = capsys.readouterr().out

@@ -85,7 +85,8 @@ def test_undeclared_mamba1_mixer_raises_naming_the_layer(pool):
         assert "register_architecture" in message and "recurrent_classes" in message, message
 
 
-# qwen3_5_moe_text: its gated DeltaNet is Qwen3.5's; at P=2 on FLA's real kernels in tests/test_real_kernels.py
+# qwen3_5_moe_text: its gated DeltaNet is Qwen3.5's (the same code); the family at P=2 in the zoo (tests/test_zoo.py),
+# the layer on FLA's real kernels as qwen3_5_text in tests/test_real_kernels.py
 EXTRA = ["bamba", "falcon_h1", "granitemoehybrid"]
 
 

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -79,24 +81,19 @@ def test_cycles_are_found():
     assert import_graph.cycles(top) == [["ringmaster.runtime", "ringmaster.wiring"]]
 
 
-def _loaded(code: str) -> list[str]:
-    probe = (f"{code}\nimport sys\n"
-             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_TRAINING_PATH!r}))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+_REPORT = f"import sys\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_TRAINING_PATH!r}))\n"
 
 
-def test_import_ringmaster_loads_no_tooling():
-    assert _loaded("import ringmaster") == "[]"
-
-
-def test_wire_and_a_cp_step_load_no_tooling(tmp_path):
-    """``rm.wire`` on a model and one CP forward/backward (one gloo rank) import no tooling, stand-in or
-    fake package: what the training path loads is the library alone."""
-    code = f"""
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> list[str]:
+    """One fresh process (a Python start and torch's import are most of its time): what is loaded from
+    NOT_TRAINING_PATH after ``import ringmaster``, then after ``rm.wire`` on a model and one CP forward/backward
+    (one gloo rank)."""
+    rendezvous = tmp_path_factory.mktemp("layering") / "rendezvous"
+    code = f"""import ringmaster
+{_REPORT}
 import torch, torch.distributed as dist
-dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=0, world_size=1)
 import ringmaster as rm
 from ringmaster.adapters.raw import context_parallel_region
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,5 +105,17 @@ with context_parallel_region({{"input_ids": ids, "labels": ids}}, runtime=runtim
     model(**shard).loss.backward()
 rm.unwire(model)
 dist.destroy_process_group()
-"""
-    assert _loaded(code) == "[]"
+{_REPORT}"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-2:]
+
+
+def test_import_ringmaster_loads_no_tooling(loaded):
+    assert loaded[0] == "[]"
+
+
+def test_wire_and_a_cp_step_load_no_tooling(loaded):
+    """``rm.wire`` on a model and one CP forward/backward (one gloo rank) import no tooling, stand-in or
+    fake package: what the training path loads is the library alone."""
+    assert loaded[1] == "[]"
