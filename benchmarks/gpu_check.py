@@ -574,6 +574,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-seq", type=int, default=16384)
     parser.add_argument("--max-seq", type=int, default=131072)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--sizes", default="2,4", help="the CP sizes of the parity rows (the CPU smoke run's "
+                                                        "P=4 row runs in the test session's pool instead)")
     parser.add_argument("--recurrent-standins", action="store_true",
                         help="on CPU: run the recurrent-kernel rows with FLA's real kernels under Triton's "
                              "interpreter and ringmaster's mamba-ssm / causal-conv1d stand-ins (plumbing)")
@@ -593,7 +595,7 @@ def main(argv=None) -> int:
     print("\n".join(header), flush=True)
 
     parity = []
-    for P in (2, 4):
+    for P in sorted({int(x) for x in args.sizes.split(",") if x.strip()}):
         parity += [r for rank_rows in run_ranks(P, parity_job, parity_cases(P, args.quick), args.quick,
                                                 device=device)[:1]
                    for r in (rank_rows if isinstance(rank_rows, list) else [{"case": f"P={P}", "P": P,

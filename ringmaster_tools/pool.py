@@ -62,6 +62,16 @@ class RankContext:
         """Every rank stays in this job (it splits work between the CP groups, or needs the world)."""
         self._job_all_groups = True
 
+    def repeats(self, cp: int) -> bool:
+        """Whether a case of CP size ``cp`` on this rank would only repeat the first CP group's: in a solo pool,
+        a job that keeps every rank (two CP sizes, :meth:`uses`) runs its cases of a size smaller than the world on
+        the first group of that size; the other groups' ranks skip them (their results lack those cases), so the
+        first group has the cores to itself, as a solo job's does. Always False outside a solo pool."""
+        mesh = self._meshes.get(cp)   # a solo pool makes every mesh at start
+        if not (self.solo and self._job_all_groups) or not 1 < cp < self.world or mesh is None:
+            return False   # a job on one CP size: its first mesh(cp) call keeps the first group only
+        return mesh.get_local_rank("dp") != 0
+
     def mesh(self, cp: int, all_groups: bool = False):
         """A ``("dp", "cp")`` DeviceMesh with a cp dim of ``cp`` over all ranks (created once, collectively;
         a solo pool creates every one at start, so no job creates one on some ranks only)."""

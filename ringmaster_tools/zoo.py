@@ -442,7 +442,8 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
     ctx.uses(sizes)
     if share:
         ctx.keep_all_groups()
-    if share and len(sizes) == 1 and ctx.world // next(iter(sizes)) > 1:
+    split = share and len(sizes) == 1 and ctx.world // next(iter(sizes)) > 1
+    if split:
         P = next(iter(sizes))
         families = list(families)[ctx.rank // P::ctx.world // P]
     out = {}
@@ -472,7 +473,7 @@ def zoo_job(ctx, families: list[str], cases=CASES, seq_len: int = 32, configs: d
         row["attn_implementation"] = base.config._attn_implementation
         row["layer_kinds"] = layer_kinds(base)
         for backend, P in cases:
-            if P > ctx.world:
+            if P > ctx.world or (not split and ctx.repeats(P)):   # a solo pool: the first CP group of P runs it
                 continue
             row[f"{backend}{P}"] = parity_case(ctx, model_type, base, batch, backend, P, reference)
         out[model_type] = row

@@ -270,3 +270,24 @@ def determinism(ctx, P, cfg_kwargs, model_type="llama"):
         runs.append(_cp_step(ctx, model, P, cfg_kwargs, packed_batch(128, [20, 30, 14])))
     (l0, o0, g0), (l1, o1, g1) = runs
     return torch.equal(l0, l1) and torch.equal(o0, o1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def parity_variants(ctx, model_type, P, attn="sdpa", overrides=None, backend="ulysses", variants=(), seq_len=64):
+    """:func:`parity` for each ``cfg_kwargs`` in ``variants``, in one job: the model is built and its reference
+    (the same model without CP, forward and backward) run once, shared by every variant (``compare``'s
+    ``build`` / ``reference``: the same seeded weights and batch as :func:`parity` builds for each)."""
+    import copy
+
+    from ringmaster_tools.parity import _plain_forward, compare, tiny_batch, tiny_model
+
+    base = tiny_model(model_type, attn, 0, **(overrides or {}))
+    batch = tiny_batch(base.config.vocab_size, seq_len, 1, seed=1)
+    reference = copy.deepcopy(base)
+    ref_out = _plain_forward(reference, batch)
+    ref_out.loss.backward()
+    out = []
+    for cfg_kwargs in variants:
+        cfg = rm.RingmasterConfig(size=P, backend=backend, **cfg_kwargs)
+        out.append(compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), attn_implementation=attn,
+                           batch=batch, build=lambda *a, **k: copy.deepcopy(base), reference=(reference, ref_out)))
+    return out

@@ -152,7 +152,7 @@ def tower_parity(ctx, family: str, cases, bidirectional: bool = False):
     config = config_for(family, TOWER_CONFIGS[family])
     base = zoo.build_tiny(family, config)
     batch = tower_batch(family, config, bidirectional)
-    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases}
+    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases if not ctx.repeats(P)}
 
 
 def checkpointed_parity(ctx, family: str, cases):
@@ -163,4 +163,4 @@ def checkpointed_parity(ctx, family: str, cases):
     base = zoo.build_tiny(family, config)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = zoo.zoo_batch(config.vocab_size, 32)
-    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases}
+    return {f"{b}{P}": zoo.parity_case(ctx, family, base, batch, b, P) for b, P in cases if not ctx.repeats(P)}

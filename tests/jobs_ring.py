@@ -54,6 +54,36 @@ def kernel_parity(ctx, P, kernel, case, rotate, layout, flash_name="flash_attent
     return compare(model_type, cfg, reference_forward=reference, **kwargs)
 
 
+def kernel_parity_variants(ctx, P, kernel, case, variants, flash_name="flash_attention_2", backend="ring",
+                           **split):
+    """:func:`kernel_parity` for each ``(rotate, layout)`` of ``variants``, in one job: the model is built, named
+    and its reference (without CP) run once, shared by every variant (the same weights, batch and reference
+    :func:`kernel_parity` builds for each)."""
+    import copy
+
+    from ringmaster_tools.parity import _plain_forward, compare, packed_batch, per_document_forward, tiny_batch, \
+        tiny_model
+
+    model_type, overrides = CASES[case]
+    attn = REFERENCE_ATTN.get(case, "sdpa")
+    base = tiny_model(model_type, attn, 0, **overrides)
+    reference_forward = per_document_forward if case == "packed" else _plain_forward
+    if kernel == "hf_kernels":
+        as_flash_model(base, flash_name)
+        reference_forward = _sdpa_reference(reference_forward, attn)
+    batch = packed_batch(128, DOC_LENS) if case == "packed" else tiny_batch(base.config.vocab_size, 64, 1, seed=1)
+    reference = copy.deepcopy(base)
+    ref_out = reference_forward(reference, batch)
+    ref_out.loss.backward()
+    out = []
+    for rotate, layout in variants:
+        cfg = rm.RingmasterConfig(size=P, backend=backend, rotate_method=rotate, load_balance=layout,
+                                  ring_impl="aten" if kernel == "aten" else "auto", **split)
+        out.append(compare(model_type, cfg, device_mesh=ctx.mesh(P), attn_implementation=attn, batch=batch,
+                           build=lambda *a, **k: copy.deepcopy(base), reference=(reference, ref_out)))
+    return out
+
+
 def hub_window_mutation(ctx, P, rotate="alltoall", layout="none"):
     """``{"clean", "mutated"}``: the windowed model through the hub provider, once as is and once with
     the provider dropping the window's left bound (``hub.flash_flags``)."""

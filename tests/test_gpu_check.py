@@ -10,14 +10,28 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_check_cpu_smoke_run(tmp_path):
+def _rows(table: str) -> list[tuple[str, int, str]]:
+    """(case, P, verdict) of each row of a parity table (gpu_check.parity_table)."""
+    cells = [line.split("|") for line in table.splitlines()
+             if line.startswith("| ") and "---" not in line and not line.startswith("| case |")]
+    return [(c[1].strip(), int(c[2]), c[-2].strip()) for c in cells]
+
+
+def test_gpu_check_cpu_smoke_run(pool, tmp_path):
+    """The script end to end at P=2 (its own spawned ranks, the table it writes); its P=4 rows through the same
+    ``parity_job`` on the session pool's four ranks (a second spawn of four processes cost most of this test)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+    import jobs_gpu_check
+
     out = tmp_path / "gpu_check.md"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--device", "cpu",
-                           "--quick", "--skip-memory", "--out", str(out)],
+                           "--quick", "--skip-memory", "--sizes", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
-    verdicts = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in rows}
+    rows = _rows(out.read_text()) + _rows(gpu_check.parity_table(pool.run(jobs_gpu_check.parity_rows)[0]))
+    assert sorted({P for _, P, _ in rows}) == [2, 4], rows
+    verdicts = {case: verdict for case, _, verdict in rows}
     assert len(verdicts) >= 15, verdicts
     assert verdicts.pop("ulysses flex").startswith("error: NotImplementedError: FlexAttention does not support "
                                                    "backward on CPU"), verdicts

@@ -22,8 +22,8 @@ CONVENTION = {"gpt2": "arange: 'transformer.wpe'",
               "biogpt": "arange: 'biogpt.embed_positions' (+2)"}
 
 
-def check(results, family):
-    assert len(results) > 0
+def check(results, family, n):
+    assert len(results) == n, results   # rank 0 ran every case (a solo pool's other CP group skips its P=2 ones)
     for r in results:
         assert r["positions"] == CONVENTION[family], r["positions"]
         assert not r["missing"], r["missing"]
@@ -34,7 +34,7 @@ def check(results, family):
 @pytest.mark.parametrize("kind", ["dense", "padded"])
 @pytest.mark.parametrize("family", ["gpt2", "opt", "roberta", "biogpt"])
 def test_exact(pool, family, kind):
-    check(pool.run(jobs.parity, family, kind, BOTH)[0], family)
+    check(pool.run(jobs.parity, family, kind, BOTH)[0], family, len(BOTH))
 
 
 @pytest.mark.parametrize("family,kind,cases", [
@@ -47,7 +47,7 @@ def test_exact_layouts_hooks_packed_embeds(pool, family, kind, cases):
     """Head-tail shards (positions cut out of order), distflash, the trainers' forward-hook path, a
     packed row whose own position_ids are used as given, and inputs_embeds (RoBERTa counts every
     token then, as on one device)."""
-    check(pool.run(jobs.parity, family, kind, cases)[0], family)
+    check(pool.run(jobs.parity, family, kind, cases)[0], family, len(cases))
 
 
 @pytest.mark.parametrize("family,kind,table", [("roberta", "dense", "'roberta.embeddings.position_embeddings'"),
@@ -65,6 +65,7 @@ def test_mutation_skipped_rewrite_is_wrong(pool, family, kind):
     """Mechanism off (no rewrite, no accounting check): the model-level parity check sees the error."""
     results = pool.run(jobs.parity, family, kind, [("ulysses", 2, None, "region"), ("ring", 4, None, "region")],
                        "skip_rewrite_unchecked")[0]
+    assert len(results) == 2, results
     for r in results:
         assert max(r["loss_err"], r["logits_err"], r["grad_err"]) > 1e-3, r
 

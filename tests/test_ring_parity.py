@@ -32,11 +32,12 @@ RING_CASES = [(FAMILIES[0], 2)] + [(f, 4) for f in FAMILIES]
 @pytest.mark.parametrize("family, P", RING_CASES, ids=[f"{f[0]}-{P}" for f, P in RING_CASES])
 def test_ring_matches_single_device(pool, family, P):
     _, model_type, attn, overrides = family
-    for rotate, balance, impl in VARIANTS:
-        results = pool.run(jobs.parity, model_type, P, attn, overrides, backend="ring",
-                           cfg_kwargs=dict(rotate_method=rotate, load_balance=balance, ring_impl=impl))
+    variants = [dict(rotate_method=rotate, load_balance=balance, ring_impl=impl) for rotate, balance, impl in VARIANTS]
+    # one job: the model built and its reference run once for the eight variants
+    per_rank = pool.run(jobs.parity_variants, model_type, P, attn, overrides, backend="ring", variants=variants)
+    for i, (rotate, balance, impl) in enumerate(VARIANTS):
         try:
-            _check_ring(results, P)
+            _check_ring([results[i] for results in per_rank], P)
         except AssertionError as exc:
             raise AssertionError(f"rotate={rotate} load_balance={balance} ring_impl={impl}: {exc}") from exc
 
@@ -94,10 +95,11 @@ PROVIDER_CASES = [(k, c, 4) for k, c in KERNEL_CASES] + [(k, "packed", 2) for k 
 def test_ring_kernel_provider_matches_single_device(pool, kernel, case, P):
     """aten and the hub flash kernels (the CPU stand-in, picked by AUTO for a flash_attention_2 model)
     x causal / sliding window / packed / sinks (gpt_oss) x both rotations x both layouts."""
-    for rotate, layout in itertools.product(["alltoall", "allgather"], ["none", "head_tail"]):
-        results = pool.run(jobs_ring.kernel_parity, P, kernel, case, rotate, layout)
+    variants = list(itertools.product(["alltoall", "allgather"], ["none", "head_tail"]))
+    per_rank = pool.run(jobs_ring.kernel_parity_variants, P, kernel, case, variants)   # one model, one reference
+    for i, (rotate, layout) in enumerate(variants):
         try:
-            _check_case(results, P, case)
+            _check_case([results[i] for results in per_rank], P, case)
         except AssertionError as exc:
             raise AssertionError(f"rotate={rotate} load_balance={layout}: {exc}") from exc
 

@@ -21,10 +21,13 @@ FAMILIES = [
 def test_usp_matches_single_device(pool, family, split):
     _, model_type, attn, overrides = family
     u, r = split
-    for impl in ("math", "aten"):
-        results = pool.run(jobs.parity, model_type, 4, attn, overrides, backend="usp",
-                           cfg_kwargs=dict(ulysses_size=u, ring_size=r, ring_impl=impl))
-        assert {x["backend"] for x in results} == {"usp"}
+    impls = ("math", "aten")
+    # one job: the model built and its reference run once for both block kernels
+    per_rank = pool.run(jobs.parity_variants, model_type, 4, attn, overrides, backend="usp",
+                        variants=[dict(ulysses_size=u, ring_size=r, ring_impl=impl) for impl in impls])
+    for i, impl in enumerate(impls):
+        results = [rank_results[i] for rank_results in per_rank]
+        assert {x["backend"] for x in results} == {"usp"}, impl
         _check_ring(results, 4)
 
 
@@ -32,9 +35,11 @@ def test_usp_matches_single_device(pool, family, split):
 def test_usp_ring_kernel_providers(pool, kernel, case):
     """USP 2x2 with each fused provider (hf_kernels: the CPU flash stand-in, picked by AUTO) on sliding-window
     and packed rows, both rotations."""
-    for rotate in ("alltoall", "allgather"):
-        results = pool.run(jobs_ring.kernel_parity, 4, kernel, case, rotate, "none", backend="usp",
-                           ulysses_size=2, ring_size=2)
+    rotations = ("alltoall", "allgather")
+    per_rank = pool.run(jobs_ring.kernel_parity_variants, 4, kernel, case, [(rotate, "none") for rotate in rotations],
+                        backend="usp", ulysses_size=2, ring_size=2)   # one model, one reference
+    for i, rotate in enumerate(rotations):
+        results = [rank_results[i] for rank_results in per_rank]
         assert {x["backend"] for x in results} == {"usp"}
         for r in results:
             assert max(r["loss_err"], r["logits_err"], r["grad_err"]) <= 1e-4 and not r["missing_grads"], (rotate, r)
