@@ -18,7 +18,9 @@ first-forward accounting catches (:mod:`ringmaster.attention.accounting`).
 
 from __future__ import annotations
 
+import ast
 import inspect
+import linecache
 import re
 from functools import lru_cache
 
@@ -137,10 +139,37 @@ def _class_source(cls: type) -> str:
                 or (module.startswith("transformers.") and not module.startswith("transformers.models."))):
             continue
         try:
-            parts.append(inspect.getsource(klass))
-        except (OSError, TypeError):
+            parts.append(_file_classes(inspect.getsourcefile(klass) or "").get(klass.__qualname__)
+                         or inspect.getsource(klass))
+        except (OSError, TypeError, SyntaxError):
             continue
     return "\n".join(parts)
+
+
+@lru_cache(maxsize=64)
+def _file_classes(filename: str) -> dict[str, str]:
+    """qualname -> source (decorators included) of every class defined in the file ``filename``, from one parse of
+    the file. ``inspect.getsource`` of a class parses the class's whole module file on every call (Python < 3.13),
+    and a model's classes come from a few large modeling files: this reads each once. The first definition of a
+    name wins, as in ``inspect``; a class not found here (a dynamic one) falls back to ``inspect.getsource``."""
+    lines = linecache.getlines(filename)
+    if not lines:
+        return {}
+    table: dict[str, str] = {}
+
+    def visit(node, stack: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                first = (child.decorator_list[0] if child.decorator_list else child).lineno
+                table.setdefault(".".join([*stack, child.name]), "".join(lines[first - 1:child.end_lineno]))
+                visit(child, [*stack, child.name])
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, [*stack, child.name, "<locals>"])
+            else:
+                visit(child, stack)
+
+    visit(ast.parse("".join(lines)), [])
+    return table
 
 
 def read_config_fields(model, config, pattern: re.Pattern = _DROPOUT) -> list[tuple[str, float]]:
