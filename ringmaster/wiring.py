@@ -36,7 +36,7 @@ from .mesh import intra_node_size
 from .multimodal import wire_multimodal
 from .recurrent.wiring import check_recurrent_layers, wire_recurrent_layers
 from .runtime import Runtime
-from .sharding import handle, rng
+from .sharding import handle, rng, router
 from .sharding.assignment import Cost
 from .sharding.carrier import attach
 
@@ -216,22 +216,6 @@ def _batch_rule(spec) -> bool:
     return any(site.batch_rule is not None for site in (spec.self_attention or {}).values())
 
 
-def _refuse_router_logits_kwarg(model, undo: list) -> None:
-    """A MoE model can switch its auxiliary load-balancing loss on per call (``output_router_logits=True``
-    overrides the config, which ``wire`` already checked): refuse that call before its forward runs."""
-    if not hasattr(text_config(model.config), "output_router_logits"):
-        return
-
-    def pre(module, args, kwargs):
-        if kwargs.get("output_router_logits"):
-            raise UnsupportedLayerError(
-                "output_router_logits=True was passed to a CP forward: the MoE auxiliary load-balancing loss is a "
-                "per-sequence statistic that each rank would compute over its shard only; call the model with "
-                "output_router_logits=False under CP")
-
-    undo.append(model.register_forward_pre_hook(pre, with_kwargs=True).remove)
-
-
 def _check_documents(spec, model) -> None:
     """``load_balance="documents"`` runs each attention and recurrent kernel in two parts (the split documents
     over the group, the whole ones locally); what cuts per-token state of its own is refused here, before any
@@ -339,7 +323,9 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             undo.extend(handle.remove for handle in rng.install(forked, carrier))
         switched = _switch_off_cache(model, undo)
         _refuse_generate(model, undo)
-        _refuse_router_logits_kwarg(model, undo)
+        # the MoE router loss: its statistics summed over the group (sharding/router.py), or refused per call
+        undo.extend(router.wire_router_loss(model, text_config(model.config), rt.cp_group, rt.cp_size,
+                                            lambda: carrier.current, multimodal=spec.multimodal))
         bridged = []
         if rt.attn_implementation is not None and spec.self_attention:
             # attention computed by the modules themselves: each gets its CP site; attn_implementation

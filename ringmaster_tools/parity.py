@@ -495,6 +495,13 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         dist.all_reduce(loss, group=group)
         loss = loss / P
         logits = rm.gather_sequence(out.logits.detach(), dim=1, assignment=assignment)
+        # a MoE model's router loss (output_router_logits=True): the group mean of the ranks' aux_loss
+        aux, ref_aux = getattr(out, "aux_loss", None), getattr(ref_out, "aux_loss", None)
+        aux_err = None
+        if isinstance(aux, torch.Tensor) and isinstance(ref_aux, torch.Tensor):
+            aux = aux.detach().float().clone()
+            dist.all_reduce(aux, group=group)
+            aux_err = abs(aux.item() / P - ref_aux.item()) / max(abs(ref_aux.item()), 1e-12)
         grad_errs, missing, grad_err_total = group_mean_grad_errors(model, reference, group, P)
     finally:
         rm.unwire(model)
@@ -508,6 +515,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "loss_ref": ref_out.loss.item(),
         "loss_cp": loss.item(),
         "loss_err": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
+        "aux_err": aux_err,
         "logits_err": rel_err(logits, ref_out.logits) if logits.shape == ref_out.logits.shape else float("inf"),
         "grad_err": grad_errs[worst],
         "worst_param": worst,

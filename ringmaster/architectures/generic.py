@@ -220,13 +220,9 @@ def unforked_dropout(model) -> list[str]:
 
 
 def _config_hazards(config) -> list[str]:
+    # the router loss (output_router_logits) is summed over the group by rm.wire (sharding/router.py), which refuses
+    # what it does not recognise
     out = []
-    if getattr(config, "output_router_logits", False):
-        out.append(
-            "config.output_router_logits=True: the MoE auxiliary load-balancing loss is a per-sequence statistic "
-            "(each expert's token fraction times its mean router probability over the whole sequence); under CP "
-            "each rank would compute it over its shard only, which is not the single-device loss. Set "
-            "output_router_logits=False (router_aux_loss_coef then has no effect) or use a CP size of 1")
     for name, value in sorted(vars(config).items()):
         if "capacity" in name and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             out.append(

@@ -593,6 +593,10 @@ class MixingCheck:
         args, kwargs = self._per_token_batch(rec["model_call"], rec["per_token"])
         if not _outputs(rec["decoder_out"], length):
             return None
+        if "output_router_logits" in inspect.signature(type(self.model).forward).parameters:
+            # the MoE router loss is a statistic of the whole sequence by design: rm.wire sums it over the group
+            # (sharding/router.py) or refuses it; what must be a sum over tokens is the rest of the loss
+            kwargs = {**kwargs, "output_router_logits": False}
         w = min(length, LOSS_WINDOW)
         if w < 2:
             return None
@@ -608,7 +612,10 @@ class MixingCheck:
             except Exception as exc:
                 results.append(exc)
                 continue
-            results.append((_loss_of(o), _outputs(o, hi - lo)))
+            # the decoder's router logits pass through the head replayed ([tokens, experts]: a token dim that the
+            # expert count may equal), so they are not the head's outputs
+            head = {k: v for k, v in o.items() if k != "router_logits"} if isinstance(o, dict) else o
+            results.append((_loss_of(o), _outputs(head, hi - lo)))
         where = type(self.model).forward
         for r in results:
             if isinstance(r, Exception):

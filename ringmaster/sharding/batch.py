@@ -161,6 +161,12 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
             out[key] = value
     out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": DOCUMENTS if assignment is not None else layout,
                          "seq_len": seq_len, "doc_ids": doc_ids, "rows": rows}
+    mask = batch.get("attention_mask")
+    if not multimodal and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == seq_len:
+        # the shard of the batch's own padding mask (attention_mask itself is dropped): what a per-sequence statistic
+        # over the tokens weights them by (the MoE router loss, sharding.router)
+        out[CP_SHARD_KEY]["token_mask"] = (mask.index_select(1, index.to(mask.device)) if index is not None
+                                           else shard_tensor(mask, 1, cp_rank, cp_size, layout)).contiguous()
     if assignment is not None:
         out[CP_SHARD_KEY].update(assignment=assignment, runs=runs)
     return out

@@ -293,8 +293,11 @@ class CPBatch:
 
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
-                 origin: torch.Tensor | None = None, pieces: bool = True):
+                 origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None):
         self.rank, self.size, self.seq_len = rank, size, seq_len
+        # this rank's shard of the batch's own attention_mask [B, local] (None without one): the token weights of a
+        # per-sequence statistic (the MoE router loss, sharding.router); attention never reads it (doc_ids do)
+        self.token_mask = token_mask
         # load_balance="documents": the batch's Assignment (sharding.assignment); its layers run two parts,
         # split_part() over the group and whole_part() locally. None: a static layout
         self.assignment = assignment
@@ -339,7 +342,7 @@ class CPBatch:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
-                   meta.get("runs"), meta.get("assignment"))
+                   meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"))
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
