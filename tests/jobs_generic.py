@@ -153,20 +153,12 @@ def _own_mask(attn):
     attn.forward = own
 
 
-def _router_kwarg(model):
-    forward = model.forward
-    model.forward = lambda *args, **kwargs: forward(*args, output_router_logits=True, **kwargs)
-
-
 MUTATIONS = {"own_mask": lambda m: _own_mask(m.model.layers[0].self_attn),"drop_kwargs": lambda m: _drop_kwargs(m.model.layers[1]),
              "pooled": lambda m: _pooled(m.model.layers[0].self_attn),
              "never": lambda m: _never(m.model.layers[1].self_attn)}
 
 
 def mutated_forward(ctx, mutation, P=2, model_type="granite", backend="ulysses"):
-    if mutation == "router_kwarg":  # a CP call of a MoE model asking for the aux loss
-        return _router_call(ctx, P, backend)
-
     """Wire a tiny model, break one layer, run one CP forward; return (raised?, message, whether backward
     could have run: the error must come from the forward)."""
     from ringmaster.adapters.raw import context_parallel_region
@@ -228,20 +220,3 @@ def refused_spec(ctx, P=2):
         if saved is not None:
             _REGISTRY["olmo2"] = saved
     return err, wire_error(ctx, "olmo2", P)
-
-
-def _router_call(ctx, P, backend):
-    from ringmaster.adapters.raw import context_parallel_region
-
-    model = tiny_model("mixtral", **overrides_for("mixtral"))
-    rm.wire(model, rm.RingmasterConfig(size=P, backend=backend), device_mesh=ctx.mesh(P))
-    batch = tiny_batch(model.config.vocab_size, 64)
-    try:
-        with context_parallel_region(batch) as shard:
-            out = model(**shard, output_router_logits=True)
-        return None, "forward returned", out.loss.item()
-    except Exception as exc:  # the test asserts on type and message
-        return type(exc).__name__, str(exc), None
-    finally:
-        rm.unwire(model)
-        rm.teardown()

@@ -44,9 +44,7 @@ def test_generic_family_exact(pool, model_type, backend):
 # refused naming the table when the wire-time probe cannot number them: tests/test_position_embeddings.py
 
 
-def test_moe_aux_loss_refused(pool):
-    kind, msg = pool.run(jobs_generic.wire_error, "mixtral", 2, dict(output_router_logits=True))[0]
-    assert kind == "UnsupportedLayerError" and "output_router_logits" in msg, msg
+# the MoE router loss (output_router_logits=True) is exact or refused: tests/test_router_loss.py
 
 
 def test_spec_refusal(pool):
@@ -86,7 +84,6 @@ def _bypass(model):
     ("never", "'model.layers.1.self_attn' never called", "ulysses"),
     ("never", "'model.layers.1.self_attn' never called", "ring"),
     ("own_mask", "'model.layers.0.self_attn' passed its own attention mask", "ulysses"),
-    ("router_kwarg", "output_router_logits=True was passed", "ulysses"),
 ])
 def test_accounting_guard_trips_before_backward(pool, mutation, needle, backend):
     kind, msg, loss = pool.run(jobs_generic.mutated_forward, mutation, 2, "granite", backend)[0]

@@ -1,0 +1,99 @@
+"""The MoE router loss under CP (output_router_logits=True): the balancing statistics summed over the CP group
+(ringmaster/sharding/router.py), so the loss, the reported aux_loss and every gradient, the routers' included, are
+the model's without CP; what is not recognised is refused naming the function.
+
+Each parity case: the tiny model with router_aux_loss_coef=0.5, the group mean of the rank losses and aux_loss
+against the model without CP, every parameter's gradient against its own norm (fp32)."""
+
+import jobs_router
+import pytest
+
+TOL = 1e-4
+
+
+def check(results, router=True):
+    for r in results:
+        assert not r["missing"], r["missing"]
+        assert r["aux"] > 0, r
+        assert r["loss_err"] < TOL and r["aux_err"] < TOL, r
+        assert r["grad_err"] < TOL, (r["worst"], r["grad_err"])
+        if router:
+            assert r["n_router"] > 0 and r["router_grad_err"] < TOL, r
+
+
+# every router style of transformers' causal LMs that computes a router loss: softmax top-k (mixtral, qwen3_moe,
+# olmoe), shared experts (qwen2_moe), gpt_oss's router, and the hybrids (gated DeltaNet, Mamba1, Mamba2 layers)
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "qwen3_next", "jamba", "granitemoehybrid"]
+
+
+HYBRIDS = ("qwen3_next", "jamba", "granitemoehybrid")   # per parameter in fp64 (recurrent layers)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_router_loss_exact(pool, model_type):
+    check(pool.run(jobs_router.router_parity, model_type, 2, "ulysses", fp64=model_type in HYBRIDS))
+
+
+@pytest.mark.parametrize("model_type, P, backend, kind, extra", [
+    ("qwen3_moe", 4, "ring", "dense", {}),
+    ("mixtral", 4, "ulysses", "dense", {}),
+    ("qwen3_moe", 2, "ring", "packed", {}),                            # position_ids restarting per document
+    ("qwen3_moe", 2, "ulysses", "padded", {}),                         # B=2, the padding mask weights the tokens
+    ("qwen3_moe", 2, "ulysses", "packed", {"load_balance": "documents"}),   # uneven token counts per rank
+    ("qwen3_moe", 2, "ring", "dense", {"rows": 2, "steps": 2, "checkpointing": True}),   # B=2, accumulation
+], ids=["qwen3_moe-ring-4", "mixtral-ulysses-4", "packed-ring", "padded-ulysses", "documents", "accumulate-ckpt"])
+def test_router_loss_exact_layouts(pool, model_type, P, backend, kind, extra):
+    check(pool.run(jobs_router.router_parity, model_type, P, backend, kind, **extra))
+
+
+def test_mutation_router_statistics_not_summed_over_the_group(pool):
+    """Each rank's statistics alone (the group reduction skipped): the aux_loss and the router gradients move."""
+    results = pool.run(jobs_router.router_parity, "qwen3_moe", 2, "ulysses", mutate="local")
+    assert max(r["aux_err"] for r in results) > 1e-2 or max(r["router_grad_err"] for r in results) > 1e-2, results
+
+
+def test_flag_without_a_router_loss_is_not_refused(pool):
+    """llama4 carries output_router_logits but computes no router loss from it: nothing to refuse."""
+    from ringmaster_tools.parity import tiny_model  # noqa: F401  (the job builds it)
+
+    results = pool.run(jobs_router.flag_only, "llama4_text", 2)
+    assert all(r is None for r in results), results
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_unknown_router_loss_refused(pool, flag):
+    wire_error, call_error = pool.run(jobs_router.unknown_router_loss, 2, flag)[0]
+    if flag:
+        assert wire_error is not None and wire_error[0] == "UnsupportedLayerError", wire_error
+        assert "config.output_router_logits=True" in wire_error[1] and "_own_formula" not in wire_error[1] \
+            and "load_balancing_loss_func" in wire_error[1] and "output_router_logits=False" in wire_error[1], wire_error
+    else:
+        assert wire_error is None, wire_error
+        assert call_error is not None and "output_router_logits=True was passed" in call_error[1], call_error
+
+
+def test_styles_recognise_transformers_router_losses():
+    """Every modeling module of transformers that defines load_balancing_loss_func is recognised (switch: the 31
+    MoE causal LMs of 5.24, 26 with a ForCausalLM class; product_keys: doge); a function of another formula is not."""
+    import importlib
+    import pkgutil
+
+    import transformers.models as tm
+
+    from ringmaster.sharding.router import recognise
+
+    found = {}
+    for info in pkgutil.iter_modules(tm.__path__):
+        name = f"transformers.models.{info.name}.modeling_{info.name}"
+        try:
+            module = importlib.import_module(name)
+        except Exception:   # an optional dependency missing: not a module this check can read
+            continue
+        fn = getattr(module, "load_balancing_loss_func", None)
+        if fn is not None and fn.__module__ == name and any(n.endswith("ForCausalLM") for n in vars(module)):
+            style = recognise(fn)
+            found[info.name] = style.name if style else None
+    assert found.get("mixtral") == "switch" and found.get("qwen3_next") == "switch", found
+    assert found.get("doge") == "product_keys", found
+    assert len(found) >= 25 and all(found.values()), {k: v for k, v in found.items() if not v}
+    assert recognise(jobs_router._own_formula) is None
