@@ -97,3 +97,15 @@ def test_styles_recognise_transformers_router_losses():
     assert found.get("doge") == "product_keys", found
     assert len(found) >= 25 and all(found.values()), {k: v for k, v in found.items() if not v}
     assert recognise(jobs_router._own_formula) is None
+
+
+def test_chunked_loss_head_refuses_the_router_loss():
+    """CPSFTTrainer's chunked head skips the model's forward, which adds the router loss: refused, naming the fix."""
+    from ringmaster.adapters.trl import _install_chunked_loss
+    from ringmaster.errors import UnsupportedLayerError
+    from ringmaster_tools.parity import tiny_model
+
+    model = tiny_model("qwen3_moe", output_router_logits=True)
+    with pytest.raises(UnsupportedLayerError, match="cp_loss='trl'"):
+        _install_chunked_loss(model, 64)
+    _install_chunked_loss(tiny_model("qwen3_moe"), 64)()   # the flag off: installed (and restored)

@@ -47,7 +47,17 @@ def _install_chunked_loss(model, chunk_size: int):
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    from ..architectures import text_config
+    from ..errors import UnsupportedLayerError
     from ..sharding.loss import chunked_nll
+
+    if getattr(text_config(model.config), "output_router_logits", False):
+        # the chunked head computes the token loss from the backbone's hidden states; the model's forward, which
+        # adds router_aux_loss_coef * aux_loss (summed over the CP group: sharding/router.py), does not run
+        raise UnsupportedLayerError(
+            f"{type(model).__name__}: output_router_logits=True, but CPSFTTrainer's chunked loss head would leave out "
+            "the MoE router loss; pass cp_loss='trl' (the model's own forward adds it, exact under CP) or set "
+            "output_router_logits=False")
 
     def head(model, out, shift_labels, kwargs, num_items):
         weight = model.get_output_embeddings().weight
