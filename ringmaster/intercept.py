@@ -100,11 +100,13 @@ def takes_local_segments(forward: Callable) -> bool:
 def composed_forward(module) -> Callable | None:
     """The function of ``module``'s instance-level forward if it is one ringmaster composes with
     (:data:`COMPOSABLE_FORWARDS`: bound to this module, wrapping a forward of the layer's own class
-    hierarchy), else None."""
+    hierarchy; or the class forward itself bound on the instance, as a trainer may leave it), else None."""
     bound = vars(module).get("forward")
     fn = getattr(bound, "__func__", None)
     if fn is None or getattr(bound, "__self__", None) is not module:
         return None
+    if fn is type(module).forward:   # the class forward itself, bound on the instance (a trainer's re-binding)
+        return fn
     if _identity(fn) not in COMPOSABLE_FORWARDS:
         return None
     inner = inspect.unwrap(fn)

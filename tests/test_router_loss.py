@@ -99,13 +99,32 @@ def test_styles_recognise_transformers_router_losses():
     assert recognise(jobs_router._own_formula) is None
 
 
-def test_chunked_loss_head_refuses_the_router_loss():
-    """CPSFTTrainer's chunked head skips the model's forward, which adds the router loss: refused, naming the fix."""
-    from ringmaster.adapters.trl import _install_chunked_loss
-    from ringmaster.errors import UnsupportedLayerError
-    from ringmaster_tools.parity import tiny_model
+# the trainers run the model's own forward, which adds router_aux_loss_coef * aux_loss (0.5 here)
+def test_cpsfttrainer_router_loss(pool):
+    """CPSFTTrainer's chunked head adds the router loss (three steps against trl's SFTTrainer without CP, whose fused
+    head adds it); trl's own head (cp_loss='trl') would compute it per shard and is refused."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    import jobs_adapters
 
-    model = tiny_model("qwen3_moe", output_router_logits=True)
-    with pytest.raises(UnsupportedLayerError, match="cp_loss='trl'"):
-        _install_chunked_loss(model, 64)
-    _install_chunked_loss(tiny_model("qwen3_moe"), 64)()   # the flag off: installed (and restored)
+    results = pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "chunked_nll", overrides=jobs_router.ROUTER_ON)
+    for rank, r in enumerate(results):
+        assert r["weights_moved"] > 1e-3 and r["loss_err"] <= TOL and r["weight_err"] <= TOL, (rank, r)
+    with pytest.raises(Exception, match="cp_loss='chunked_nll'"):
+        pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "trl", steps=1, overrides=jobs_router.ROUTER_ON)
+
+
+def test_accelerate_fsdp2_dp_x_cp_router_loss(pool):
+    import jobs_adapters
+
+    for rank, r in enumerate(pool.run(jobs_adapters.fsdp2_dp_cp, "qwen3_moe", "sdpa", jobs_router.ROUTER_ON, {})):
+        assert r["sharded_grads"] > 0 and r["loss_err"] <= TOL, (rank, r)
+        assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
+
+
+def test_axolotl_plugin_router_loss(pool):
+    import jobs_adapters
+    from test_adapters_axolotl import _axolotl_missing, check
+
+    if _axolotl_missing() is not None:
+        pytest.skip(str(_axolotl_missing()))
+    check(pool.run(jobs_adapters.axolotl_plugin_step, 2, "qwen3_moe", True, jobs_router.ROUTER_ON, True), 2)

@@ -32,6 +32,8 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is an optional extra
     raise ImportError("ringmaster.adapters.trl needs trl: pip install 'axolotl-ringmaster[trl]'") from exc
 
+from ..architectures import text_config
+from ..errors import UnsupportedLayerError
 from ..sharding.batch import IGNORE_INDEX
 from ..sharding.loss import reduce_mean
 from .accelerate import cp_num_items_in_batch
@@ -47,17 +49,23 @@ def _install_chunked_loss(model, chunk_size: int):
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from ..architectures import text_config
-    from ..errors import UnsupportedLayerError
     from ..sharding.loss import chunked_nll
 
-    if getattr(text_config(model.config), "output_router_logits", False):
-        # the chunked head computes the token loss from the backbone's hidden states; the model's forward, which
-        # adds router_aux_loss_coef * aux_loss (summed over the CP group: sharding/router.py), does not run
-        raise UnsupportedLayerError(
-            f"{type(model).__name__}: output_router_logits=True, but CPSFTTrainer's chunked loss head would leave out "
-            "the MoE router loss; pass cp_loss='trl' (the model's own forward adds it, exact under CP) or set "
-            "output_router_logits=False")
+    def router_term(model, out, kwargs):
+        """``router_aux_loss_coef * aux_loss`` as the model's forward adds it (its router loss as rm.wire re-bound
+        it, summed over the CP group: sharding/router.py), or None when the router loss is off."""
+        on = kwargs.get("output_router_logits")
+        if not (on if on is not None else getattr(text_config(model.config), "output_router_logits", False)):
+            return None
+        loss_fn = vars(model).get("_ringmaster_router_loss")
+        logits = getattr(out, "router_logits", None)
+        missing = [n for n in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef") if not hasattr(model, n)]
+        if loss_fn is None or logits is None or missing:
+            raise UnsupportedLayerError(
+                f"{type(model).__name__}: the MoE router loss is on, but CPSFTTrainer's chunked loss head cannot add it "
+                f"({'no router loss wired by rm.wire' if loss_fn is None else 'the backbone returned no router_logits' if logits is None else f'the model has no {missing}'}); "
+                "set output_router_logits=False")
+        return model.router_aux_loss_coef * loss_fn(logits, model.num_experts, model.num_experts_per_tok, None)
 
     def head(model, out, shift_labels, kwargs, num_items):
         weight = model.get_output_embeddings().weight
@@ -66,7 +74,8 @@ def _install_chunked_loss(model, chunk_size: int):
         if num_items is None:
             num_items = shift_labels.ne(IGNORE_INDEX).sum().clamp_min(1)
         loss = chunked_nll(out.last_hidden_state, weight, shift_labels, num_items, chunk_size=chunk_size)
-        return CausalLMOutputWithPast(loss=loss)
+        router = router_term(model, out, kwargs)
+        return CausalLMOutputWithPast(loss=loss if router is None else loss + router.to(loss.device))
 
     return install_head_forward(model, "ringmaster_chunked_loss", head)
 
@@ -135,6 +144,8 @@ class CPSFTTrainer(SFTTrainer):
         if device_mesh is None and pc is not None and getattr(pc, "cp_enabled", False):
             device_mesh = self.accelerator.torch_device_mesh
         runtime = getattr(model, "_ringmaster_runtime", None)
+        if getattr(text_config(model.config), "output_router_logits", False):
+            self._rm_router_loss(model, wire_now=runtime is None)
         if runtime is None:
             if cfg is None:
                 size = pc.cp_size if pc is not None and pc.cp_enabled else dist.get_world_size()
@@ -154,6 +165,23 @@ class CPSFTTrainer(SFTTrainer):
         handles = manager.install()
         self._rm_restores.append(lambda: [h.remove() for h in handles])
         self.cp_manager = manager
+
+    def _rm_router_loss(self, model, wire_now: bool) -> None:
+        """The MoE router loss under CP: ringmaster's chunked head adds it (summed over the group); trl's fused LM
+        head computes it over each shard (it imports mixtral's load_balancing_loss_func inside its forward, which
+        rm.wire cannot route), so that head is refused, and, when this trainer wires the model, taken off the
+        instance for the wiring (the chunked head never calls it) and put back after."""
+        if self.cp_loss == "trl" or self.compute_loss_func is not None or self.label_smoother is not None:
+            raise UnsupportedLayerError(
+                f"{type(model).__name__}: output_router_logits=True with trl's own loss path (cp_loss='trl', a "
+                "compute_loss_func or label smoothing): trl's fused LM head computes the MoE router loss over each CP "
+                "shard only; use cp_loss='chunked_nll' (ringmaster's head adds the router loss over the whole group) "
+                "or set output_router_logits=False")
+        fused = vars(model).get("forward")
+        code = getattr(getattr(fused, "__func__", fused), "__code__", None)
+        if wire_now and code is not None and getattr(code, "co_qualname", "").startswith("add_fused_lm_head."):
+            del model.forward
+            self._rm_restores.append(lambda: setattr(model, "forward", fused))
 
     def remove_context_parallel(self) -> None:
         """Undo the hooks, per-instance overrides and (if this trainer wired it) the wiring."""

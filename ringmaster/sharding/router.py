@@ -201,15 +201,22 @@ def _sites(model) -> list[tuple[str, object, dict[str, Callable]]]:
     module-global name (:data:`ROUTER_LOSS_NAME`): the causal LM's forward, in transformers' MoE families."""
     out = []
     for path, module in model.named_modules():
-        forward = vars(module).get("forward") or type(module).forward
-        fn = inspect.unwrap(getattr(forward, "__func__", forward))
+        fn = inspect.unwrap(_forward_of(module))
         code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is None or namespace is None:
             continue
-        found = {n: namespace[n] for n in code.co_names if ROUTER_LOSS_NAME.search(n) and callable(namespace.get(n))}
+        # a name that is no function of the module (imported inside the forward, as trl's fused LM head imports
+        # mixtral's): None, which no style recognises, so it is refused with the router loss on
+        found = {n: namespace.get(n) if callable(namespace.get(n)) else None
+                 for n in code.co_names if ROUTER_LOSS_NAME.search(n)}
         if found:
             out.append((path, module, found))
     return out
+
+
+def _forward_of(module):
+    forward = vars(module).get("forward") or type(module).forward
+    return getattr(forward, "__func__", forward)
 
 
 def wire_router_loss(model, config, group, size: int, batch_of: Callable[[], object], multimodal: bool = False
@@ -226,7 +233,10 @@ def wire_router_loss(model, config, group, size: int, batch_of: Callable[[], obj
         return []
     sites, problems = [], []
     for path, module, found in _sites(model):
-        unknown = [f"{name} ({getattr(fn, '__module__', '?')})" for name, fn in found.items() if recognise(fn) is None]
+        unknown = [f"{name} ({getattr(fn, '__module__', '?')})" if fn is not None else
+                   f"{name} (imported inside {getattr(inspect.unwrap(_forward_of(module)), '__qualname__', 'it')}, "
+                   "which ringmaster cannot route)"
+                   for name, fn in found.items() if fn is None or recognise(fn) is None]
         if unknown:
             problems.append(f"{type(module).__name__}.forward calls {', '.join(unknown)}, a router loss ringmaster "
                             "does not recognise (known: " + ", ".join(s.name for s in STYLES) + " balancing losses)")
@@ -248,6 +258,9 @@ def wire_router_loss(model, config, group, size: int, batch_of: Callable[[], obj
             styles = {name: recognise(fn) for name, fn in found.items()}
             replacements = {name: group_loss(styles[name], fn, group, size, batch_of) for name, fn in found.items()}
             undos.append(rebind_forward(module, path, replacements, list(found), tag="_ringmaster_router"))
+            # for a loss head that bypasses the model's forward (CPSFTTrainer's chunked head): the replacement
+            module.__dict__["_ringmaster_router_loss"] = next(iter(replacements.values()))
+            undos.append(lambda m=module: m.__dict__.pop("_ringmaster_router_loss", None))
     except UnsupportedLayerError as exc:
         for undo in reversed(undos):
             undo()
