@@ -11,6 +11,13 @@ import torch.distributed as dist
 import ringmaster as rm
 
 ROUTER_ON = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+# the configs default to 60-128 experts (eager expert loops): 8, top-2, cost less and route the same way (top-k
+# below the expert count: a top-k of every expert would make the balancing loss a constant)
+SMALL = {t: dict(num_experts=8, num_experts_per_tok=2) for t in ("qwen3_moe", "qwen2_moe", "olmoe")}
+
+
+def router_on(model_type: str) -> dict:
+    return {**ROUTER_ON, **SMALL.get(model_type, {})}
 
 
 def _batch(kind: str, vocab: int, seed: int = 1, rows: int = 1):
@@ -38,7 +45,7 @@ def router_parity(ctx, model_type, P, backend="ulysses", kind="dense", load_bala
         with keep_fp64():
             return router_parity(ctx, model_type, P, backend, kind, load_balance, rows, steps, checkpointing, mutate,
                                  {**(overrides or {}), "dtype": torch.float64})
-    model = tiny_model(model_type, "sdpa", 0, **{**ROUTER_ON, **(overrides or {})})
+    model = tiny_model(model_type, "sdpa", 0, **{**router_on(model_type), **(overrides or {})})
     reference = copy.deepcopy(model)
     if checkpointing:
         for m in (model, reference):
@@ -103,7 +110,7 @@ def unknown_router_loss(ctx, P, flag: bool):
     own = type(forward)(forward.__code__, namespace, forward.__name__, forward.__defaults__, forward.__closure__)
     own.__kwdefaults__ = forward.__kwdefaults__
     OwnLossForCausalLM.forward = own
-    base = tiny_model("qwen3_moe", "sdpa", 0, **{**ROUTER_ON, "output_router_logits": flag})
+    base = tiny_model("qwen3_moe", "sdpa", 0, **{**router_on("qwen3_moe"), "output_router_logits": flag})
     model = OwnLossForCausalLM(base.config)
     model.load_state_dict(base.state_dict())
     try:

