@@ -33,7 +33,7 @@ def _batch(kind: str, vocab: int, seed: int = 1, rows: int = 1):
 
 
 def router_parity(ctx, model_type, P, backend="ulysses", kind="dense", load_balance=None, rows=1, steps=1,
-                  checkpointing=False, mutate=None, overrides=None, fp64=False):
+                  checkpointing=False, mutate=None, overrides=None, fp64=False, cfg_kwargs=None):
     """The MoE model with its router loss on (coefficient 0.5), with and without CP: the group mean of the rank
     losses and of their ``aux_loss``, and every parameter's gradient against its own norm (``steps`` micro-batches
     accumulated). ``mutate="local"``: the group reduction of the router statistics skipped."""
@@ -44,7 +44,7 @@ def router_parity(ctx, model_type, P, backend="ulysses", kind="dense", load_bala
     if fp64:   # recurrent layers: fp32 gradients of A_log / dt_bias cancel (DESIGN.md), so compare in fp64
         with keep_fp64():
             return router_parity(ctx, model_type, P, backend, kind, load_balance, rows, steps, checkpointing, mutate,
-                                 {**(overrides or {}), "dtype": torch.float64})
+                                 {**(overrides or {}), "dtype": torch.float64}, cfg_kwargs=cfg_kwargs)
     model = tiny_model(model_type, "sdpa", 0, **{**router_on(model_type), **(overrides or {})})
     reference = copy.deepcopy(model)
     if checkpointing:
@@ -57,7 +57,8 @@ def router_parity(ctx, model_type, P, backend="ulysses", kind="dense", load_bala
         out.loss.backward()
         ref_losses.append(out.loss.detach())
         ref_aux.append(out.aux_loss.detach())
-    cfg = rm.RingmasterConfig(size=P, backend=backend, **({"load_balance": load_balance} if load_balance else {}))
+    cfg = rm.RingmasterConfig(size=P, backend=backend, **({"load_balance": load_balance} if load_balance else {}),
+                              **(cfg_kwargs or {}))
     runtime = rm.wire(model, cfg, device_mesh=ctx.mesh(P))
     group = runtime.cp_group
     saved = router.all_reduce_sum

@@ -37,11 +37,12 @@ def test_router_loss_exact(pool, model_type, P, backend):
 
 @pytest.mark.parametrize("model_type, P, backend, kind, extra", [
     ("mixtral", 4, "ulysses", "dense", {}),
+    ("qwen3_moe", 4, "usp", "packed", {"cfg_kwargs": dict(ulysses_size=2, ring_size=2)}),
     ("qwen3_moe", 2, "ring", "packed", {}),                            # position_ids restarting per document
     ("qwen3_moe", 2, "ulysses", "padded", {}),                         # B=2, the padding mask weights the tokens
     ("qwen3_moe", 2, "ulysses", "packed", {"load_balance": "documents"}),   # uneven token counts per rank
     ("qwen3_moe", 2, "ring", "dense", {"rows": 2, "steps": 2, "checkpointing": True}),   # B=2, accumulation
-], ids=["mixtral-ulysses-4", "packed-ring", "padded-ulysses", "documents", "accumulate-ckpt"])
+], ids=["mixtral-ulysses-4", "usp-2x2-packed", "packed-ring", "padded-ulysses", "documents", "accumulate-ckpt"])
 def test_router_loss_exact_layouts(pool, model_type, P, backend, kind, extra):
     check(pool.run(jobs_router.router_parity, model_type, P, backend, kind, **extra))
 
