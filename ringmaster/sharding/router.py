@@ -168,7 +168,8 @@ def recognise(fn: Callable) -> Style | None:
 def group_loss(style: Style, original: Callable, group, size: int, batch_of: Callable[[], object]) -> Callable:
     """``original``'s replacement for one wired model: under a CP step (``batch_of()`` gives its ``CPBatch``) the
     statistics summed over ``group`` (of ``size`` ranks) in one all-reduce, the value the single-device loss, the
-    gradient ``size`` times the rank's share; outside a CP step, ``original`` itself."""
+    gradient ``size`` times the rank's share; at a group of one rank, ``original`` itself (a CP call without the
+    step's batch raises)."""
     sig = inspect.signature(original)
 
     def loss(*args, **kwargs):
@@ -177,8 +178,12 @@ def group_loss(style: Style, original: Callable, group, size: int, batch_of: Cal
         bound.apply_defaults()
         a = dict(bound.arguments)
         gate_logits = a.get("gate_logits")
-        if batch is None or size <= 1 or gate_logits is None or not isinstance(gate_logits, tuple):
+        if size <= 1 or gate_logits is None or not isinstance(gate_logits, tuple):
             return original(*args, **kwargs)
+        if batch is None:
+            raise RuntimeError(f"{getattr(original, '__qualname__', 'the router loss')} ran under a CP group of {size} "
+                               "ranks without the step's batch: shard batches with context_parallel_region(batch) or "
+                               "ContextParallelContextManager, so the router statistics can be summed over the group")
         # the shard of the batch's own padding mask (the forward gets none under CP: the shard drops it)
         a["attention_mask"] = getattr(batch, "token_mask", None)
         T, R, N = style.stats(**a)
