@@ -24,6 +24,7 @@ The padding mask the family weights tokens by is the shard of the batch's own ``
 
 from __future__ import annotations
 
+import dis
 import inspect
 import re
 from dataclasses import dataclass
@@ -210,10 +211,13 @@ def _sites(model) -> list[tuple[str, object, dict[str, Callable]]]:
         code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is None or namespace is None:
             continue
-        # a name that is no function of the module (imported inside the forward, as trl's fused LM head imports
-        # mixtral's): None, which no style recognises, so it is refused with the router loss on
+        # the names the forward loads as globals or imports (not attributes: a coefficient's name may match); one
+        # that is no function of the module (imported inside the forward, as trl's fused LM head imports mixtral's)
+        # is None, which no style recognises, so it is refused with the router loss on
+        loaded = {i.argval for i in dis.get_instructions(code)
+                  if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "IMPORT_FROM") and isinstance(i.argval, str)}
         found = {n: namespace.get(n) if callable(namespace.get(n)) else None
-                 for n in code.co_names if ROUTER_LOSS_NAME.search(n)}
+                 for n in sorted(loaded) if ROUTER_LOSS_NAME.search(n)}
         if found:
             out.append((path, module, found))
     return out
