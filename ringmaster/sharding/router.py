@@ -41,7 +41,7 @@ from ..intercept import rebind_forward
 ROUTER_LOSS_NAME = re.compile(r"(load_balanc|router_z_loss|z_loss_func|aux_loss_func|balance_loss)")
 
 
-def _mask_weights(attention_mask, rows: int, device) -> torch.Tensor | None:
+def _mask_weights(attention_mask, device) -> torch.Tensor | None:
     return None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
 
 
@@ -55,7 +55,7 @@ def _switch_stats(gate_logits, num_experts=None, top_k=2, attention_mask=None):
     for layer in gate_logits:
         weights = torch.softmax(layer.to(device), dim=-1)
         _, chosen = torch.topk(weights, top_k, dim=-1)
-        mask = _mask_weights(attention_mask, weights.shape[0], device)
+        mask = _mask_weights(attention_mask, device)
         if mask is None:
             T = T.index_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=T.dtype, device=device))
             R = R + weights.float().sum(dim=0)
@@ -87,7 +87,7 @@ def _product_key_stats(gate_logits, num_experts=None, num_keys=None, top_k=2, at
         _, pos = scores.topk(top_k, dim=-1)
         chosen = indices.gather(-1, pos)
         weights = torch.zeros_like(scores).scatter(-1, indices, torch.softmax(scores, dim=-1))
-        mask = _mask_weights(attention_mask, weights.shape[0], device)
+        mask = _mask_weights(attention_mask, device)
         if mask is None:
             T = T.index_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=T.dtype, device=device))
             R = R + weights.sum(dim=0)
