@@ -38,7 +38,7 @@ from ..intercept import rebind_forward
 
 # module-level functions of a model's forward that compute a router statistic (a call site of one of these that
 # no style recognises is refused when the model switches the router loss on)
-ROUTER_LOSS_NAME = re.compile(r"(load_balanc|router_z_loss|z_loss_func|aux_loss_func|balance_loss)")
+ROUTER_LOSS_NAME = re.compile(r"(balanc|z_loss|aux_loss|router_loss)", re.IGNORECASE)
 
 
 def _mask_weights(attention_mask, device) -> torch.Tensor | None:
@@ -216,8 +216,9 @@ def _sites(model) -> list[tuple[str, object, dict[str, Callable]]]:
         # is None, which no style recognises, so it is refused with the router loss on
         loaded = {i.argval for i in dis.get_instructions(code)
                   if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "IMPORT_FROM") and isinstance(i.argval, str)}
+        # (a module constant of such a name, a coefficient, is no call)
         found = {n: namespace.get(n) if callable(namespace.get(n)) else None
-                 for n in sorted(loaded) if ROUTER_LOSS_NAME.search(n)}
+                 for n in sorted(loaded) if ROUTER_LOSS_NAME.search(n) and (n not in namespace or callable(namespace[n]))}
         if found:
             out.append((path, module, found))
     return out
