@@ -101,6 +101,25 @@ def test_mlstm_resets_at_document_starts(strategy):
     assert _rel(y, ref) <= 1e-12, _rel(y, ref)
 
 
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("spread", [0.5, 8.0])
+def test_mlstm_pieces_exact_float64(spread, strategy):
+    """Packed rows as padded pieces (the compiled path): padding with input gate -1e30 and forget gate 1e4 leaves
+    (C, n, m) as they are, and a piece that starts a document maps from transformers' zero state; outputs and
+    gradients as every document alone, float64."""
+    from test_linear_recurrent import PIECES_DOCS, _check_grads, pieces_segments
+
+    from ringmaster.recurrent.mlstm import MlstmSegment
+
+    kernel, inputs = _backend_kernel(), _inputs(L=sum(PIECES_DOCS), spread=spread)
+    with keep_fp64():
+        ends = torch.tensor(PIECES_DOCS).cumsum(0).tolist()
+        ref = torch.cat([naive.mlstm_recurrence(*(t[:, :, s:e] for t in inputs))[0]
+                         for s, e in zip([0, *ends], ends)], dim=2)
+        segs = pieces_segments(lambda *t: MlstmSegment(kernel, *t), inputs, 2)
+        _check_grads(_run(segs, strategy), ref, inputs, 1e-12)
+
+
 # --------------------------------------------------------------------------- model level
 
 
