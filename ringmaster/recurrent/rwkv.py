@@ -210,7 +210,17 @@ def _guard(ctx: LayerContext) -> Callable:
         if state is not None and ctx.size > 1:
             raise RuntimeError(f"{ctx.path}: the model was called with an RWKV state under CP; "
                                "run it with use_cache=False in training")
+        _meet_pieces(ctx.carrier.current)
     return guard
+
+
+def _meet_pieces(batch) -> None:
+    """Read the batch's chunk pieces here, in the block's own (time- or channel-mixing) forward, before its token
+    shift does: a compiled block keeps the sizes of a tensor it first reaches through a torch.nn module of its own
+    (``time_shift``, a ``ZeroPad2d`` whose forward ringmaster shadows) static, so the pieces' dynamic count and
+    length (``ChunkPieces.sizes``) would specialise the block on every new pair."""
+    for p in getattr(batch, "pieces", None) or ():
+        p.sizes, p.index, p.last, p.keep, p.whole    # noqa: B018 (the read is the point)
 
 
 def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
