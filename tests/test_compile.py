@@ -136,8 +136,13 @@ def test_other_recurrent_kinds_run_packed_rows_as_pieces(pool, model):
     keys), run packed rows as padded pieces too (gated DeltaNet and KDA share one segment, Mamba2 above; lightning
     attention in ``benchmarks/compile.py``): four new packings, compiled, exact on every step, no graph break,
     graphs within the same bound."""
-    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses", 4):
-        assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
+    # RWKV: two recurrent blocks of different code (the first adds pre_ln), the recurrent block's 4 cases each
+    bound = 2 * (HYBRID_GRAPHS - 2) if model == "rwkv" else HYBRID_GRAPHS
+    # the kinds whose torch kernels loop over every token (traced unrolled): two shorter rows (30 packings of 64
+    # tokens in benchmarks/compile.py: 4 graphs for xlstm, 8 for rwkv on rank 0)
+    slow = model in ("xlstm", "rwkv")
+    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses", 2 if slow else 4, seq_len=32 if slow else 64):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= bound, r["graphs"]
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
 
 
@@ -146,8 +151,8 @@ def test_mutation_rwkv_pieces_padded_with_zeros(pool):
     padding token before a document adds ``e^0 v`` to its "no state", and the loss and gradients go wrong. (mLSTM's
     zero gates happen to keep its zero start state (``m = max(log f + 0, 0) = 0``) and trail only discarded outputs:
     the function-level fp64 check holds under them, so only RWKV's is a mutation.)"""
-    for r in pool.run(jobs_compile.hybrid_over_packings, "rwkv", "ulysses", 2, zero_padding=True):
-        assert max(r["loss"]) > 1e-3 and max(r["grad"]) > 1e-2, (r["loss"], r["grad"])
+    for r in pool.run(jobs_compile.hybrid_over_packings, "rwkv", "ulysses", 1, zero_padding=True, seq_len=32):
+        assert max(r["loss"]) > 10 * TOL and max(r["grad"]) > 1e-2, (r["loss"], r["grad"])
 
 
 def test_mutation_pieces_pass_the_state_through_a_cut(pool):
