@@ -108,9 +108,10 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
                      "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
                      "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
-                     "not per packing (measured: 4-6 graphs for a hybrid over 30 packings); a kernel that loops over "
-                     "the tokens in Python (mlstm, rwkv, rglru) adds one per power-of-two piece length at most; a "
-                     "packing whose pieces would pad past 4x the chunk is cut in Python and recompiles")
+                     "not per packing (measured over 30 packings: 4-6 graphs for a hybrid, 4 for two mLSTM blocks, 8 "
+                     "for two RWKV blocks); a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) adds "
+                     "one per power-of-two piece length at most; a packing whose pieces would pad past 4x the chunk "
+                     "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
                      "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 7-11 "
