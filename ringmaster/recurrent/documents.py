@@ -139,9 +139,10 @@ class PiecesSegment:
     must leave a document's start state exactly as it is. Zeros do for the kinds whose zero inputs keep a zero
     state zero (gated DeltaNet and KDA, Mamba2, Mamba1, lightning, RG-LRU). The stabilised states pad through their
     gates instead: ``base.with_tensors(gather)`` calls ``gather(t, fill)`` with the neutral value of each input
-    (mLSTM: input gate ``-1e30`` and forget gate ``+1e4``, so ``e^i = 0``, ``log f = 0`` and ``(C, n, m)`` stay put;
-    RWKV: key ``-1e30``, which leaves the WKV's "no state" ``(0, 0, -1e38)`` representing zero with a finite
-    denominator and no weight at the first real token), and reads ``gather.starts`` (``[rows * n]`` bool: the
+    (mLSTM: input gate ``-1e30`` and forget gate ``+1e4``, so ``e^i = 0``, ``log f = 0`` and ``(C, n, m)`` stay put
+    whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no state" ``(0, 0, -1e38)`` representing zero
+    with a finite denominator and no weight at the first real token, where a zero key would add ``e^0 v``), and
+    reads ``gather.starts`` (``[rows * n]`` bool: the
     padded row starts a document) where the state a document starts from is not the "no state" its map is composed
     from (mLSTM: ``m = 0`` against ``-1e38``). ``base.start_state(state)``, when defined, is the state a document
     starts from (else zeros: RWKV's is ``(0, 0, -1e38)``). The first piece of a row takes the incoming state (a

@@ -33,10 +33,14 @@ the class check. Not yet run on a GPU.
 Packed or padded rows: the state restarts from transformers' zero state (``m = 0``) at every document
 start (:class:`~ringmaster.recurrent.documents.DocumentSegment`), as when each document runs alone. Inside
 a compiled block each chunk's documents run as one padded batch of pieces instead
-(:class:`~ringmaster.recurrent.documents.PiecesSegment`): a zero input would move the stabiliser (``m`` takes
-``max(log f + m, i)``), so a padding token gets an input gate of ``-1e30`` (``e^i = 0``, below any real ``m``)
-and a forget gate of ``1e4`` (``log σ = 0`` exactly): ``(C, n, m)`` pass it unchanged, bit for bit, and its
-own output is finite (the ``e^{-m}`` floor and ``eps``), so no NaN reaches a gradient.
+(:class:`~ringmaster.recurrent.documents.PiecesSegment`). A padding token gets an input gate of ``-1e30``
+(``e^i = 0``, below any real ``m``) and a forget gate of ``1e4`` (``log σ = 0`` exactly): ``(C, n, m)`` pass it
+unchanged, bit for bit, whatever they are, and its own output is finite (the ``e^{-m}`` floor and ``eps``), so no
+NaN reaches a gradient. (Zero gates move a general state, ``m -> max(m - log 2, 0)``, ``C -> C/2``, but happen to
+keep transformers' zero start state, ``m = max(0 - log 2, 0) = 0``, the only state a right-aligned piece's leading
+padding meets: measured exact with them too; the gates do not depend on that.) A piece that starts a document
+is mapped from that zero state (``m = 0``), not from the "no state" ``m = -1e38`` a continuing chunk's map is
+composed from (``starts``): the two differ wherever ``i_1 < log f_1``.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ KERNELS = {"scan": "mlstm_backend"}
 _BACKEND_ARGS = ("query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial", "mode")
 
 _NEG = -1e38   # "no state" stabiliser: e^m = 0
-# neutral gates of a padding token (documents.PiecesSegment): e^{i} = 0 (any real m is far above -1e30) and
-# log sigmoid(1e4) = 0 exactly, so (C, n, m) pass it unchanged and its own output stays finite
+# neutral gates of a padding token (documents.PiecesSegment): e^{i} = 0 (any real m is far above -1e30; float16's
+# lowest where that is lower) and log sigmoid(1e4) = 0 exactly, so (C, n, m) pass it unchanged, whatever they are,
+# and its own output stays finite
 PAD_IGATE, PAD_FGATE = -1e30, 1e4
 
 
@@ -134,7 +139,8 @@ class MlstmSegment:
         """The same mLSTM over ``fn`` of each per-token input (``[b, h, l, ...]``; documents.PiecesSegment): padding
         with neutral gates (:data:`PAD_IGATE`, :data:`PAD_FGATE`), the padded rows that start a document
         (``fn.starts``) mapped from transformers' zero state."""
-        return MlstmSegment(self.kernel, fn(self.q), fn(self.k), fn(self.v), fn(self.igate, PAD_IGATE),
+        low = max(PAD_IGATE, torch.finfo(self.igate.dtype).min)
+        return MlstmSegment(self.kernel, fn(self.q), fn(self.k), fn(self.v), fn(self.igate, low),
                             fn(self.fgate, PAD_FGATE), starts=fn.starts)
 
     def packed_final(self, packed):
