@@ -136,22 +136,24 @@ class PiecesSegment:
     made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call
     (``base.with_tensors`` and ``base.packed_final``). The first piece of a row is left-aligned (it may continue the
     incoming state; the padding after it reaches no output), every later piece right-aligned behind padding, which
-    must leave a document's start state exactly as it is. Zeros do for the kinds whose zero inputs keep a zero
-    state zero (gated DeltaNet and KDA, Mamba2, Mamba1, lightning, RG-LRU). The stabilised states pad through their
-    gates instead: ``base.with_tensors(gather)`` calls ``gather(t, fill)`` with the neutral value of each input
-    (mLSTM: input gate ``-1e30`` and forget gate ``+1e4``, so ``e^i = 0``, ``log f = 0`` and ``(C, n, m)`` stay put
-    whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no state" ``(0, 0, -1e38)`` representing zero
-    with a finite denominator and no weight at the first real token, where a zero key would add ``e^0 v``), and
-    reads ``gather.starts`` (``[rows * n]`` bool: the
-    padded row starts a document) where the state a document starts from is not the "no state" its map is composed
-    from (mLSTM: ``m = 0`` against ``-1e38``). ``base.start_state(state)``, when defined, is the state a document
-    starts from (else zeros: RWKV's is ``(0, 0, -1e38)``). The first piece of a row takes the incoming state (a
-    document's start state when one starts on the chunk's first token), every later one the start state; the chunk's
-    map is the first piece's when it is the row's only one and the state enters, else the reset map of the last
-    piece's final state. Which tokens go where are index tensors, and the padded sizes (pieces per row, piece length)
-    are sizes the block takes as dynamic (``ChunkPieces.sizes``): a compiled block does not recompile for a new
-    packing (a kernel that loops over the tokens in Python specialises on the piece length: one graph per
-    power-of-two length at most)."""
+    must leave a document's start state exactly as it is.
+
+    Zeros do for the kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1,
+    lightning, RG-LRU). The stabilised states pad with a neutral value per input instead: ``base.with_tensors(
+    gather)`` calls ``gather(t, fill)`` (mLSTM: input gate ``-1e30`` and forget gate ``1e4``, so ``e^i = 0``,
+    ``log f = 0`` and ``(C, n, m)`` stay put whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no
+    state" ``(0, 0, -1e38)`` representing zero, with a finite denominator and no weight at the first real token,
+    where a zero key would add ``e^0 v``). ``gather.starts`` (``[rows * n]`` bool: the padded row starts a
+    document) is there for a kind whose document start state is not the "no state" its maps are composed from
+    (mLSTM: ``m = 0`` against ``-1e38``); ``base.start_state(state)``, when defined, is the state a document starts
+    from (else zeros; RWKV: ``(0, 0, -1e38)``).
+
+    The first piece of a row takes the incoming state (a document's start state when one starts on the chunk's
+    first token), every later one a document's start state; the chunk's map is the first piece's when it is the
+    row's only one and the state enters, else the reset map of the last piece's final state. Which tokens go where
+    are index tensors, and the padded sizes (pieces per row, piece length) are sizes the block takes as dynamic
+    (``ChunkPieces.sizes``): a compiled block does not recompile for a new packing (a kernel that loops over the
+    tokens in Python specialises on the piece length: one graph per power-of-two length at most)."""
 
     def __init__(self, base, pieces):
         self.base = base
@@ -192,7 +194,8 @@ class PiecesSegment:
         return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:]).movedim(1, self.dim)
 
     def _states(self, state_in):
-        """The incoming state of every padded row: the first piece's (times ``keep``), zeros after."""
+        """The incoming state of every padded row: the first piece's (a document's start state where ``keep`` is
+        False), a document's start state after (zeros, or ``base.start_state``)."""
         if state_in is None:
             return None
         keep = self.keep.view(-1, *[1] * (state_in.dim() - 1))
