@@ -78,7 +78,7 @@ class WireReport:
 # recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile.py,
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
 # recurrent kinds whose compiled blocks run packed rows as padded pieces (recurrent.documents.PiecesSegment)
-PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru")
+PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru", "mlstm", "rwkv")
 # recurrent kinds that are convolutions only: their document gaps are the pieces' dynamic count
 CONV_KINDS = ("short_conv", "dynamic_short_conv", "rwkv_channel_mix")
 COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightning", "rglru", "rwkv", "rwkv_channel_mix",
@@ -108,17 +108,19 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
                      "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
                      "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
-                     "not per packing (measured: 4-6 graphs for a hybrid over 30 packings); a packing whose pieces "
-                     "would pad past 4x the chunk is cut in Python and recompiles")
+                     "not per packing (measured over 30 packings: 4-6 graphs for a hybrid, 4 for two mLSTM blocks, 8 "
+                     "for two RWKV blocks); a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) adds "
+                     "one per power-of-two piece length at most; a packing whose pieces would pad past 4x the chunk "
+                     "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
                      "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 7-11 "
                      "graphs in 12 packings): raise torch._dynamo.config.recompile_limit (32), or use a static "
                      "load_balance for compiled hybrids")
     if cut:
-        notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: a zero input moves their "
-                     "stabilised state, so the chunks are not padded into pieces but cut at their document starts "
-                     "in Python, and a new packing recompiles the block (unpacked rows compile once)")
+        notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: not run as padded pieces, the "
+                     "chunks are cut at their document starts in Python, and a new packing recompiles the block "
+                     "(unpacked rows compile once)")
     if not handle.AVAILABLE:
         notes.append(f"torch {torch.__version__} has no opaque objects for custom ops: Ulysses' sdpa tiles on "
                      "packed rows plan in the graph, and each new packing recompiles the blocks")

@@ -31,6 +31,9 @@ MODELS = {
     "rglru-hybrid": ("recurrent_gemma", dict(num_hidden_layers=2, block_types=["recurrent", "attention"],
                                              attn_implementation="eager")),
     "conv-hybrid": ("lfm2", dict(num_hidden_layers=2, full_attn_idxs=[1], layer_types=["conv", "full_attention"])),
+    # the stabilised states: padding made neutral through the gates (mLSTM) or the keys (RWKV's WKV)
+    "xlstm": ("xlstm", dict(num_blocks=2)),
+    "rwkv": ("rwkv", dict(num_hidden_layers=2)),
 }
 
 # two decoder blocks (one attention, one recurrent for the hybrids): the same code paths, half the compiles
@@ -39,7 +42,8 @@ TWO_BLOCKS = {
     "gdn-hybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "llama-flex": dict(num_hidden_layers=2),
-    **{name: {} for name in ("mamba1", "kda-hybrid", "lightning-hybrid", "rglru-hybrid", "conv-hybrid")},
+    **{name: {} for name in ("mamba1", "kda-hybrid", "lightning-hybrid", "rglru-hybrid", "conv-hybrid", "xlstm",
+                             "rwkv")},
 }
 
 # backend name -> RingmasterConfig fields (size added per run)

@@ -177,15 +177,20 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
     return out
 
 
-def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2):
+def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2,
+                         zero_padding=False, seq_len=64):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
     pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
     documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
-    and length reach the block as Python ints (``ChunkPieces.n``, ``.L``), not as dynamic sizes."""
-    from ringmaster.recurrent import documents
+    and length reach the block as Python ints (``ChunkPieces.n``, ``.L``), not as dynamic sizes; ``zero_padding``,
+    the stabilised kinds pad their pieces with zeros (RWKV's key, mLSTM's gates), not with their neutral values."""
+    from ringmaster.recurrent import documents, mlstm, rwkv
     from ringmaster_tools import packings
 
     original, sizes = documents.PiecesSegment.local_map, documents.PiecesSegment.__dict__["_sizes"]
+    pads = rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE
+    if zero_padding:
+        rwkv.PAD_KEY = mlstm.PAD_IGATE = mlstm.PAD_FGATE = 0.0
 
     def first_map(self):
         if self.trivial:
@@ -198,6 +203,7 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
     if static_sizes:
         documents.PiecesSegment._sizes = staticmethod(lambda pieces: (pieces.n, pieces.L))
     try:
-        return packings.over_packings(ctx, model, backend, "packed", steps, size=P)
+        return packings.over_packings(ctx, model, backend, "packed", steps, size=P, seq_len=seq_len)
     finally:
         documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes
+        rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads

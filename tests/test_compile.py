@@ -130,14 +130,29 @@ def test_mutation_static_piece_sizes_compile_per_size_pair(pool):
     assert max(r["graphs"][-1] for r in results) > HYBRID_GRAPHS, [r["graphs"] for r in results]
 
 
-@pytest.mark.parametrize("model", ["mamba1", "rglru-hybrid"])
+@pytest.mark.parametrize("model", ["mamba1", "rglru-hybrid", "xlstm", "rwkv"])
 def test_other_recurrent_kinds_run_packed_rows_as_pieces(pool, model):
-    """Mamba1 (its token dim last) and RG-LRU run packed rows as padded pieces too (gated DeltaNet and KDA share one
-    segment, Mamba2 above; lightning attention in ``benchmarks/compile.py``): four new packings, compiled, exact on
-    every step, no graph break, graphs within the same bound."""
-    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses", 4):
-        assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
+    """Mamba1 (its token dim last), RG-LRU and the stabilised states, mLSTM and RWKV (padded through their gates and
+    keys), run packed rows as padded pieces too (gated DeltaNet and KDA share one segment, Mamba2 above; lightning
+    attention in ``benchmarks/compile.py``): four new packings, compiled, exact on every step, no graph break,
+    graphs within the same bound."""
+    # RWKV: two recurrent blocks of different code (the first adds pre_ln), the recurrent block's 4 cases each
+    bound = 2 * (HYBRID_GRAPHS - 2) if model == "rwkv" else HYBRID_GRAPHS
+    # the kinds whose torch kernels loop over every token (traced unrolled): two shorter rows (30 packings of 64
+    # tokens in benchmarks/compile.py: 4 graphs for xlstm, 8 for rwkv on rank 0)
+    slow = model in ("xlstm", "rwkv")
+    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses", 2 if slow else 4, seq_len=32 if slow else 64):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= bound, r["graphs"]
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
+def test_mutation_rwkv_pieces_padded_with_zeros(pool):
+    """Mutation: RWKV's pieces padded with a zero key (mLSTM's with zero gates), not the neutral -1e30: every
+    padding token before a document adds ``e^0 v`` to its "no state", and the loss and gradients go wrong. (mLSTM's
+    zero gates happen to keep its zero start state (``m = max(log f + 0, 0) = 0``) and trail only discarded outputs:
+    the function-level fp64 check holds under them, so only RWKV's is a mutation.)"""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "rwkv", "ulysses", 1, zero_padding=True, seq_len=32):
+        assert max(r["loss"]) > 10 * TOL and max(r["grad"]) > 1e-2, (r["loss"], r["grad"])
 
 
 def test_mutation_pieces_pass_the_state_through_a_cut(pool):
@@ -197,8 +212,10 @@ def test_wire_for_compile_names_what_does_not_compile():
     assert compile_notes(ok, "sdpa", [], "scan") == []
     hybrid = compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan")
     assert len(hybrid) == 1 and "padded pieces" in hybrid[0] and "dynamic sizes" in hybrid[0], hybrid
-    other = compile_notes(ok, "sdpa", ["rwkv"], "scan")
-    assert len(other) == 1 and "recompiles the block" in other[0], other
+    stabilised = compile_notes(ok, "sdpa", ["mlstm", "rwkv", "rwkv_channel_mix"], "scan")
+    assert len(stabilised) == 1 and "padded pieces" in stabilised[0] and "mlstm, rwkv)" in stabilised[0], stabilised
+    other = compile_notes(ok, "sdpa", ["a_new_kind"], "scan")
+    assert len(other) == 2 and "recompiles the block" in other[0] and "not shown to compile" in other[1], other
     docs = rm.RingmasterConfig(size=2, backend="ulysses", load_balance="documents").resolve(num_kv_heads=2)
     assert compile_notes(docs, "sdpa", [], "scan") == []   # its sizes are dynamic: tests above
     hybrid_docs = compile_notes(docs, "sdpa", ["mamba1"], "scan")

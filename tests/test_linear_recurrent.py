@@ -259,6 +259,48 @@ def test_rglru_state_passing_exact_float64(split, strategy):
         _check_grads(y, ref, [x, a], 1e-11)
 
 
+# a packed row of 6 documents over 4 chunks of 8: pieces of 1 to 8 tokens, some chunks cut twice, padded to 4 x 8
+PIECES_DOCS = [3, 2, 9, 1, 6, 11]
+
+
+def pieces_segments(make, tensors, dim, lens=PIECES_DOCS, chunk=8):
+    """``make(*chunk_tensors)`` per chunk of ``chunk`` tokens (``dim``: the token dim), each a
+    :class:`~ringmaster.recurrent.documents.PiecesSegment` over the chunk's pieces of the packed row ``lens``
+    (two rows): the padded batch a compiled block runs, here eagerly."""
+    from ringmaster.recurrent.documents import PiecesSegment
+    from ringmaster.sharding.documents import ChunkPieces
+
+    docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None].expand(2, -1)
+    b = list(range(0, sum(lens) + 1, chunk))
+    pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu")
+    assert pieces is not None and not pieces[0].trivial and pieces[0].L > 1
+    return [PiecesSegment(make(*(t.narrow(dim, s, e - s) for t in tensors)), p) for s, e, p in zip(b, b[1:], pieces)]
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("keys", [1.0, 30.0])
+def test_wkv_pieces_exact_float64(keys, strategy):
+    """Packed rows as padded pieces (the compiled path): a padding key of -1e30 keeps each document's "no state"
+    through its leading padding, bit for bit; outputs and gradients as every document alone, float64."""
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    from ringmaster.recurrent.rwkv import WkvSegment
+    from ringmaster_tools.parity import keep_fp64
+
+    g = torch.Generator().manual_seed(0)
+    L = sum(PIECES_DOCS)
+    k = (keys * torch.randn(2, L, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    v = torch.randn(2, L, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    decay = torch.linspace(-6, 1, 5, dtype=torch.float64).requires_grad_(True)
+    first = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    with keep_fp64():
+        ends = torch.tensor(PIECES_DOCS).cumsum(0).tolist()
+        ref = torch.cat([naive.wkv_recurrence(decay, first, k[:, s:e], v[:, s:e])[0]
+                         for s, e in zip([0, *ends], ends)], dim=1)
+        segs = pieces_segments(lambda kk, vv: WkvSegment(rwkv_linear_attention_cpu, decay, first, kk, vv), [k, v], 1)
+        _check_grads(_run(segs, strategy), ref, [k, v, decay, first], 1e-12)
+
+
 @pytest.mark.parametrize("strategy", ["scan", "sequential"])
 @pytest.mark.parametrize("split", ["equal4", "uneven", "head_tail4"])
 @pytest.mark.parametrize("keys", [1.0, 30.0])

@@ -133,14 +133,27 @@ class DocumentSegment:
 
 class PiecesSegment:
     """:class:`DocumentSegment` as data: the chunk's documents (:class:`~ringmaster.sharding.documents.ChunkPieces`,
-    made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call,
-    for kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1, lightning, RG-LRU:
-    ``base.with_tensors`` and ``base.packed_final``; not the stabilised states of mLSTM and RWKV, where a zero
-    input moves the stabiliser or the denominator). The first piece of a row takes the incoming state (times 0
-    when a document starts on the chunk's first token), every later one a zero state; the chunk's map is the first
-    piece's when it is the row's only one and the state enters, else the reset map of the last piece's final
-    state. Which tokens go where are index tensors, and the padded sizes (pieces per row, piece length) are sizes
-    the block takes as dynamic (``ChunkPieces.sizes``): a compiled block does not recompile for a new packing."""
+    made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call
+    (``base.with_tensors`` and ``base.packed_final``). The first piece of a row is left-aligned (it may continue the
+    incoming state; the padding after it reaches no output), every later piece right-aligned behind padding, which
+    must leave a document's start state exactly as it is.
+
+    Zeros do for the kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1,
+    lightning, RG-LRU). The stabilised states pad with a neutral value per input instead: ``base.with_tensors(
+    gather)`` calls ``gather(t, fill)`` (mLSTM: input gate ``-1e30`` and forget gate ``1e4``, so ``e^i = 0``,
+    ``log f = 0`` and ``(C, n, m)`` stay put whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no
+    state" ``(0, 0, -1e38)`` representing zero, with a finite denominator and no weight at the first real token,
+    where a zero key would add ``e^0 v``). ``gather.starts`` (``[rows * n]`` bool: the padded row starts a
+    document) is there for a kind whose document start state is not the "no state" its maps are composed from
+    (mLSTM: ``m = 0`` against ``-1e38``); ``base.start_state(state)``, when defined, is the state a document starts
+    from (else zeros; RWKV: ``(0, 0, -1e38)``).
+
+    The first piece of a row takes the incoming state (a document's start state when one starts on the chunk's
+    first token), every later one a document's start state; the chunk's map is the first piece's when it is the
+    row's only one and the state enters, else the reset map of the last piece's final state. Which tokens go where
+    are index tensors, and the padded sizes (pieces per row, piece length) are sizes the block takes as dynamic
+    (``ChunkPieces.sizes``): a compiled block does not recompile for a new packing (a kernel that loops over the
+    tokens in Python specialises on the piece length: one graph per power-of-two length at most)."""
 
     def __init__(self, base, pieces):
         self.base = base
@@ -155,10 +168,13 @@ class PiecesSegment:
         self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
         self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's inputs and outputs
 
-        def gather(t: torch.Tensor) -> torch.Tensor:    # token dim `dim` of m -> [rows * n, ..., L, ...]
+        def gather(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:   # token dim `dim` of m -> [rows * n, .., L, ..]
             t = t.movedim(self.dim, 1)
-            padded = t.new_zeros(rows * n * L, *t.shape[2:]).index_copy(0, self.flat, t.flatten(0, 1))
+            shape = (rows * n * L, *t.shape[2:])
+            padded = (t.new_zeros(shape) if fill == 0 else t.new_full(shape, fill)).index_copy(0, self.flat, t.flatten(0, 1))
             return padded.view(rows * n, L, *t.shape[2:]).movedim(1, self.dim)
+        # the padded rows that start a document: the first of a row when a document starts on the chunk's first token
+        gather.starts = torch.cat([~keep[:, None], keep.new_ones(rows, n - 1)], dim=1).flatten()
         self.padded = None if self.trivial else base.with_tensors(gather)
 
     @staticmethod
@@ -178,11 +194,19 @@ class PiecesSegment:
         return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:]).movedim(1, self.dim)
 
     def _states(self, state_in):
-        """The incoming state of every padded row: the first piece's (times ``keep``), zeros after."""
+        """The incoming state of every padded row: the first piece's (a document's start state where ``keep`` is
+        False), a document's start state after (zeros, or ``base.start_state``)."""
         if state_in is None:
             return None
-        first = state_in * self.keep.view(-1, *[1] * (state_in.dim() - 1)).to(state_in.dtype)
-        rest = first.new_zeros(self.rows, self.n - 1, *first.shape[1:])
+        keep = self.keep.view(-1, *[1] * (state_in.dim() - 1))
+        start_state = getattr(self.base, "start_state", None)
+        if start_state is None:     # a document starts from zeros
+            first = state_in * keep.to(state_in.dtype)
+            rest = first.new_zeros(self.rows, self.n - 1, *first.shape[1:])
+        else:
+            start = start_state(state_in)
+            first = torch.where(keep, state_in, start)
+            rest = start[:, None].expand(self.rows, self.n - 1, *start.shape[1:])
         return torch.cat([first[:, None], rest], dim=1).flatten(0, 1)
 
     def local_map(self):

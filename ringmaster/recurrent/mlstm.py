@@ -31,7 +31,16 @@ final state) from its incoming state. Those are transformers' torch kernels ("na
 the class check. Not yet run on a GPU.
 
 Packed or padded rows: the state restarts from transformers' zero state (``m = 0``) at every document
-start (:class:`~ringmaster.recurrent.documents.DocumentSegment`), as when each document runs alone.
+start (:class:`~ringmaster.recurrent.documents.DocumentSegment`), as when each document runs alone. Inside
+a compiled block each chunk's documents run as one padded batch of pieces instead
+(:class:`~ringmaster.recurrent.documents.PiecesSegment`). A padding token gets an input gate of ``-1e30``
+(``e^i = 0``, below any real ``m``) and a forget gate of ``1e4`` (``log σ = 0`` exactly): ``(C, n, m)`` pass it
+unchanged, bit for bit, whatever they are, and its own output is finite (the ``e^{-m}`` floor and ``eps``), so no
+NaN reaches a gradient. (Zero gates move a general state, ``m -> max(m - log 2, 0)``, ``C -> C/2``, but happen to
+keep transformers' zero start state, ``m = max(0 - log 2, 0) = 0``, the only state a right-aligned piece's leading
+padding meets: measured exact with them too; the gates do not depend on that.) A piece that starts a document
+is mapped from that zero state (``m = 0``), not from the "no state" ``m = -1e38`` a continuing chunk's map is
+composed from (``starts``): the two differ wherever ``i_1 < log f_1``.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedLayerError
 from .context import LayerContext
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -55,6 +64,10 @@ KERNELS = {"scan": "mlstm_backend"}
 _BACKEND_ARGS = ("query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial", "mode")
 
 _NEG = -1e38   # "no state" stabiliser: e^m = 0
+# neutral gates of a padding token (documents.PiecesSegment): e^{i} = 0 (any real m is far above -1e30; float16's
+# lowest where that is lower) and log sigmoid(1e4) = 0 exactly, so (C, n, m) pass it unchanged, whatever they are,
+# and its own output stays finite
+PAD_IGATE, PAD_FGATE = -1e30, 1e4
 
 
 def unpack(state: torch.Tensor, dk: int, dv: int):
@@ -73,9 +86,12 @@ class MlstmSegment:
 
     seq_dim = 2
 
-    def __init__(self, kernel: Callable, q, k, v, igate, fgate):
+    def __init__(self, kernel: Callable, q, k, v, igate, fgate, starts=None):
         self.kernel, self.q, self.k, self.v, self.igate, self.fgate = kernel, q, k, v, igate, fgate
         self.dk, self.dv = q.shape[-1], v.shape[-1]
+        # [b] bool: the rows whose map starts a document (transformers' zero state, m = 0) rather than composing
+        # an incoming state (m = -1e38); None: none (documents.PiecesSegment sets it)
+        self.starts = starts
 
     def state_meta(self):
         b, h = self.q.shape[:2]
@@ -91,7 +107,10 @@ class MlstmSegment:
         chunk's own max-plus maximum), and ``G = Σ log f`` per head."""
         shape, dtype, device = self.state_meta()
         empty = torch.zeros(shape, dtype=dtype, device=device)
-        empty[..., -1] = _NEG
+        if self.starts is None:
+            empty[..., -1] = _NEG
+        else:
+            empty[..., -1] = torch.where(self.starts[:, None], 0.0, _NEG).to(dtype)
         _, final = self.run(empty)
         G = F.logsigmoid(hi(self.fgate).to(final.dtype)).sum(-1, keepdim=True)
         return torch.cat([final, G], dim=-1), None
@@ -116,6 +135,18 @@ class MlstmSegment:
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
         return MlstmSegment(self.kernel, *(cut(t) for t in (self.q, self.k, self.v, self.igate, self.fgate)))
 
+    def with_tensors(self, fn):
+        """The same mLSTM over ``fn`` of each per-token input (``[b, h, l, ...]``; documents.PiecesSegment): padding
+        with neutral gates (:data:`PAD_IGATE`, :data:`PAD_FGATE`), the padded rows that start a document
+        (``fn.starts``) mapped from transformers' zero state."""
+        low = max(PAD_IGATE, torch.finfo(self.igate.dtype).min)
+        return MlstmSegment(self.kernel, fn(self.q), fn(self.k), fn(self.v), fn(self.igate, low),
+                            fn(self.fgate, PAD_FGATE), starts=fn.starts)
+
+    def packed_final(self, packed):
+        """The final state of a chunk's map ``[final | G]``."""
+        return packed[..., :-1]
+
     def state_map(self, final):
         """A chunk the incoming state cannot cross (a document starts in it): ``G = -1e38``, ``b = final``."""
         final = hi(final)
@@ -136,9 +167,9 @@ def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate, batch=N
     group, size, layout, strategy = ctx.resolve(batch)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(q.shape[:1]) + (q.shape[2],), n)
     parts = [split_local(t, n, dim=2) for t in (q, k, v, igate, fgate)]
-    segments = with_documents([MlstmSegment(kernel, *p) for p in zip(*parts)], docs)
+    segments = document_segments([MlstmSegment(kernel, *p) for p in zip(*parts)], batch, ctx.path, size, rank, layout,
+                                 (q.shape[0], q.shape[2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=2)), None

@@ -28,7 +28,10 @@ train silently wrong through it (and the torch loop is slow on long shards: not 
 before it (``time_shift``, a ``ZeroPad2d`` that shifts the sequence by one): a causal conv of width
 2, so it gets a halo of one token from the previous shard (:func:`~ringmaster.recurrent.conv.
 cp_causal_conv1d`, the module's own shift run on ``[halo | shard]``). Packed or padded rows: the
-shift reads zero at every document start and the WKV state restarts there.
+shift reads zero at every document start and the WKV state restarts there (from "no state"). Inside a compiled
+block each chunk's documents run as one padded batch of pieces
+(:class:`~ringmaster.recurrent.documents.PiecesSegment`): a zero key would add ``e^0 v`` to the state, so a
+padding token's key is ``-1e30`` (:func:`pad_key`), neutral before a document's first token and behind its last.
 
 The blocks are called without any kwargs: the step context reaches the layers through the model's
 step carrier (:mod:`ringmaster.sharding.carrier`), bound to each layer's ``LayerContext`` when wired.
@@ -45,7 +48,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedLayerError
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
-from .documents import by_parts, local_documents, with_documents
+from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes, rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -57,6 +60,8 @@ OPTIONAL = {"torch_scan": "rwkv_linear_attention_cpu"}
 SHIFT_KERNELS = {"conv": "time_shift"}
 
 _NEG = -1e38   # transformers' "no state" stabiliser (e^m = 0)
+# the key of a padding token (documents.PiecesSegment): far below every real key, far above the "no state" -1e38
+PAD_KEY = -1e30
 
 
 def merge(a, b):
@@ -104,11 +109,34 @@ class WkvSegment:
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
         return WkvSegment(self.kernel, self.time_decay, self.time_first, cut(self.key), cut(self.value))
 
+    def with_tensors(self, fn):
+        """The same WKV over ``fn`` of the keys and values (``[b, l, c]``; documents.PiecesSegment), padding with
+        :func:`pad_key`."""
+        return WkvSegment(self.kernel, self.time_decay, self.time_first, fn(self.key, pad_key(self.key.dtype)),
+                          fn(self.value))
+
+    def packed_final(self, packed):
+        """The final state of a chunk's map ``[num, den, max | w·L]``."""
+        return packed[..., :3]
+
+    def start_state(self, like):
+        """The state a document starts from (transformers' "no state" ``(0, 0, -1e38)``), shaped as ``like``."""
+        return torch.cat([like.new_zeros(*like.shape[:-1], 2), like.new_full((*like.shape[:-1], 1), _NEG)], dim=-1)
+
     def state_map(self, final):
         """A chunk the incoming state cannot cross (a document starts in it): the incoming state decays
         by ``e^{-1e38}`` (= 0), ``b = final``."""
         final = hi(final)
         return torch.cat([final, final.new_full((*final.shape[:-1], 1), _NEG)], dim=-1)
+
+
+def pad_key(dtype: torch.dtype) -> float:
+    """The key of a padding token: :data:`PAD_KEY` (float16's lowest where it is lower; the kernel runs in fp32).
+    From "no state" ``(0, 0, -1e38)`` it takes the output's max (``e^{k+u-max} = 1``), so its output is its value
+    (finite: no 0/0 to put NaN in a gradient) and the state becomes ``(v, 1, -1e30)``, which still represents zero
+    and weighs ``e^{-1e30 - k} = 0`` at the first real key: that token's output and state are those of "no state",
+    bit for bit. Behind real keys it weighs ``e^{-1e30 - max} = 0`` (the first piece's trailing padding)."""
+    return max(PAD_KEY, torch.finfo(dtype).min) if dtype.is_floating_point else PAD_KEY
 
 
 def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, value, state=None, return_state=False,
@@ -131,9 +159,9 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
                            "run the model with use_cache=False")
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    docs = local_documents(batch, ctx.path, size, rank, layout, tuple(key.shape[:2]), n)
     parts = [split_local(t, n, dim=1) for t in (key, value)]
-    segments = with_documents([WkvSegment(kernel, time_decay, time_first, k, v) for k, v in zip(*parts)], docs)
+    segments = document_segments([WkvSegment(kernel, time_decay, time_first, k, v) for k, v in zip(*parts)], batch,
+                                 ctx.path, size, rank, layout, tuple(key.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (ys[0] if n == 1 else torch.cat(ys, dim=1)), None
@@ -182,7 +210,17 @@ def _guard(ctx: LayerContext) -> Callable:
         if state is not None and ctx.size > 1:
             raise RuntimeError(f"{ctx.path}: the model was called with an RWKV state under CP; "
                                "run it with use_cache=False in training")
+        _meet_pieces(ctx.carrier.current)
     return guard
+
+
+def _meet_pieces(batch) -> None:
+    """Read the batch's chunk pieces here, in the block's own (time- or channel-mixing) forward, before its token
+    shift does: a compiled block keeps the sizes of a tensor it first reaches through a torch.nn module of its own
+    (``time_shift``, a ``ZeroPad2d`` whose forward ringmaster shadows) static, so the pieces' dynamic count and
+    length (``ChunkPieces.sizes``) would specialise the block on every new pair."""
+    for p in getattr(batch, "pieces", None) or ():
+        p.sizes, p.index, p.last, p.keep, p.whole    # noqa: B018 (the read is the point)
 
 
 def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
