@@ -178,7 +178,7 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
 
 
 def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2,
-                         zero_padding=False, seq_len=64):
+                         zero_padding=False, seq_len=64, kind="packed"):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
     pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
     documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
@@ -203,7 +203,7 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
     if static_sizes:
         documents.PiecesSegment._sizes = staticmethod(lambda pieces: (pieces.n, pieces.L))
     try:
-        return packings.over_packings(ctx, model, backend, "packed", steps, size=P, seq_len=seq_len)
+        return packings.over_packings(ctx, model, backend, kind, steps, size=P, seq_len=seq_len)
     finally:
         documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes
         rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads

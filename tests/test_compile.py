@@ -146,6 +146,17 @@ def test_other_recurrent_kinds_run_packed_rows_as_pieces(pool, model):
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
 
 
+def test_padded_rows_run_as_pieces(pool):
+    """Padded rows (new left and right padding each step) through a Mamba2 hybrid: a run of padding is one document
+    for the recurrent layers (``sharding.batch.padding_merged``; attention keeps one per token), so a chunk is a few
+    pieces and a new padding compiles no new graph past the same bound (before: each padding token a piece, past the
+    pieces' budget, the chunk cut in Python: a graph per padding). Exact on every step against each row's real
+    tokens run alone."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses", 6, kind="padded"):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
 def test_mutation_rwkv_pieces_padded_with_zeros(pool):
     """Mutation: RWKV's pieces padded with a zero key (mLSTM's with zero gates), not the neutral -1e30: every
     padding token before a document adds ``e^0 v`` to its "no state", and the loss and gradients go wrong. (mLSTM's

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..comm import all_gather
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, global_documents
+from .documents import by_parts, global_documents, recurrent_runs
 from .scan import chunk_ids, split_local, tie
 
 
@@ -190,6 +190,6 @@ def cp_conv_kernel(ctx: LayerContext, namespace: dict, name: str) -> Callable:
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k != "seq_idx"}
         return cp_causal_conv1d(kernel, x, weight, bias, activation, group=group if size > 1 else None,
                                 layout=layout, docs=conv_documents(batch, ctx.path, size, x),
-                                runs=getattr(batch, "runs", None), pieces=getattr(batch, "pieces", None), **kwargs)
+                                runs=recurrent_runs(batch), pieces=getattr(batch, "pieces", None), **kwargs)
     return conv
 

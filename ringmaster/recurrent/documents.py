@@ -249,11 +249,18 @@ def document_segments(segments: Sequence, batch, path: str, size: int, rank: int
 def host_runs(batch) -> Runs:
     """The batch's host copy of its documents (``CPBatch.runs``, made in the shard step): the one source of the
     document cuts; a batch with document ids and no host copy is refused (nothing reads the ids' values)."""
-    runs = getattr(batch, "runs", None)
+    runs = recurrent_runs(batch)
     if runs is None:
         raise RuntimeError("a batch with document ids but no host runs (CPBatch.runs): build it with CPBatch, as the "
                            "shard step does, so the document cuts are never read back from the device")
     return runs
+
+
+def recurrent_runs(batch) -> Runs | None:
+    """The host runs the recurrent layers cut at (``CPBatch.recurrent_runs``: a run of padding is one document),
+    else the batch's own; None without any."""
+    runs = getattr(batch, "recurrent_runs", None)
+    return runs if runs is not None else getattr(batch, "runs", None)
 
 
 def _first(result) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +275,8 @@ def _out(result) -> torch.Tensor:
 def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> torch.Tensor | None:
     """The batch's global document ids ``[rows, S]`` for a layer holding ``local_len`` tokens of a CP
     group of ``size``, checked against that shape; None when every row is one document."""
-    docs = getattr(batch, "doc_ids", None) if batch is not None else None
+    docs = None if batch is None else getattr(batch, "recurrent_doc_ids", None)
+    docs = docs if docs is not None or batch is None else getattr(batch, "doc_ids", None)
     if docs is None:
         return None
     seq_len = docs.shape[-1]

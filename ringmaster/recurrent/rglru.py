@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from ..sharding.documents import BATCH_KWARG
-from .documents import by_parts, document_segments
+from .documents import by_parts, document_segments, recurrent_runs
 from ..intercept import interceptable, rebind_attributes
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -145,7 +145,7 @@ def wire_rglru_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
         group, size, layout, _ = ctx.resolve(batch)
         return cp_causal_conv1d(conv_kernel, x, conv.weight[:, 0, :], group=group if size > 1 else None,
                                 layout=layout, docs=conv_documents(batch, ctx.path, size, x),
-                                runs=getattr(batch, "runs", None), pieces=getattr(batch, "pieces", None))
+                                runs=recurrent_runs(batch), pieces=getattr(batch, "pieces", None))
 
     def cp_conv(x):
         batch = ctx.take_batch({})

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedLayerError
 from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
-from .documents import by_parts, document_segments
+from .documents import by_parts, document_segments, recurrent_runs
 from ..intercept import interceptable, rebind_attributes, rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -184,7 +184,7 @@ def _shift(ctx: LayerContext, pad) -> Callable:
         if size == 1 and docs is None:
             return pad_forward(pad, hidden)
         return cp_causal_conv1d(kernel, x, weight, group=group if size > 1 else None, layout=layout,
-                                docs=docs, runs=getattr(batch, "runs", None),
+                                docs=docs, runs=recurrent_runs(batch),
                                 pieces=getattr(batch, "pieces", None)).transpose(1, 2)
 
     def shift(hidden):

@@ -162,6 +162,8 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     out[CP_SHARD_KEY] = {"rank": cp_rank, "size": cp_size, "layout": DOCUMENTS if assignment is not None else layout,
                          "seq_len": seq_len, "doc_ids": doc_ids, "rows": rows}
     mask = batch.get("attention_mask")
+    if doc_ids is not None and assignment is None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        out[CP_SHARD_KEY]["recurrent_doc_ids"] = padding_merged(doc_ids, mask == 0)
     if not multimodal and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == seq_len:
         # the shard of the batch's own padding mask (attention_mask itself is dropped): what a per-sequence statistic
         # over the tokens weights them by (the MoE router loss, sharding.router)
@@ -170,6 +172,20 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     if assignment is not None:
         out[CP_SHARD_KEY].update(assignment=assignment, runs=runs)
     return out
+
+
+def padding_merged(doc_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor | None:
+    """``doc_ids [B, S]`` with every run of consecutive padding tokens (``pad``) one document, for the recurrent
+    layers (their outputs at padding are never used; a document after padding still starts from a zero state), or
+    None when no two padding tokens are neighbours. Attention keeps each padding token a document of its own (no
+    query without a key); the recurrent layers then run a run of padding as one piece, not one per token (which
+    would pass the pieces' budget, :data:`~.documents.PIECES_BUDGET`, and cut the chunk in Python)."""
+    pad = pad.to(doc_ids.device)
+    both = pad[:, 1:] & pad[:, :-1]
+    if not bool(both.any()):
+        return None
+    new = (doc_ids[:, 1:] != doc_ids[:, :-1]) & ~both
+    return torch.cat([torch.zeros_like(doc_ids[:, :1]), new.long().cumsum(-1)], dim=-1)
 
 
 def gather_sequence(local: torch.Tensor, dim: int = 1, group=None, layout: str | None = None,

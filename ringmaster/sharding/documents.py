@@ -293,7 +293,8 @@ class CPBatch:
 
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
-                 origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None):
+                 origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
+                 recurrent_doc_ids: torch.Tensor | None = None):
         self.rank, self.size, self.seq_len = rank, size, seq_len
         # this rank's shard of the batch's own attention_mask [B, local] (None without one): the token weights of a
         # per-sequence statistic (the MoE router loss, sharding.router); attention never reads it (doc_ids do)
@@ -307,6 +308,10 @@ class CPBatch:
         self.doc_ids = doc_ids
         # the host copy of the documents: built here, in the shard step (the only read of doc_ids' values)
         self.runs = runs if runs is not None or doc_ids is None else Runs.from_doc_ids(doc_ids)
+        # the documents the recurrent layers reset at: the same, except that a run of padding is one document (the
+        # shard step's sharding.batch.padding_merged), so a padded row's chunk is a few pieces, not one per token
+        self.recurrent_doc_ids = recurrent_doc_ids if recurrent_doc_ids is not None else doc_ids
+        self.recurrent_runs = Runs.from_doc_ids(recurrent_doc_ids) if recurrent_doc_ids is not None else self.runs
         # the full rows' input_ids / attention_mask when the batch brought no position_ids: what an
         # absolute position rule needs (sharding.positions); None otherwise
         self.rows = rows
@@ -329,20 +334,21 @@ class CPBatch:
         self.split_marker = None if assignment is None else _dynamic(torch.empty(0, assignment.split_share), 1)
 
     def _chunk_pieces(self) -> "tuple[ChunkPieces, ...] | None":
-        if self.runs is None or self.assignment is not None:
+        if self.recurrent_runs is None or self.assignment is not None:
             return None
         parts = self.size * balancers.chunks_per_rank(self.layout)
         if self.seq_len % parts:
             return None
         m = self.seq_len // parts
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
-        return ChunkPieces.of(self.runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
+        return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
                               m, device)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
-                   meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"))
+                   meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"),
+                   recurrent_doc_ids=meta.get("recurrent_doc_ids"))
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
