@@ -35,11 +35,17 @@ def _runs_dropped():
     def read_again(self):
         return None if self.doc_ids is None else documents.Runs.from_doc_ids(self.doc_ids)
 
+    def read_recurrent_again(self):   # the recurrent layers' copy (a run of padding one document)
+        docs = self.__dict__.get("recurrent_doc_ids")
+        return None if docs is None else documents.Runs.from_doc_ids(docs)
+
     documents.CPBatch.runs = property(read_again, lambda self, value: None)
+    documents.CPBatch.recurrent_runs = property(read_recurrent_again, lambda self, value: None)
     try:
         yield
     finally:
         del documents.CPBatch.runs
+        del documents.CPBatch.recurrent_runs
 
 
 MUTATIONS = {"item_in_ring_loop": _item_in_ring_loop, "runs_dropped": _runs_dropped}
