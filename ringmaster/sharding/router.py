@@ -52,19 +52,23 @@ def _switch_stats(gate_logits, num_experts=None, top_k=2, attention_mask=None):
     T = torch.zeros(num_experts, dtype=torch.float64, device=device)
     R = torch.zeros(num_experts, dtype=torch.float32, device=device)
     N = torch.zeros((), dtype=torch.float64, device=device)
+    mask = _mask_weights(attention_mask, device)   # the same flat mask for every layer's rows
     for layer in gate_logits:
         weights = torch.softmax(layer.to(device), dim=-1)
         _, chosen = torch.topk(weights, top_k, dim=-1)
-        mask = _mask_weights(attention_mask, device)
-        if mask is None:
-            T = T.index_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=T.dtype, device=device))
-            R = R + weights.float().sum(dim=0)
-            N = N + weights.shape[0]
-        else:
-            T = T.index_add(0, chosen.reshape(-1), mask.repeat_interleave(top_k).to(T.dtype))
-            R = R + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-            N = N + mask.sum().to(N.dtype)
+        T, R, N = _accumulate(T, R, N, chosen, weights.float(), mask, mask, top_k)
     return T, R, N
+
+
+def _accumulate(T, R, N, chosen, weights, count_mask, weight_mask, top_k):
+    """One layer's top-k counts ``chosen [rows, k]`` (weighted by ``count_mask``) and router probabilities
+    ``weights [rows, E]`` (weighted by ``weight_mask``) added to the sums; no mask: every row counts once."""
+    if weight_mask is None:
+        T = T.index_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=T.dtype, device=T.device))
+        return T, R + weights.sum(dim=0), N + weights.shape[0]
+    T = T.index_add(0, chosen.reshape(-1), count_mask.repeat_interleave(top_k).to(T.dtype))
+    R = R + (weights * weight_mask.to(weights.dtype).unsqueeze(-1)).sum(dim=0)
+    return T, R, N + weight_mask.sum().to(N.dtype)
 
 
 def _switch_formula(T, R, N, num_experts=None, **_):
@@ -79,6 +83,9 @@ def _product_key_stats(gate_logits, num_experts=None, num_keys=None, top_k=2, at
     T = torch.zeros(num_experts, dtype=torch.float64, device=device)
     R = torch.zeros(num_experts, dtype=gate_logits[0].dtype, device=device)
     N = torch.zeros((), dtype=torch.float64, device=device)
+    mask = _mask_weights(attention_mask, device)
+    # doge counts the tokens a mask keeps (bool) but weights the totals by its values
+    kept = None if mask is None else (mask != 0)
     for layer in gate_logits:
         layer = layer.to(device)
         (sx, sy), (ix, iy) = layer.topk(num_keys, dim=-1)
@@ -87,16 +94,7 @@ def _product_key_stats(gate_logits, num_experts=None, num_keys=None, top_k=2, at
         _, pos = scores.topk(top_k, dim=-1)
         chosen = indices.gather(-1, pos)
         weights = torch.zeros_like(scores).scatter(-1, indices, torch.softmax(scores, dim=-1))
-        mask = _mask_weights(attention_mask, device)
-        if mask is None:
-            T = T.index_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=T.dtype, device=device))
-            R = R + weights.sum(dim=0)
-            N = N + weights.shape[0]
-        else:
-            # doge counts the tokens a mask keeps (bool) but weights the totals by its values
-            T = T.index_add(0, chosen.reshape(-1), (mask != 0).repeat_interleave(top_k).to(T.dtype))
-            R = R + (weights * mask.to(weights.dtype).unsqueeze(-1)).sum(dim=0)
-            N = N + mask.sum().to(N.dtype)
+        T, R, N = _accumulate(T, R, N, chosen, weights, kept, mask, top_k)
     return T, R, N
 
 
