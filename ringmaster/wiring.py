@@ -113,10 +113,12 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "one per power-of-two piece length at most; a packing whose pieces would pad past 4x the chunk "
                      "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
-        notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': the two parts' lengths "
-                     "still specialise the recurrent blocks (their convs' halos and the parts' cuts; measured: 7-11 "
-                     "graphs in 12 packings): raise torch._dynamo.config.recompile_limit (32), or use a static "
-                     "load_balance for compiled hybrids")
+        notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
+                     "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the lengths "
+                     "the model's kernels branch on, are cases of their own (measured, Ulysses, 12 packings: 6 graphs "
+                     "for gated-DeltaNet, KDA, Mamba1 and short-conv hybrids, 9-12 for lightning, RG-LRU and RWKV, "
+                     "past dynamo's default limit of 8): raise torch._dynamo.config.recompile_limit (32), or use a "
+                     "static load_balance for compiled hybrids")
     if cut:
         notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: not run as padded pieces, the "
                      "chunks are cut at their document starts in Python, and a new packing recompiles the block "

@@ -254,22 +254,29 @@ class ChunkPieces:
     sizes: torch.Tensor
 
     @classmethod
-    def of(cls, runs: "Runs", starts, m: int, device) -> "tuple[ChunkPieces, ...] | None":
+    def of(cls, runs: "Runs", starts, m: int, device, padded: bool = False,
+           local: bool = False) -> "tuple[ChunkPieces, ...] | None":
         """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size for all of them
         (the most pieces of any row of any chunk, the longest piece): one value pair per batch and rank. None past
-        :data:`PIECES_BUDGET`."""
+        :data:`PIECES_BUDGET`. ``padded``: never :attr:`trivial` (a part of a ``load_balance="documents"`` shard:
+        whether its chunk happens to be one document is no case of its own beside its part's). ``local``: no state
+        enters or leaves the chunks (the whole documents' part), so the pieces' length is a power of two: a kernel
+        that branches on its length (a chunked scan's padding to its chunk size) sees few values."""
         chunks = []
         for start in starts:
             pattern = runs.pattern(start, start + m)
             chunks.append(([[0, *cuts, m] for _, cuts in pattern], [not reset for reset, _ in pattern]))
         # at least 2 each: dynamo specialises a size of 1, so a chunk of one piece would be a graph of its own
         n = max(2, bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds)))
-        L = max(min(2, m), min(m, bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))))
+        longest = bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))
+        # a lone piece the state enters and leaves fills its row (no padding after it moves the state it passes on);
+        # where no state leaves (``local``: a documents shard's whole documents), a power of two, whatever the length
+        L = max(2, longest) if local else max(min(2, m), min(m, longest))
         if n * L > PIECES_BUDGET * m:
             return None
         # the rank's chunks run as cut only when every row of every one is whole: one flag for all of them, so a
         # compiled block sees one case, not a combination per chunk (Ring's head_tail holds two)
-        trivial = all(len(b) == 2 and k for bounds, keep in chunks for b, k in zip(bounds, keep))
+        trivial = not padded and all(len(b) == 2 and k for bounds, keep in chunks for b, k in zip(bounds, keep))
         out = []
         for bounds, keep in chunks:
             index, last = [], []
@@ -342,7 +349,7 @@ class CPBatch:
         m = self.seq_len // parts
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
         return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
-                              m, device)
+                              m, device, padded=self.origin is not None, local=self.origin is not None and self.size == 1)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
