@@ -192,3 +192,33 @@ class Eager:
         if self.stance is not None:
             stance, self.stance = self.stance, None
             stance.__exit__(None, None, None)
+
+
+def zero3_partitioned(module) -> list:
+    """``module``'s parameters that DeepSpeed ZeRO-3 holds partitioned (``ds_id`` set, this rank's piece only: the
+    parameter itself an empty placeholder), or ``[]`` (no DeepSpeed, no ZeRO-3, or gathered already)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return []
+    return [p for p in module.parameters() if hasattr(p, "ds_id") and p.data.numel() < getattr(p, "ds_numel", 0)]
+
+
+def zero3_engine_holds(module) -> bool:
+    """DeepSpeed's ZeRO-3 engine has hooked ``module`` (``deepspeed.initialize`` ran): its forward hooks gather and
+    release the parameters, and a gather of our own beside them would leave them in a state they refuse."""
+    return bool(zero3_partitioned(module)) and any(hasattr(m, "ds_grads_remaining") for m in module.modules())
+
+
+def zero3_gathered(module):
+    """A context in which ``module``'s ZeRO-3 partitioned parameters are whole on every rank (DeepSpeed's
+    ``GatheredParameters``, read-only), for what ``rm.wire`` runs of the model at wire time, outside DeepSpeed's
+    forward (a recurrent layer's probe, on a model HF built partitioned under ``zero.Init``); nothing when none are
+    partitioned. One module at a time: a layer's parameters, never the model's."""
+    import contextlib
+    import sys
+
+    params = zero3_partitioned(module)
+    if not params:
+        return contextlib.nullcontext()
+    return sys.modules["deepspeed"].zero.GatheredParameters(params, modifier_rank=None)

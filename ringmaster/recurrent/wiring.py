@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..architectures import classify_layers, get_architecture, text_config
 from ..errors import UnsupportedLayerError
 from ..runtime import active
@@ -139,6 +140,20 @@ def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, le
     (another kernel name, a path that bypasses the kernels, a state that no longer reaches the
     output) this fails closed, naming the layer. ``kwargs(x)``: the extra arguments the layer's forward
     needs besides the hidden states (:attr:`RecurrentKind.probe_kwargs`)."""
+    if compat.zero3_engine_holds(module):
+        # DeepSpeed ZeRO-3 after deepspeed.initialize: its hooks own the parameters (a layer reading a child's weight
+        # directly would read a placeholder); the static check of the kernel names stands, as for FSDP2. Wire before
+        # deepspeed.initialize to get the probe
+        return
+    with _gathered(module):   # a model partitioned by zero.Init: the layer's parameters whole for the probe only
+        _probe(module, ctx, kernels, hidden, length, kwargs)
+
+
+def _gathered(module):
+    return compat.zero3_gathered(module)
+
+
+def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int, kwargs: Callable | None) -> None:
     param = next(module.parameters(), None)
     if hidden is None or param is None or param.device.type == "meta" or _is_dtensor(param):
         # nothing local to run on (deferred init, or FSDP2 already sharded the weights: wire before
