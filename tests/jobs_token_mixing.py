@@ -178,8 +178,21 @@ def _loss(kind):
                         out.loss = out.loss + 0.1 * out.logits.float().mean(dim=1).pow(2).mean()
                     elif kind == "local_mean":   # num_items_in_batch dropped: a mean over the shard
                         labels = kwargs.get("shift_labels")
+                        if labels is None:   # without CP: the whole row's mean, the model's own loss
+                            labels = F.pad(kwargs["labels"], (0, 1), value=-100)[:, 1:]
                         logits = out.logits.float()
                         out.loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+                    elif kind == "mean_all_tokens":   # a mean over the shard's positions, ignored ones counted as 0
+                        labels = kwargs.get("shift_labels")
+                        out.loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                   reduction="none").mean()
+                    elif kind == "custom_sum":   # honest: a sum over the shard's targets / the batch's target count
+                        labels = kwargs.get("shift_labels")   # without CP: the model's own shift, its own count
+                        if labels is None:
+                            labels = F.pad(kwargs["labels"], (0, 1), value=-100)[:, 1:]
+                        n = kwargs.get("num_items_in_batch") or (labels != -100).sum()
+                        out.loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                   reduction="sum") / n
                     elif kind == "shifts_labels":   # the labels it is given, shifted in the shard: a target lost at a cut
                         labels, n = kwargs["labels"], kwargs["num_items_in_batch"]
                         logits = out.logits.float()[:, :-1]
@@ -187,6 +200,9 @@ def _loss(kind):
                                                    reduction="sum") / n
                 return out
         Edited.__name__ = cls.__name__ + "Edited"
+        # its attention is Llama's own (transformers guesses from this file's source, whose attention stand-ins
+        # do not use the interface)
+        Edited._can_set_attn_implementation_cached_value = True
         model.__class__ = Edited
     return edit
 
@@ -222,6 +238,8 @@ EDITS = {
     "loss_statistic": _loss("statistic"),
     "loss_local_mean": _loss("local_mean"),
     "loss_shifts_labels": _loss("shifts_labels"),
+    "loss_mean_all_tokens": _loss("mean_all_tokens"),
+    "loss_custom_sum": _loss("custom_sum"),
 }
 
 
@@ -284,7 +302,7 @@ def refusals(ctx, cases: list[str], layout: str, P: int = 2, compiled: bool = Fa
 def exactness(ctx, case: str, layout: str = "ulysses", P: int = 2, mutation: str | None = None) -> dict:
     """The tiny Llama edited by ``case`` under CP against itself without CP: ``refused`` (the error) or the
     errors. ``mutation="skip"``: the check stands in for the MLP of layer 0 as if ringmaster routed it (it
-    skips the module); ``mutation="off"``: no check at all."""
+    skips the module); ``mutation="off"``: no check at all; ``mutation="no_loss"``: the check without its loss test."""
     from ringmaster.architectures import mixing
 
     original = mixing.MixingCheck.__init__
@@ -295,6 +313,8 @@ def exactness(ctx, case: str, layout: str = "ulysses", P: int = 2, mutation: str
         original(self, model, decoder, routed, replayed, *args, **kwargs)
         if mutation == "off":
             self.done = {True, False}
+        if mutation == "no_loss":   # the loss test skipped
+            self.loss = False
     mixing.MixingCheck.__init__ = init
     try:
         batch = _batch(layout, tiny_model("llama", num_hidden_layers=2).config.vocab_size)

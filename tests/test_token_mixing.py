@@ -33,14 +33,17 @@ EXPECTED = {
     "loss_statistic": "the loss of",
     "loss_local_mean": "the loss of",
     "loss_shifts_labels": "the loss of",
+    "loss_mean_all_tokens": "the loss of",
 }
+# honest losses: never refused (a false alarm is a bug too), exact
+HONEST = ["plain", "per_token_routing", "loss_custom_sum"]
 
 
 @pytest.mark.parametrize("layout, P", [("ulysses", 2), ("ring", 2), ("documents", 2), ("usp", 4)])
 def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
-    cases = ["plain", "per_token_routing", *EXPECTED]
+    cases = [*HONEST, *EXPECTED]
     for ranks in [pool.run(jobs_token_mixing.refusals, cases, layout, P=P)]:
-        for case in ("plain", "per_token_routing"):   # the unedited model and per-token routing run
+        for case in HONEST:   # the unedited model, per-token routing and an honest loss of its own run
             assert all(r[case] is None for r in ranks), [r[case] for r in ranks]
         for case, named in EXPECTED.items():
             found = [r[case] for r in ranks]
@@ -71,6 +74,17 @@ def test_unedited_model_is_exact_and_the_check_reports_each_mode(pool):
         assert r["before"] is None and "training mode" in r["train"] and "eval mode" in r["after"], r
         assert "shown per-token at its 32-token shard" in r["after"] and "token-mixing" in r["text"], r
         assert r["disarmed"] and r["timed"] == [False, True], r   # both modes checked (and timed): no hook left
+
+
+def test_honest_custom_loss_is_exact_and_mutation_without_the_loss_test_trains_wrong(pool):
+    """A loss of the model's own that sums over the shard's ``shift_labels`` and divides by ``num_items_in_batch`` is
+    exact (never refused). Mutation: the check without its loss test: a loss that takes a mean over the shard
+    (``num_items_in_batch`` dropped, as a fused head with ``reduction="mean"`` does) is not refused, and its CP loss
+    and gradients are wrong."""
+    for r in pool.run(jobs_token_mixing.exactness, "loss_custom_sum"):
+        assert r["refused"] is None and r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+    for r in pool.run(jobs_token_mixing.exactness, "loss_local_mean", mutation="no_loss"):
+        assert r["refused"] is None and max(r["loss"], r["grad"]) > 1e-3, r
 
 
 def test_mutation_a_module_the_check_skips_trains_wrong(pool):
