@@ -368,3 +368,22 @@ def generate_while_wired(ctx, P: int = 2) -> dict:
         rm.unwire(model)
     out = model.generate(prompt, max_new_tokens=2, do_sample=False)
     return {"wired": wired, "unwired_tokens": int(out.shape[1]), "restored": "generate" not in model.__dict__}
+
+
+def targets_on_one_rank(ctx, layout: str = "ulysses", P: int = 2) -> list[dict]:
+    """Every target on the first rank's shard (labels -100 on the rest of the row, then on its first half): a rank
+    with no target returns 0 for its share (``num_items_in_batch`` is the group's count), never NaN, and the step is
+    exact against the model without CP."""
+    from ringmaster_tools.parity import tiny_batch
+
+    out = []
+    for half in (0, 1):
+        batch = tiny_batch(tiny_model("llama", num_hidden_layers=2).config.vocab_size, 64, ignore_frac=0.0)
+        if half == 0:
+            batch["labels"][:, 32:] = -100   # the second rank's targets (labels 33..63, shifted) all ignored
+        else:
+            batch["labels"][:, :33] = -100   # the first rank's (labels 1..32)
+        r = compare("llama", rm.RingmasterConfig(size=P, **LAYOUTS[layout]), device_mesh=ctx.mesh(P), batch=batch,
+                    num_hidden_layers=2)
+        out.append({"loss": r["loss_err"], "logits": r["logits_err"], "grad": r["grad_err_total"]})
+    return out

@@ -117,3 +117,13 @@ def test_generate_on_a_wired_model_says_unwire(pool):
     for r in pool.run(jobs_token_mixing.generate_while_wired):
         assert r["wired"] is not None and "rm.unwire(model)" in r["wired"], r
         assert r["unwired_tokens"] == 6 and r["restored"], r
+
+
+@pytest.mark.parametrize("layout", ["ulysses", "ring"])
+def test_a_rank_with_no_target_is_exact_not_nan(pool, layout):
+    """All of a row's targets on one rank's shard (either rank): the other rank's share is 0, not NaN, and the loss
+    and gradient match the model without CP."""
+    for ranks in [pool.run(jobs_token_mixing.targets_on_one_rank, layout)]:
+        for r in ranks:
+            for half in r:
+                assert half["loss"] < 1e-5 and half["grad"] < 1e-5, r   # a NaN loss fails both
