@@ -63,7 +63,7 @@ def zero_parity(ctx, model_name: str, backend: str = "ulysses", stage: int = 3, 
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import ringmaster as rm
-    from ringmaster.recurrent import wiring as recurrent_wiring
+    from ringmaster import compat
     from ringmaster_tools import step_shape
     from ringmaster_tools.parity import rel_err, tiny_batch
 
@@ -89,9 +89,9 @@ def zero_parity(ctx, model_name: str, backend: str = "ulysses", stage: int = 3, 
     rm.wire(plain, cfg, device_mesh=mesh)
     _cp_step(plain, batch, group, P, lambda loss: loss.backward())
     rm.unwire(plain)
-    gathered = recurrent_wiring._gathered
+    gathered = compat.zero3_gathered
     if not probe_gathers:
-        recurrent_wiring._gathered = lambda module: contextlib.nullcontext()
+        compat.zero3_gathered = lambda module: contextlib.nullcontext()
     try:
         if when in ("before", "zero_init"):
             rm.wire(model, cfg, device_mesh=mesh)
@@ -100,7 +100,7 @@ def zero_parity(ctx, model_name: str, backend: str = "ulysses", stage: int = 3, 
         if when == "after":
             rm.wire(engine.module, cfg, device_mesh=mesh)
     finally:
-        recurrent_wiring._gathered = gathered
+        compat.zero3_gathered = gathered
     partitioned = stage == 3 and any(getattr(p, "ds_numel", 0) and p.data.numel() < p.ds_numel
                                      for p in engine.module.parameters())
     loss = _cp_step(engine, batch, group, P, engine.backward)

@@ -166,6 +166,12 @@ def _mlp(fn):
     return lambda model: setattr(model.model.layers[0], "mlp", Wrap(model.model.layers[0].mlp, fn))
 
 
+def _targets(kwargs):
+    """The forward's targets: the ``shift_labels`` ringmaster passes under CP, else its ``labels`` shifted by one."""
+    labels = kwargs.get("shift_labels")
+    return F.pad(kwargs["labels"], (0, 1), value=-100)[:, 1:] if labels is None else labels
+
+
 def _loss(kind):
     def edit(model):
         cls = type(model)
@@ -177,9 +183,7 @@ def _loss(kind):
                     if kind == "statistic":      # a sequence statistic of the logits in the loss
                         out.loss = out.loss + 0.1 * out.logits.float().mean(dim=1).pow(2).mean()
                     elif kind == "local_mean":   # num_items_in_batch dropped: a mean over the shard
-                        labels = kwargs.get("shift_labels")
-                        if labels is None:   # without CP: the whole row's mean, the model's own loss
-                            labels = F.pad(kwargs["labels"], (0, 1), value=-100)[:, 1:]
+                        labels = _targets(kwargs)   # without CP: the whole row's mean, the model's own loss
                         logits = out.logits.float()
                         out.loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
                     elif kind == "mean_all_tokens":   # a mean over the shard's positions, ignored ones counted as 0
@@ -187,9 +191,7 @@ def _loss(kind):
                         out.loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
                                                    reduction="none").mean()
                     elif kind == "custom_sum":   # honest: a sum over the shard's targets / the batch's target count
-                        labels = kwargs.get("shift_labels")   # without CP: the model's own shift, its own count
-                        if labels is None:
-                            labels = F.pad(kwargs["labels"], (0, 1), value=-100)[:, 1:]
+                        labels = _targets(kwargs)   # without CP: the model's own shift, its own count
                         n = kwargs.get("num_items_in_batch") or (labels != -100).sum()
                         out.loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
                                                    reduction="sum") / n

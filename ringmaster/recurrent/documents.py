@@ -259,8 +259,7 @@ def host_runs(batch) -> Runs:
 def recurrent_runs(batch) -> Runs | None:
     """The host runs the recurrent layers cut at (``CPBatch.recurrent_runs``: a run of padding is one document),
     else the batch's own; None without any."""
-    runs = getattr(batch, "recurrent_runs", None)
-    return runs if runs is not None else getattr(batch, "runs", None)
+    return getattr(batch, "recurrent_runs", getattr(batch, "runs", None))
 
 
 def _first(result) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,8 +274,7 @@ def _out(result) -> torch.Tensor:
 def global_documents(batch, path: str, size: int, rows: int, local_len: int) -> torch.Tensor | None:
     """The batch's global document ids ``[rows, S]`` for a layer holding ``local_len`` tokens of a CP
     group of ``size``, checked against that shape; None when every row is one document."""
-    docs = None if batch is None else getattr(batch, "recurrent_doc_ids", None)
-    docs = docs if docs is not None or batch is None else getattr(batch, "doc_ids", None)
+    docs = getattr(batch, "recurrent_doc_ids", getattr(batch, "doc_ids", None))   # CPBatch: doc_ids unless padded
     if docs is None:
         return None
     seq_len = docs.shape[-1]

@@ -145,12 +145,8 @@ def probe_layer(module, ctx: LayerContext, kernels: dict, hidden: int | None, le
         # directly would read a placeholder); the static check of the kernel names stands, as for FSDP2. Wire before
         # deepspeed.initialize to get the probe
         return
-    with _gathered(module):   # a model partitioned by zero.Init: the layer's parameters whole for the probe only
+    with compat.zero3_gathered(module):   # a model partitioned by zero.Init: the layer's parameters whole for the probe
         _probe(module, ctx, kernels, hidden, length, kwargs)
-
-
-def _gathered(module):
-    return compat.zero3_gathered(module)
 
 
 def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length: int, kwargs: Callable | None) -> None:
