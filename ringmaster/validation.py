@@ -11,6 +11,7 @@ device when the group has a backend for it, else one it has; an NCCL group has n
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -68,6 +69,13 @@ def fingerprint(meta: Mapping[str, Any], config, full_batch: Mapping[str, Any] |
     ]
 
 
+# DeepSpeed counts every rank as data-parallel: its loader and the HF Trainer's with deepspeed= give each rank its own batch
+_DEEPSPEED_HINT = ("; DeepSpeed's data loader (deepspeed.initialize(training_data=...)) and the HF Trainer with "
+                   "deepspeed= count every rank as data-parallel and give each its own batch: sample per CP group "
+                   "instead (a sampler over world_size // cp_size replicas, indexed by this rank's CP group; "
+                   "docs/integration.md, DeepSpeed ZeRO)")
+
+
 def check_agreement(values: list[int], group, device=None) -> None:
     """All-gather the fingerprint over ``group`` and raise the same error on every rank if any differs.
 
@@ -89,7 +97,8 @@ def check_agreement(values: list[int], group, device=None) -> None:
     per_rank = "; ".join(f"rank {r}: " + ", ".join(shown(f, rows[r][FIELDS.index(f)]) for f in differ)
                          for r in range(P))
     hint = ("every rank of a CP group must pass the same full batch (same data-loader seed/sampler for the "
-            "ranks of one CP group; data parallelism happens across CP groups)") if "tokens" in differ else \
+            "ranks of one CP group; data parallelism happens across CP groups)" + _DEEPSPEED_HINT * (
+                "deepspeed" in sys.modules)) if "tokens" in differ else \
         "every rank must use the same sequence length, packing and RingmasterConfig"
     raise InputMismatchError(f"the CP group disagrees on {', '.join(differ)} ({per_rank}); {hint}. "
                              "Set RingmasterConfig(validate_inputs=False) to skip this check")

@@ -494,7 +494,8 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)
         loss = loss / P
-        logits = rm.gather_sequence(out.logits.detach(), dim=1, assignment=assignment)
+        # a fused head and loss (Liger's fused linear cross entropy) returns no logits in training
+        logits = None if out.logits is None else rm.gather_sequence(out.logits.detach(), dim=1, assignment=assignment)
         # a MoE model's router loss (output_router_logits=True): the group mean of the ranks' aux_loss
         aux, ref_aux = getattr(out, "aux_loss", None), getattr(ref_out, "aux_loss", None)
         aux_err = None
@@ -516,7 +517,8 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
         "loss_cp": loss.item(),
         "loss_err": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
         "aux_err": aux_err,
-        "logits_err": rel_err(logits, ref_out.logits) if logits.shape == ref_out.logits.shape else float("inf"),
+        "logits_err": None if logits is None else
+        rel_err(logits, ref_out.logits) if logits.shape == ref_out.logits.shape else float("inf"),
         "grad_err": grad_errs[worst],
         "worst_param": worst,
         "grad_errs": grad_errs,

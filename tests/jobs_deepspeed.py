@@ -119,3 +119,32 @@ def zero_parity(ctx, model_name: str, backend: str = "ulysses", stage: int = 3, 
     return {"loss": rel_err(loss, ref_out.loss), "grad": max(grads.values()), "truth": max(truth.values()),
             "missing": missing, "partitioned": partitioned, "params": len(grads),
             "worst": max(grads, key=grads.get)}
+
+
+def mismatched_batches(ctx) -> str:
+    """A DeepSpeed ZeRO-1 engine whose ranks (one CP group) each get their own batch, as DeepSpeed's loader and the
+    HF Trainer with ``deepspeed=`` hand them out: the error this rank raised, before any collective of the step."""
+    _launcher_env()
+    import deepspeed
+    import torch
+
+    import ringmaster as rm
+    from ringmaster.validation import InputMismatchError
+    from ringmaster_tools import step_shape
+    from ringmaster_tools.parity import tiny_batch
+
+    mesh = ctx.mesh(2)
+    torch.manual_seed(0)
+    model = step_shape._model("llama")
+    rm.wire(model, step_shape._cfg("ulysses", 2), device_mesh=mesh)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=_ds_config(1), dist_init_required=False)
+    batch = tiny_batch(model.config.vocab_size, 64, seed=1 + torch.distributed.get_rank())   # a batch per rank
+    try:
+        _cp_step(engine, batch, mesh.get_group("cp"), 2, engine.backward)
+        return "ran"
+    except InputMismatchError as exc:
+        return str(exc)
+    finally:
+        rm.unwire(engine.module)
+        engine.destroy()

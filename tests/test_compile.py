@@ -43,8 +43,10 @@ def test_fullgraph_compile_with_documents(pool):
     """load_balance="documents" on a packed row (two documents split, one whole on its rank) through a gated-DeltaNet
     hybrid: the attention's two parts and the recurrent kernels' (by_parts) compile with fullgraph=True per block
     and match the model without CP (the ring's split part is the static ring loop compiled above; measured too:
-    llama ring-documents, 0 breaks, exact)."""
-    for r in pool.run(jobs_compile.compile_parity, "gdn-hybrid", "ulysses-documents", batch="packed"):
+    llama ring-documents, 0 breaks, exact). Dynamo's eager backend: fullgraph is a property of the capture, which
+    this checks; AOTAutograd's trace of the backward runs for the dense rows above (measured with it too: exact,
+    at three times the cost)."""
+    for r in pool.run(jobs_compile.compile_parity, "gdn-hybrid", "ulysses-documents", compiler="eager", batch="packed"):
         assert r["graph_breaks"] == 0 and r["graphs"] >= 1, r
         assert r["loss"] <= TOL and r["logits"] <= TOL, r
         assert r["grad"] <= GDN_GRAD_TOL, r
@@ -169,7 +171,7 @@ def test_mutation_rwkv_pieces_padded_with_zeros(pool):
 def test_mutation_pieces_pass_the_state_through_a_cut(pool):
     """Mutation: a chunk cut by documents keeps its first piece's map (the state crosses the cut): the gradients
     go wrong (the tiny model's state decays fast, so the loss moves little; every parameter is checked)."""
-    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses", 3, whole_map_always=True):
+    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses", 1, whole_map_always=True):
         assert max(r["grad"]) > 1e-3, r["grad"]
 
 

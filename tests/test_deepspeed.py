@@ -51,3 +51,12 @@ def test_mutation_probe_on_partitioned_parameters_crashes(ds_pool):
     parameters (what issue 43 found): rm.wire crashes on the placeholders."""
     with pytest.raises(Exception, match="size mismatch"):
         ds_pool.run(jobs_deepspeed.zero_parity, "gdn-hybrid", "ulysses", 3, "zero_init", probe_gathers=False)
+
+
+def test_a_batch_per_rank_under_deepspeed_is_refused_naming_the_sampler(ds_pool):
+    """DeepSpeed's loader and the HF Trainer with ``deepspeed=`` give every rank its own batch (they count the CP
+    ranks as data-parallel): refused on every rank by the batch check (one all-gather of a fingerprint) before the
+    step's CP collectives, the error saying how to sample per CP group."""
+    for err in ds_pool.run(jobs_deepspeed.mismatched_batches):
+        assert "the CP group disagrees on" in err and "tokens" in err, err
+        assert "DeepSpeed's data loader" in err and "world_size // cp_size" in err, err

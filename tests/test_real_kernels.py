@@ -25,8 +25,12 @@ import realkernels
 TOL = 1e-4          # loss and gathered logits, fp32
 TOTAL_TOL = 2e-4    # the whole gradient, relative max-norm
 # every parameter against its own norm, fp32: FLA's kernels accumulate in fp32, and A_log / dt_bias gradients are
-# cancelling sums (measured max 2.3e-5, qwen3_5_text dt_bias); a dropped state moves them by 0.4-1.8
+# cancelling sums whose fp32 error depends on the CPU's matmul kernels (measured max 2.3e-5, qwen3_5_text dt_bias,
+# on one machine; 1.5e-4, lara_mini dt_bias, on an AVX-512/AMX Xeon, the same before this change);
+# a dropped state moves them by 0.4-1.8
 PARAM_TOL = 1e-4
+CANCELLING = ("A_log", "dt_bias")
+CANCELLING_TOL = 1e-3
 NEEDED = ("A_log", "conv1d.weight")
 MUTATION_FLOOR = 1e-2   # a mutated run must miss by at least this (measured 0.26 logits, 1.8 A_log)
 
@@ -62,7 +66,8 @@ def check(results, P, mode, cases, needed=NEEDED):
                 assert any(name in k for k in r["grad_errs"]), (name, sorted(r["grad_errs"]))
             assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, (rank, backend, strategy, r)
             assert r["grad_err_total"] <= TOTAL_TOL, (rank, backend, strategy, r)
-            worst = {k: v for k, v in r["grad_errs"].items() if v > PARAM_TOL}
+            worst = {k: v for k, v in r["grad_errs"].items()
+                     if v > (CANCELLING_TOL if k.endswith(CANCELLING) else PARAM_TOL)}
             assert not worst, (rank, backend, strategy, worst)
 
 

@@ -10,6 +10,8 @@ Ring, USP and documents, naming the module (or the loss), and the unedited model
 import jobs_token_mixing
 import pytest
 
+from ringmaster.architectures.mixing import LOSS_FIX
+
 # case -> what the refusal names
 EXPECTED = {
     "running_mean_mlp": "'model.layers.0.mlp'",
@@ -51,6 +53,8 @@ def test_every_edit_is_refused_on_every_rank_before_backward(pool, layout, P):
             assert all("token-mixing check" in f["error"] for f in found), (case, found)
             # the rank(s) that measured it name what mixes; the others say which rank did
             assert any(named in f["error"] for f in found), (case, [f["error"][:400] for f in found])
+            if case.startswith("loss_"):   # the fix names the keys the loss must use
+                assert any(LOSS_FIX in f["error"] for f in found), (case, [f["error"][-600:] for f in found])
 
 
 COMPILED_CASES = ["running_mean_mlp", "layer_shift", "remote_sdpa", "local_rotary"]

@@ -68,6 +68,21 @@ _DROPOUTS = frozenset(f for f in (
     getattr(torch, "native_dropout", None)) if f is not None)
 
 
+class _LossProblem(str):
+    """What the loss test found: its refusal names the loss's keys and their fix, not the token-mixing one."""
+
+
+MIXING_FIX = ("Fix: make it per-token (positions from the position_ids ringmaster passes, no statistic over the "
+              "sequence), or register the family with an ArchitectureSpec that routes it "
+              "(rm.register_architecture(spec, override=True): its attention classes, a declared self-attention "
+              "site, a recurrent kind), or refuse it (ArchitectureSpec(refuse=...))")
+LOSS_FIX = ("Fix: the model's forward must hand its loss the shift_labels and num_items_in_batch ringmaster puts in "
+            "each shard's kwargs (the full row's targets cut for the rank, and the group's target count / CP size), "
+            "and the loss must be a sum over those targets divided by num_items_in_batch: do not shift labels "
+            "inside the shard nor take a mean over it. A forward that wraps the head and loss (a fused or custom "
+            "loss, Liger's fused linear cross entropy, a patched forward) must pass both keys through")
+
+
 class _NoDropout(TorchFunctionMode):
     """Dropout functions return their input (``native_dropout`` its input and an all-true mask)."""
 
@@ -363,10 +378,7 @@ class MixingCheck:
                 "ringmaster's token-mixing check (first CP forward in "
                 f"{'training' if rec['mode'] else 'eval'} mode, before any backward; the loss must not be used): "
                 f"{why}. Under CP each rank runs it on its shard alone, so the result is not the single-device one. "
-                "Fix: make it per-token (positions from the position_ids ringmaster passes, no statistic over the "
-                "sequence), or register the family with an ArchitectureSpec that routes it "
-                "(rm.register_architecture(spec, override=True): its attention classes, a declared self-attention "
-                "site, a recurrent kind), or refuse it (ArchitectureSpec(refuse=...))")
+                + (LOSS_FIX if isinstance(problem, _LossProblem) else MIXING_FIX))
         self.done.add(rec["mode"])
         note = (f"{self._name(self.decoder_path, self.decoder)} shown per-token at its {rec['length']}-token shard in "
                 f"{'training' if rec['mode'] else 'eval'} mode (CP attention answering per token, {len(self.routed)} "
@@ -617,7 +629,7 @@ class MixingCheck:
             # expert count may equal), so they are not the head's outputs
             head = {k: v for k, v in o.items() if k != "router_logits"} if isinstance(o, dict) else o
             results.append((_loss_of(o), _outputs(head, hi - lo)))
-        where = type(self.model).forward
+        where = vars(self.model).get("forward") or type(self.model).forward   # an instance's patched forward
         for r in results:
             if isinstance(r, Exception):
                 return (f"the head and loss of {self._name('', self.model)} (forward at {_where(where)}) do not run on a "
@@ -640,12 +652,13 @@ class MixingCheck:
             err = float((total - parts).abs()) / max(float(total.abs()), 1e-12)
             tol = LOSS_TOL if fp32 else LOSS_TOL_16
             if not err <= tol:
-                return (f"the loss of {self._name('', self.model)} (forward at {_where(where)}): on the first {w} "
-                        f"tokens of the shard it is {float(total):.6g}, on two pieces of them {float(l1):.6g} + "
-                        f"{float(l2):.6g} (relative {err:.1e}, tolerance {tol:.0e}): under CP the rank losses add up to "
-                        "the model's loss only if it is a sum over tokens divided by the num_items_in_batch ringmaster "
-                        "passes, with the shift_labels it passes (a mean over the shard, labels shifted inside the "
-                        "shard, or a statistic over the sequence in the loss is not)")
+                return _LossProblem(
+                    f"the loss of {self._name('', self.model)} (forward at {_where(where)}): on the first {w} "
+                    f"tokens of the shard it is {float(total):.6g}, on two pieces of them {float(l1):.6g} + "
+                    f"{float(l2):.6g} (relative {err:.1e}, tolerance {tol:.0e}): under CP the rank losses add up to "
+                    "the model's loss only if it is a sum over tokens divided by the num_items_in_batch ringmaster "
+                    "passes, with the shift_labels it passes (a mean over the shard, labels shifted inside the "
+                    "shard, or a statistic over the sequence in the loss is not)")
         return None
 
     def _trace(self, run, plan, where: list[int], shift: int, tol: float, decoder: nn.Module, path: str) -> str:

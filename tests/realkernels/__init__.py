@@ -2,7 +2,8 @@
 Triton parts) on CPU, for tests only: never shipped, never imported by ``ringmaster``.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs Triton kernels on CPU tensors. Three gaps keep FLA's
-kernels and its context parallelism (``fla.ops.cp``) from running there; :func:`bridge` closes them:
+kernels and its context parallelism (``fla.ops.cp``) from running there, and two more Liger-Kernel's;
+:func:`bridge` closes them:
 
 1. the autotuner times every config through a GPU driver (``RuntimeError: 0 active drivers``): under the
    interpreter no config is timed, the one with the largest blocks runs (the fewest program instances);
@@ -11,9 +12,16 @@ kernels and its context parallelism (``fla.ops.cp``) from running there; :func:`
    those loops yield interpreter tensors, as compiled Triton does (``tl.static_range`` keeps its ints);
 3. FLA's CP refuses any device but CUDA / Ascend (``_check_cp_device``) and allocates its all-gathers as
    ``[world, *shape]``, which gloo rejects (NCCL accepts it): the device check lets CPU through and the
-   gather goes into the same memory viewed as the concatenation along dim 0.
+   gather goes into the same memory viewed as the concatenation along dim 0;
+4. a Python float kernel argument reaches the kernel as a Python float, where compiled Triton passes an fp32
+   scalar (Liger's ``eps.to(tl.float32)``: ``'float' object has no attribute 'to'``): it arrives as the
+   interpreter's fp32 scalar tensor, the type Triton's own specialisation gives it;
+5. a libdevice function imported by its bare name (Liger's ``from triton.language.extra.libdevice import
+   rsqrt``, ``tanh``) is an empty stub the compiler resolves and the interpreter never patches (it returns
+   None): such a name in a kernel's module resolves at call time to ``triton.language.math``'s function as the
+   interpreter patched it (``tanh``, which ``tl.math`` lacks, to numpy's).
 
-A fourth change is for speed only: the interpreter's re-patching of ``triton.language`` at every helper call
+A further change is for speed only: the interpreter's re-patching of ``triton.language`` at every helper call
 is skipped where the launch already patched it (a third of its time on FLA's kernels).
 
 A process picks one of two worlds before transformers imports a modeling module (transformers resolves
@@ -107,13 +115,15 @@ _BRIDGED = False
 
 
 def bridge() -> None:
-    """Close the interpreter's three gaps (module docstring). Idempotent."""
+    """Close the interpreter's gaps (module docstring). Idempotent."""
     global _BRIDGED
     if _BRIDGED:
         return
     _bridge_autotuner()
     _bridge_loop_variables()
     _bridge_fla_cp()
+    _bridge_float_arguments()
+    _bridge_libdevice()
     _bridge_repatching()
     _BRIDGED = True
 
@@ -157,6 +167,61 @@ def _bridge_loop_variables() -> None:
 
     interpreter._ringmaster_loop = loop   # the rewriter copies the interpreter's globals into the kernel's
     interpreter.FunctionRewriter.ast_transformer = Transformer()
+
+
+def _bridge_float_arguments() -> None:
+    import numpy as np
+    from triton.runtime import interpreter
+    from triton.runtime.jit import mangle_type
+
+    original = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            ty = interpreter.tl.str_to_ty(mangle_type(arg), None)   # fp32, as compiled Triton specialises it
+            return interpreter.tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), ty), ty)
+        return original(arg)
+
+    interpreter._implicit_cvt = implicit_cvt   # GridExecutor looks it up in the module at every launch
+
+
+def _bridge_libdevice() -> None:
+    """A kernel module's global that is a ``triton.language.extra`` libdevice stub becomes a forwarder to
+    ``triton.language.math``'s function of that name, looked up at call time (inside a launch, where the
+    interpreter has patched it). Applied to each kernel's module on its first launch."""
+    from triton.runtime import interpreter
+
+    tl = interpreter.tl
+
+    def tanh(x):
+        import numpy   # looked up here: the interpreter runs the kernel's callees in the kernel's globals
+
+        handle = interpreter.TensorHandle(numpy.tanh(x.handle.data), x.handle.dtype.scalar)
+        return tl.core.tensor(handle, x.type)
+
+    def forwarder(name):
+        def call(*args, **kwargs):
+            return getattr(tl.math, name)(*args, **kwargs)
+        call.__name__ = name
+        return call
+
+    done: set[int] = set()
+    original = interpreter._patch_lang
+
+    def patch_lang(fn):
+        scope = fn.__globals__
+        if id(scope) not in done:
+            done.add(id(scope))
+            for key, value in list(scope.items()):
+                if (callable(value) and (getattr(value, "__module__", "") or "").startswith("triton.language.extra")
+                        and getattr(value, "__name__", None) == key):
+                    if key == "tanh":
+                        scope[key] = tanh
+                    elif hasattr(tl.math, key):
+                        scope[key] = forwarder(key)
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang
 
 
 def _bridge_repatching() -> None:
