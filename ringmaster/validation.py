@@ -72,8 +72,8 @@ def fingerprint(meta: Mapping[str, Any], config, full_batch: Mapping[str, Any] |
 # DeepSpeed counts every rank as data-parallel: its loader and the HF Trainer's with deepspeed= give each rank its own batch
 _DEEPSPEED_HINT = ("; DeepSpeed's data loader (deepspeed.initialize(training_data=...)) and the HF Trainer with "
                    "deepspeed= count every rank as data-parallel and give each its own batch: sample per CP group "
-                   "instead (a sampler over world_size // cp_size replicas, indexed by this rank's CP group; "
-                   "docs/integration.md, DeepSpeed ZeRO)")
+                   "instead (ringmaster.adapters.trl.CPSFTTrainer does; else a sampler over world_size // cp_size "
+                   "replicas, indexed by this rank's CP group; docs/integration.md, DeepSpeed ZeRO)")
 
 
 def check_agreement(values: list[int], group, device=None) -> None:

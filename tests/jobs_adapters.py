@@ -489,3 +489,34 @@ def fp64_step(ctx, job, *args, **kwargs):
     kwargs["overrides"] = {**(kwargs.get("overrides") or {}), "dtype": torch.float64}
     with keep_fp64():
         return job(ctx, *args, **kwargs)
+
+
+def data_shards_per_cp_group(ctx) -> dict:
+    """The data sharding CPSFTTrainer applies where accelerate shards over every rank (DeepSpeed on a GPU host, a
+    launch without ParallelismConfig(cp_size)): a map-style loader prepared by accelerate for this rank among all four
+    (``num_processes=4``, as accelerate sees such a launch), its batches before and after
+    ``_shard_per_cp_group``, and the shards ``_data_parallel_shards`` computes for the ("dp", "cp") = (2, 2) mesh."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from ringmaster.adapters.trl import _data_parallel_shards, _shard_per_cp_group
+
+    mesh = ctx.mesh(2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runtime = SimpleNamespace(cp_size=2, cp_group=mesh["cp"].get_group())
+    shards = _data_parallel_shards(SimpleNamespace(num_processes=world), None, runtime)
+
+    def batches(fix: bool):
+        loader = prepare_data_loader(DataLoader(list(range(16)), batch_size=2), num_processes=world, process_index=rank,
+                                     put_on_device=False)
+        if fix:
+            _shard_per_cp_group(loader, *shards)
+        return [b.tolist() for b in loader]
+
+    out = {"shards": shards, "dp_rank": mesh["dp"].get_local_rank(), "before": batches(False), "after": batches(True),
+           "replicated_pc": _data_parallel_shards(SimpleNamespace(num_processes=world),
+                                                  SimpleNamespace(cp_enabled=True), runtime)}
+    _reset_accelerate()
+    return out

@@ -148,3 +148,91 @@ def mismatched_batches(ctx) -> str:
     finally:
         rm.unwire(engine.module)
         engine.destroy()
+
+
+LAUNCHER_KEYS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_SIZE", "ACCELERATE_USE_DEEPSPEED")
+
+
+def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3) -> dict:
+    """CPSFTTrainer with ``deepspeed=`` (ZeRO ``stage``, the HF Trainer's own DeepSpeed path through accelerate, on
+    DeepSpeed's CPU accelerator) against CPSFTTrainer without DeepSpeed (one process as accelerate sees it, the
+    gradients averaged over the CP group by hand: tests/test_adapters_trl.py checks that run against SFTTrainer
+    without CP): ``steps`` SGD steps, per-step losses (the CP group's mean) and the final weights. DeepSpeed's engine
+    averages the gradients over both ranks (its data-parallel world). On a CPU host accelerate's DeepSpeed state
+    counts one process, so it does not shard the data and ``shards`` is None; on a GPU host it counts every rank and
+    CPSFTTrainer shards the data per CP group (tests/test_adapters_trl.py, at the data loader)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from datasets import Dataset
+    from deepspeed.utils import safe_get_full_fp32_param
+    from trl import SFTConfig
+
+    import ringmaster as rm
+    from jobs_adapters import _reset_accelerate, cp_mean, features, tiny_tokenizer
+    from ringmaster.adapters.trl import CPSFTTrainer
+    from ringmaster_tools.parity import rel_err, tiny_model
+
+    mesh = ctx.mesh(2)
+    group = mesh["cp"].get_group()
+    P = dist.get_world_size(group)
+    tok = tiny_tokenizer()
+    rows = features([64, 40, 56, 64, 48, 64], seed=5)
+    data = Dataset.from_list([{"input_ids": r["input_ids"], "completion_mask": [0] * 5 + [1] * (len(r["input_ids"]) - 5)}
+                              for r in rows])
+
+    def run(deepspeed: bool, tmp):
+        for key in LAUNCHER_KEYS:
+            os.environ.pop(key, None)
+        if deepspeed:
+            _launcher_env()
+        model = tiny_model(model_type)
+        # no train_batch_size: DeepSpeed computes micro x accumulation x world, every rank counted as data-parallel
+        # (on a CPU host accelerate counts one process under DeepSpeed, so HF's "auto" would give micro x accumulation)
+        config = {**_ds_config(stage), "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                  "gradient_clipping": "auto"}
+        config.pop("train_batch_size", None)
+        args = SFTConfig(output_dir=tmp, per_device_train_batch_size=2, max_steps=steps, learning_rate=0.5, optim="sgd",
+                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
+                         report_to=[], use_cpu=not deepspeed, logging_steps=1, save_strategy="no", seed=0, data_seed=0,
+                         dataloader_drop_last=True, max_length=None, pad_to_multiple_of=8 * P, dataset_num_proc=None,
+                         completion_only_loss=True, average_tokens_across_devices=True, remove_unused_columns=True,
+                         bf16=False, deepspeed=config if deepspeed else None)
+        trainer = CPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                               ringmaster_config=rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=mesh)
+        losses, original = [], trainer.training_step
+
+        def training_step(*a, **k):
+            loss = original(*a, **k)
+            if not deepspeed:   # DeepSpeed averages the gradients over its data-parallel ranks, the CP group here
+                for p in model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=group)
+                        p.grad /= P
+            losses.append(cp_mean(loss, group, P))
+            return loss
+
+        trainer.training_step = training_step
+        trainer.train()
+        shards = getattr(trainer, "_rm_data_shards", None)
+        weights = {n: (safe_get_full_fp32_param(p) if deepspeed else p).detach().clone()
+                   for n, p in trainer.model.named_parameters()}
+        trainer.remove_context_parallel()
+        if deepspeed:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            trainer.model_wrapped.destroy()
+            unset_hf_deepspeed_config()   # the Trainer's ZeRO-3 config would build later models under zero.Init
+        _reset_accelerate()
+        for key in LAUNCHER_KEYS:
+            os.environ.pop(key, None)
+        return weights, losses, shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_w, ref_losses, _ = run(False, os.path.join(tmp, "plain"))
+        ds_w, losses, shards = run(True, os.path.join(tmp, "ds"))
+    errs = {n: rel_err(ds_w[n], ref_w[n]) for n in ref_w}
+    moved = max(rel_err(ref_w[n], p) for n, p in tiny_model(model_type).named_parameters())
+    return {"losses": losses, "ref_losses": ref_losses, "shards": shards, "weights_moved": moved,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "weight_err": max(errs.values()), "worst": max(errs, key=errs.get)}

@@ -90,3 +90,21 @@ def test_cpsfttrainer_fsdp2_dp_shard_x_cp_three_steps_match(pool, model_type):
         assert r["loss_err"] <= TOL, (rank, r)
         assert r["weight_err"] <= TOL, (rank, r)
         assert r["restored"], r
+
+
+def test_data_is_sharded_per_cp_group_where_accelerate_shards_over_every_rank(pool):
+    """Where accelerate counts the CP ranks as data-parallel (DeepSpeed on a GPU host; a launch without
+    ParallelismConfig(cp_size)) it gives every rank its own batches, which the CP group's ranks must share. CPSFTTrainer
+    re-shards accelerate's loader per CP group: at dp 2 x cp 2, the two ranks of a CP group get the same batches, the
+    two groups disjoint ones covering the data; accelerate's own ParallelismConfig(cp_size) path is left alone."""
+    results = pool.run(jobs_adapters.data_shards_per_cp_group)
+    by_group: dict = {}
+    for r in results:
+        assert r["shards"] == (2, r["dp_rank"]) and r["replicated_pc"] is None, r
+        by_group.setdefault(r["dp_rank"], []).append(r)
+    assert sorted(by_group) == [0, 1] and all(len(g) == 2 for g in by_group.values()), by_group
+    for group in by_group.values():
+        assert group[0]["before"] != group[1]["before"], group   # what accelerate alone hands a CP group
+        assert group[0]["after"] == group[1]["after"], group
+    seen = sorted(x for g in by_group.values() for b in g[0]["after"] for x in b)
+    assert seen == list(range(16)), seen

@@ -60,3 +60,16 @@ def test_a_batch_per_rank_under_deepspeed_is_refused_naming_the_sampler(ds_pool)
     for err in ds_pool.run(jobs_deepspeed.mismatched_batches):
         assert "the CP group disagrees on" in err and "tokens" in err, err
         assert "DeepSpeed's data loader" in err and "world_size // cp_size" in err, err
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpsfttrainer_with_deepspeed_is_exact(ds_pool, stage):
+    """CPSFTTrainer with the HF Trainer's ``deepspeed=`` (accelerate's DeepSpeed path, ZeRO-2 and ZeRO-3; DeepSpeed
+    averages the gradients over the CP group, its data-parallel world): three SGD steps match CPSFTTrainer without
+    DeepSpeed, loss and weights. On this CPU host accelerate's DeepSpeed state counts one process and shards no data
+    (``shards`` None); the sharding per CP group a GPU host needs is tested at the data loader
+    (tests/test_adapters_trl.py)."""
+    for r in ds_pool.run(jobs_deepspeed.sft_deepspeed, stage):
+        assert r["shards"] is None, r
+        assert len(r["losses"]) == 3 and r["weights_moved"] > 1e-3, r
+        assert r["loss_err"] <= TOL and r["weight_err"] <= TOL, r

@@ -1,7 +1,9 @@
 """trl: ``CPSFTTrainer``, an ``SFTTrainer`` whose model is context parallel through ringmaster.
 
 Every rank of a CP group receives the same full batch (accelerate's ``ParallelismConfig(cp_size=N)``
-replicates it over ``cp``; a single-process-per-rank launch does so too). A forward pre-hook
+replicates it over ``cp``; a single-process-per-rank launch does so too; where accelerate shards the data over
+every rank, DeepSpeed's engine or a distributed launch without ``ParallelismConfig``, this trainer shards it per
+CP group instead). A forward pre-hook
 (:class:`~ringmaster.ContextParallelContextManager`) shifts the labels *before* cutting
 (``shift_labels``), cuts this rank's shard and passes the batch's document structure, so padding,
 packing and padding-free batches are all exact. What this class adds to ``SFTTrainer``:
@@ -78,6 +80,42 @@ def _install_chunked_loss(model, chunk_size: int):
         return CausalLMOutputWithPast(loss=loss if router is None else loss + router.to(loss.device))
 
     return install_head_forward(model, "ringmaster_chunked_loss", head)
+
+
+def _data_parallel_shards(accelerator, pc, runtime) -> tuple[int, int] | None:
+    """``(CP groups, this rank's group index)`` when accelerate shards the data over every rank, the CP ranks
+    counted as data-parallel (DeepSpeed, whose engine is data-parallel over the whole world, or a distributed
+    launch without ``ParallelismConfig(cp_size)``): every rank of a CP group must get the same batch, so the data
+    is sharded per CP group instead. None where accelerate already replicates it over the CP group
+    (``ParallelismConfig(cp_size)``) or runs one process. The group index comes from one all-gather at setup."""
+    if runtime.cp_size <= 1 or accelerator.num_processes <= 1 or (pc is not None and getattr(pc, "cp_enabled", False)):
+        return None
+    world = dist.get_world_size()
+    if accelerator.num_processes != world:
+        raise ValueError(f"accelerate runs {accelerator.num_processes} processes in a world of {world}: ringmaster "
+                         "cannot tell which ranks share a CP group's batch")
+    first = min(dist.get_process_group_ranks(runtime.cp_group))   # a CP group is named by its lowest rank
+    firsts: list = [None] * world
+    dist.all_gather_object(firsts, first)
+    groups = sorted(set(firsts))
+    return len(groups), groups.index(first)
+
+
+def _shard_per_cp_group(loader, num_shards: int, index: int) -> None:
+    """Make accelerate's prepared ``loader`` yield the batches of data-parallel shard ``index`` of ``num_shards``
+    (one per CP group), not of its process index among every rank: its batch sampler's (or iterable dataset's)
+    shard, the attributes transformers' own ``BatchRebalanceSampler`` path resets the same way."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    for shard in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)):
+        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+            shard.num_processes, shard.process_index = num_shards, index
+            return
+    raise ValueError(
+        f"{type(loader).__name__}: accelerate shards this data loader over every rank, counting the CP ranks as "
+        "data-parallel, and ringmaster found no batch-sampler or iterable shard to shard per CP group instead "
+        "(dispatch_batches=True?); every rank of a CP group needs the same batch: use accelerate's "
+        "ParallelismConfig(cp_size=...) with FSDP2, or a map-style dataset without batch dispatching")
 
 
 class _PackingCheckView:
@@ -165,6 +203,15 @@ class CPSFTTrainer(SFTTrainer):
         handles = manager.install()
         self._rm_restores.append(lambda: [h.remove() for h in handles])
         self.cp_manager = manager
+        self._rm_data_shards = _data_parallel_shards(self.accelerator, pc, runtime)
+
+    def _get_dataloader(self, *args, **kwargs):
+        """The Trainer's data loader, sharded per CP group where accelerate shards it over every rank."""
+        loader = super()._get_dataloader(*args, **kwargs)
+        shards = getattr(self, "_rm_data_shards", None)
+        if shards is not None:
+            _shard_per_cp_group(loader, *shards)
+        return loader
 
     def _rm_router_loss(self, model, wire_now: bool) -> None:
         """The MoE router loss under CP: ringmaster's chunked head adds it (summed over the group); trl's fused LM
