@@ -6,8 +6,9 @@ A llama-shaped causal LM (``--layers`` decoder layers, hidden ``--hidden``, inte
 wired for Ulysses over ``--P`` CPU gloo ranks, one ``--seq``-token row, four training steps (forward +
 backward). Rank 0's wall time of the first step (its forward runs the check: the decoder three more times at the
 shard's length and once at three times it, plus the loss window; :mod:`ringmaster.architectures.mixing`), the
-median of the next three, and the check's own time as ``runtime.report.token_probe`` gives it. The last column is
-the check over one training step: what it adds, once per mode, to a run.
+median of the next three, the check's own time as ``runtime.report.token_probe`` gives it and, of it, the loss
+test's (the head and loss on a window of the shard and on two pieces of it). The last columns are the check and the
+loss test over one training step: what they add, once per mode, to a run.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def job(ctx, layers: int, seq: int, hidden: int, P: int) -> dict:
                 model(**shard).loss.backward()
                 steps.append(time.perf_counter() - start)
         note, check = runtime.report.token_probe or "", runtime.mixing.seconds[True]
+        loss = runtime.mixing.loss_seconds.get(True, 0.0)
     finally:
         rm.unwire(model)
     later = sorted(steps[1:])
-    return {"first": steps[0], "step": later[len(later) // 2], "check": check, "note": note}
+    return {"first": steps[0], "step": later[len(later) // 2], "check": check, "loss": loss, "note": note}
 
 
 def main() -> None:
@@ -64,9 +66,11 @@ def main() -> None:
         r = pool.run(job, args.layers, args.seq, args.hidden, args.P)[0]
     print(f"llama, {args.layers} layers, hidden {args.hidden}, {args.seq} tokens over P={args.P} "
           f"({args.seq // args.P} per rank), Ulysses, fp32, CPU, rank 0:\n")
-    print("| first training step (with the check) | training step (median of the next 3) | the check | check / step |")
-    print("|---|---|---|---|")
-    print(f"| {r['first']:.2f} s | {r['step']:.2f} s | {r['check']:.2f} s | {r['check'] / r['step']:.2f} |")
+    print("| first training step (with the check) | training step (median of the next 3) | the check | "
+          "of it, the loss test | check / step | loss test / step |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {r['first']:.2f} s | {r['step']:.2f} s | {r['check']:.2f} s | {r['loss']:.2f} s | "
+          f"{r['check'] / r['step']:.2f} | {r['loss'] / r['step']:.3f} |")
     print("\n" + r["note"])
 
 

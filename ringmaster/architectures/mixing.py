@@ -306,6 +306,7 @@ class MixingCheck:
         self.eager = compat.Eager()        # the model's compiled blocks run eagerly during a first CP forward
         self.results: dict[bool, str] = {}
         self.seconds: dict[bool, float] = {}   # the check's wall time per mode (the report rounds it)
+        self.loss_seconds: dict[bool, float] = {}   # of it, the loss test's (benchmarks/token_mixing.py)
 
     # ---- the first CP forward of a mode: record
     def begin(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -463,7 +464,9 @@ class MixingCheck:
                 found, trace = self._tests(run, length, decoder, path)
                 if self.loss and isinstance(_loss_of(output), torch.Tensor) and decoder is not self.model \
                         and rec["decoder_out"] is not None:
+                    started = time.perf_counter()
                     loss = self._loss_test(rec, length, state)
+                    self.loss_seconds[rec["mode"]] = time.perf_counter() - started
                     found = found if found is not None else loss
                 bad = self._agree(found is not None)
                 if bad:   # every rank traces (its own failure, or the shard against itself): the same runs
