@@ -96,10 +96,13 @@ def check_agreement(values: list[int], group, device=None) -> None:
         return f"token digest {value & 0xFFFFFFFFFFFFFFFF:016x}" if field == "tokens" else f"{field}={value}"
     per_rank = "; ".join(f"rank {r}: " + ", ".join(shown(f, rows[r][FIELDS.index(f)]) for f in differ)
                          for r in range(P))
-    hint = ("every rank of a CP group must pass the same full batch (same data-loader seed/sampler for the "
-            "ranks of one CP group; data parallelism happens across CP groups)" + _DEEPSPEED_HINT * (
-                "deepspeed" in sys.modules)) if "tokens" in differ else \
-        "every rank must use the same sequence length, packing and RingmasterConfig"
+    if "tokens" in differ:
+        hint = ("every rank of a CP group must pass the same full batch (same data-loader seed/sampler for the "
+                "ranks of one CP group; data parallelism happens across CP groups)")
+        if "deepspeed" in sys.modules:
+            hint += _DEEPSPEED_HINT
+    else:
+        hint = "every rank must use the same sequence length, packing and RingmasterConfig"
     raise InputMismatchError(f"the CP group disagrees on {', '.join(differ)} ({per_rank}); {hint}. "
                              "Set RingmasterConfig(validate_inputs=False) to skip this check")
 
