@@ -83,6 +83,19 @@ def _reset_accelerate():
     PartialState._reset_state()
 
 
+def training_errors(weights: dict, losses: list, ref_weights: dict, ref_losses: list, initial) -> dict:
+    """Two training runs compared: per-step losses and final weights (``{name: tensor}``), each weight against its
+    own norm; ``weights_moved``: how far the reference moved from ``initial`` (a fresh model), so a run that did
+    not train cannot pass."""
+    from ringmaster_tools.parity import rel_err
+
+    errs = {n: rel_err(weights[n], ref_weights[n]) for n in ref_weights}
+    return {"losses": losses, "ref_losses": ref_losses, "weight_err": max(errs.values()),
+            "worst_param": max(errs, key=errs.get),
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "weights_moved": max(rel_err(ref_weights[n], p) for n, p in initial.named_parameters())}
+
+
 # -- axolotl 0.21's built-in plugin ----------------------------------------------------------
 
 
@@ -274,7 +287,7 @@ def sft_steps(ctx, P, model_type="llama", cp_loss="chunked_nll", steps=3, packin
     from trl import SFTConfig, SFTTrainer
 
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster_tools.parity import rel_err, tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     mesh = ctx.mesh(P)
     group = mesh["cp"].get_group()
@@ -324,14 +337,10 @@ def sft_steps(ctx, P, model_type="llama", cp_loss="chunked_nll", steps=3, packin
     with tempfile.TemporaryDirectory() as tmp:
         ref_model, ref_losses = run(False, os.path.join(tmp, "ref"))
         model, losses = run(True, os.path.join(tmp, "cp"))
-    errs = {n: rel_err(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters())}
-    weight_err = max(errs.values())
-    moved = max(rel_err(p, q) for p, q in zip(ref_model.parameters(), tiny_model(model_type, **(overrides or {})).parameters()))
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    return {"losses": losses, "ref_losses": ref_losses, "loss_err": loss_err, "weight_err": weight_err,
-            "worst_param": max(errs, key=errs.get),
-            "weights_moved": moved, "restored": rm.runtime.active(required=False) is None
-            and model.config._attn_implementation == "sdpa"}
+    out = training_errors(dict(model.named_parameters()), losses, dict(ref_model.named_parameters()), ref_losses,
+                          tiny_model(model_type, **(overrides or {})))
+    out["restored"] = rm.runtime.active(required=False) is None and model.config._attn_implementation == "sdpa"
+    return out
 
 
 def sft_eval_loss(ctx, P):
@@ -413,7 +422,7 @@ def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
     from trl import SFTConfig, SFTTrainer
 
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster_tools.parity import rel_err, tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     pc, mesh = accelerate_mesh(ctx, 2)
     dp_rank = mesh["dp_shard"].get_local_rank()
@@ -472,10 +481,7 @@ def sft_steps_fsdp2(ctx, model_type="llama", steps=3):
     with tempfile.TemporaryDirectory() as tmp:
         ref_w, ref_losses, _ = run(False, os.path.join(tmp, "ref"))
         cp_w, losses, out = run(True, os.path.join(tmp, "cp"))
-    errs = {n: rel_err(cp_w[n], ref_w[n]) for n in ref_w}
-    moved = max(rel_err(ref_w[n], p) for n, p in tiny_model(model_type).named_parameters())
-    out.update(losses=losses, ref_losses=ref_losses, weight_err=max(errs.values()), worst_param=max(errs, key=errs.get),
-               loss_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), weights_moved=moved,
+    out.update(training_errors(cp_w, losses, ref_w, ref_losses, tiny_model(model_type)),
                dims=tuple(mesh.mesh_dim_names), restored=rm.runtime.active(required=False) is None)
     return out
 

@@ -169,9 +169,9 @@ def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3
     from trl import SFTConfig
 
     import ringmaster as rm
-    from jobs_adapters import _reset_accelerate, cp_mean, features, tiny_tokenizer
+    from jobs_adapters import _reset_accelerate, cp_mean, features, tiny_tokenizer, training_errors
     from ringmaster.adapters.trl import CPSFTTrainer
-    from ringmaster_tools.parity import rel_err, tiny_model
+    from ringmaster_tools.parity import tiny_model
 
     mesh = ctx.mesh(2)
     group = mesh["cp"].get_group()
@@ -231,8 +231,4 @@ def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3
     with tempfile.TemporaryDirectory() as tmp:
         ref_w, ref_losses, _ = run(False, os.path.join(tmp, "plain"))
         ds_w, losses, shards = run(True, os.path.join(tmp, "ds"))
-    errs = {n: rel_err(ds_w[n], ref_w[n]) for n in ref_w}
-    moved = max(rel_err(ref_w[n], p) for n, p in tiny_model(model_type).named_parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "shards": shards, "weights_moved": moved,
-            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "weight_err": max(errs.values()), "worst": max(errs, key=errs.get)}
+    return {**training_errors(ds_w, losses, ref_w, ref_losses, tiny_model(model_type)), "shards": shards}

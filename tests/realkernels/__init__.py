@@ -194,7 +194,7 @@ def _bridge_libdevice() -> None:
     tl = interpreter.tl
 
     def tanh(x):
-        import numpy   # looked up here: the interpreter runs the kernel's callees in the kernel's globals
+        import numpy   # imported here: closed over from the bridge, numpy raised NameError inside a launch
 
         handle = interpreter.TensorHandle(numpy.tanh(x.handle.data), x.handle.dtype.scalar)
         return tl.core.tensor(handle, x.type)
