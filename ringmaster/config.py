@@ -77,7 +77,8 @@ class RingImpl(_StrEnum):
     HF_KERNELS = "hf_kernels"
 
 
-RECURRENT_CHOICES = ("auto", "scan", "sequential", "fla_cp")   # fla_cp: gated DeltaNet / KDA only
+# fla_cp: gated DeltaNet / KDA only; heads: the kinds that offer it (RecurrentKind.strategies)
+RECURRENT_CHOICES = ("auto", "scan", "sequential", "fla_cp", "heads")
 
 
 def _divisors(n: int) -> list[int]:
@@ -163,7 +164,7 @@ class RingmasterPlan:
     """A :class:`RingmasterConfig` resolved against the model and the topology: what ``rm.setup`` /
     ``rm.wire`` run by (``runtime.config``). Frozen; the field names are the config's, every ``AUTO``
     decided: ``backend`` is ulysses / ring / usp, ``ulysses_size * ring_size == size``, ``load_balance``
-    none / head_tail / distflash, ``recurrent`` scan / sequential / fla_cp. ``ring_impl`` may stay ``AUTO``: the
+    none / head_tail / distflash, ``recurrent`` scan / sequential / fla_cp / heads. ``ring_impl`` may stay ``AUTO``: the
     block kernel is chosen against the inner attention kernel at setup (``resolve_ring_impl``).
 
     Made by :meth:`RingmasterConfig.resolve` (or ``normalize``); ``resolve`` / ``normalize`` on a plan return

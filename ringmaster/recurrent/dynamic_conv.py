@@ -32,6 +32,7 @@ from ..errors import UnsupportedLayerError
 from .context import LayerContext, Probe
 from .conv import cp_conv_kernel
 from ..intercept import interceptable, rebind_attributes
+from .heads import STRATEGY as HEADS
 from .kind import RecurrentKind
 from .short_conv import _call_guard
 
@@ -128,4 +129,5 @@ def probe_width(module, hidden):
 
 
 KIND = RecurrentKind(name="dynamic_short_conv", kernels=KERNELS, wire=wire_dynamic_conv_layer, probe_width=probe_width,
+                     strategies=(HEADS,),   # the halo, as short_conv
                      description="short causal conv with per-token taps computed inline (Inkling2): conv halo")

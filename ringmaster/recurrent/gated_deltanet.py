@@ -44,6 +44,7 @@ from .context import LayerContext, call_guard, check_call_kwargs, decode_only_wi
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, global_documents, host_runs, document_segments
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
+from .heads import STRATEGY as HEADS, check_heads, grouped, to_heads, to_sequence, whole_rows
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -145,6 +146,8 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
         docs = global_documents(batch, ctx.path, size, query.shape[0], query.shape[1])
         runs = None if docs is None else host_runs(batch)
         return fla_cp_rule(kernel, ctx.path, group, layout, runs, query, key, value, g, beta, kwargs), None
+    if strategy == HEADS and size > 1:
+        return heads_rule(kernel, ctx.path, group, layout, batch, query, key, value, g, beta, kwargs), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
@@ -153,6 +156,18 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
+
+
+def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict):
+    """``recurrent="heads"``: the layer's kernel over whole rows for this rank's value heads (q / k replicated to
+    the groups those heads read when the key heads are fewer than the ranks); returns the outputs ``[b, l, hv, dv]``."""
+    P = dist.get_world_size(group)
+    hv = value.shape[2]
+    check_heads(path, "value heads", hv, P)
+    query, key = (grouped(path, t, hv, P, "query/key head") for t in (query, key))
+    q, k, v, g_, b_ = to_heads([query, key, value, g, beta], group, layout)
+    out = whole_rows(GatedDeltaSegment(kernel, q, k, v, g_, b_, kwargs), batch, path, tuple(q.shape[:2]))
+    return to_sequence(out, group, layout)
 
 
 def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
@@ -180,5 +195,5 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
 
 
 KIND = RecurrentKind(name="gated_deltanet", kernels=KERNELS, optional=OPTIONAL, wire=wire_gated_deltanet_layer,
-                     strategies=(FLA_CP,),
+                     strategies=(FLA_CP, HEADS),
                      description="gated DeltaNet: causal conv1d + chunked gated delta rule (d_k x d_k transition)")

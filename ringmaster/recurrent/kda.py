@@ -27,6 +27,7 @@ from typing import Callable
 from .context import LayerContext
 from .fla_cp import STRATEGY as FLA_CP
 from .gated_deltanet import wire_gated_deltanet_layer
+from .heads import STRATEGY as HEADS
 from .kind import RecurrentKind
 
 # role -> the module-level name transformers' KDA layers call (a family spec may rename them)
@@ -39,6 +40,6 @@ def wire_kda_layer(module, ctx: LayerContext, names: dict | None = None) -> Call
     return wire_gated_deltanet_layer(module, ctx, {**KERNELS, **OPTIONAL, **(names or {})})
 
 
-KIND = RecurrentKind(name="kda", kernels=KERNELS, optional=OPTIONAL, wire=wire_kda_layer, strategies=(FLA_CP,),
+KIND = RecurrentKind(name="kda", kernels=KERNELS, optional=OPTIONAL, wire=wire_kda_layer, strategies=(FLA_CP, HEADS),
                      description="Kimi Delta Attention: causal conv1d + chunked per-channel gated delta rule "
                                  "(d_k x d_k transition)")

@@ -28,5 +28,6 @@ class RecurrentKind:
     # ``probe_width(module, hidden) -> int``: the input width of ``wire``'s probe forward for a layer
     # whose input is not the model's hidden size (Inkling's k/v short convs); None: the hidden size
     probe_width: Callable | None = None
-    # state-passing strategies besides ``scan``/``sequential`` this kind offers (``"fla_cp"``: FLA's own CP)
+    # strategies besides ``scan``/``sequential`` this kind offers (``"fla_cp"``: FLA's own CP; ``"heads"``: head-
+    # parallel, :mod:`ringmaster.recurrent.heads`)
     strategies: tuple = ()

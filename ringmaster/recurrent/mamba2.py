@@ -36,6 +36,7 @@ from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments
+from .heads import STRATEGY as HEADS, check_heads, grouped, local_heads, to_heads, to_sequence, whole_rows
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -139,6 +140,9 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
         raise RuntimeError(f"{ctx.path}: a cache (initial/final SSM state) is not supported under CP or with "
                            "packed rows; run the model with use_cache=False")
     kwargs.pop("z", None)  # the mixers gate outside the scan (z=None)
+    if strategy == HEADS and size > 1:
+        return heads_scan(kernel, ctx.path, group, layout, batch, hidden_states, dt, A, B, C, chunk_size, D, dt_bias,
+                          dt_softplus, dt_limit, kwargs)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
@@ -152,6 +156,20 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
 
 
 
+def heads_scan(kernel: Callable, path: str, group, layout: str, batch, x, dt, A, B, C, chunk_size, D, dt_bias,
+               dt_softplus, dt_limit, kwargs: dict):
+    """``recurrent="heads"``: the chunk scan over whole rows for this rank's heads; B / C replicated to the groups
+    those heads read when ``n_groups`` < P; A, D and dt_bias sliced to them. Returns ``[b, l, h, p]``."""
+    P = dist.get_world_size(group)
+    h = x.shape[2]
+    check_heads(path, "heads", h, P)
+    B, C = (grouped(path, t, h, P, "B/C") for t in (B, C))
+    x, dt, B, C = to_heads([x, dt, B, C], group, layout)
+    seg = Mamba2Segment(kernel, x, dt, local_heads(A, group), B, C, chunk_size, local_heads(D, group),
+                        local_heads(dt_bias, group), dt_softplus, dt_limit, kwargs)
+    return to_sequence(whole_rows(seg, batch, path, tuple(x.shape[:2])), group, layout)
+
+
 def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one Mamba2 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
@@ -159,5 +177,5 @@ def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> C
     return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_mamba2_chunk_scan)
 
 
-KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer,
+KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer, strategies=(HEADS,),
                      description="Mamba2 mixer: causal conv1d + SSD chunk scan (per-head scalar decay)")

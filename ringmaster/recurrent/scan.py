@@ -43,8 +43,9 @@ from ..errors import WireFormatError
 from ..sharding import balancers
 
 STRATEGIES = ("scan", "sequential")
-# opt-in strategies a kind may offer (``RecurrentKind.strategies``), refused at wire by the others
-KERNEL_STRATEGIES = ("fla_cp",)
+# opt-in strategies a kind may offer (``RecurrentKind.strategies``), refused at wire by the others: ``fla_cp``
+# (flash-linear-attention's own CP), ``heads`` (head-parallel: :mod:`ringmaster.recurrent.heads`)
+KERNEL_STRATEGIES = ("fla_cp", "heads")
 
 
 class Segment(Protocol):

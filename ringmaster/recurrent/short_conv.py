@@ -7,7 +7,8 @@ on the k/v projections and the residual stream). Its only state along the sequen
 same mechanism as the Mamba conv (:func:`ringmaster.recurrent.conv.cp_causal_conv1d`: one small
 all-gather of every chunk's tail, its backward a reduce-scatter; ``head_tail`` layouts take
 each chunk's halo from the chunk before it in sequence order). There is no scan, so the
-``recurrent`` strategy does not apply.
+``recurrent`` strategy does not apply: under ``recurrent="heads"`` too a short conv takes the halo (``K - 1``
+tokens a shard, where slicing it by channel would move its whole input and output through two all-to-alls).
 
 Packed or padded rows: no tap reaches across a document start (global document ids from the
 ``ringmaster_batch`` kwarg, or from the model's step carrier when the layer is called
@@ -31,6 +32,7 @@ import torch.nn as nn
 from .context import LayerContext, decode_only_without_cp
 from .conv import cp_conv_kernel
 from ..intercept import rebind_forward
+from .heads import STRATEGY as HEADS
 from .kind import RecurrentKind
 
 # role -> the module-level name transformers' short-conv layers call (a family spec may rename them)
@@ -91,5 +93,5 @@ def probe_width(module, hidden: int | None) -> int | None:
 
 
 KIND = RecurrentKind(name="short_conv", kernels=KERNELS, optional=OPTIONAL, wire=wire_short_conv_layer,
-                     probe_width=probe_width,
+                     probe_width=probe_width, strategies=(HEADS,),
                      description="short causal depthwise conv1d (LFM, Inkling): the halo of the previous shard")
