@@ -44,7 +44,7 @@ from .context import LayerContext, call_guard, check_call_kwargs, decode_only_wi
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, global_documents, host_runs, document_segments
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
-from .heads import STRATEGY as HEADS, check_heads, grouped, to_heads, to_sequence, whole_rows
+from .heads import STRATEGY as HEADS, run_heads
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -161,13 +161,9 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
 def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict):
     """``recurrent="heads"``: the layer's kernel over whole rows for this rank's value heads (q / k replicated to
     the groups those heads read when the key heads are fewer than the ranks); returns the outputs ``[b, l, hv, dv]``."""
-    P = dist.get_world_size(group)
-    hv = value.shape[2]
-    check_heads(path, "value heads", hv, P)
-    query, key = (grouped(path, t, hv, P, "query/key head") for t in (query, key))
-    q, k, v, g_, b_ = to_heads([query, key, value, g, beta], group, layout)
-    out = whole_rows(GatedDeltaSegment(kernel, q, k, v, g_, b_, kwargs), batch, path, tuple(q.shape[:2]))
-    return to_sequence(out, group, layout)
+    return run_heads(path, group, layout, batch, [query, key, value, g, beta],
+                     lambda *t: GatedDeltaSegment(kernel, *t, kwargs=kwargs), value.shape[2], "value heads",
+                     shared={0: "query/key head", 1: "query/key head"})
 
 
 def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:

@@ -137,6 +137,22 @@ def to_sequence(out: torch.Tensor, group, layout: str) -> torch.Tensor:
     return z.permute(1, 2, 0, 3).reshape(b, l, P * h, *rest)
 
 
+def run_heads(path: str, group, layout: str, batch, tensors: Sequence[torch.Tensor], build, heads: int,
+              what: str = "heads", shared: dict | None = None, token_dim: int = 1) -> torch.Tensor:
+    """A recurrent kernel in head-parallel form: ``tensors`` (each ``[b, l, H_i, ...]``: this rank's tokens, every
+    head) to whole rows for this rank's heads (:func:`to_heads`; ``shared``: index -> what, the tensors read by
+    groups of the ``heads`` heads, :func:`grouped`), ``build(*whole)`` the kind's segment over them, run over whole
+    rows with the batch's document resets (:func:`whole_rows`), and its output (token dim ``token_dim``, heads
+    right after it once the token dim is moved to 1) back to this rank's tokens (:func:`to_sequence`)."""
+    P = dist.get_world_size(group)
+    check_heads(path, what, heads, P)
+    shared = shared or {}
+    tensors = [grouped(path, t, heads, P, shared[i]) if i in shared else t for i, t in enumerate(tensors)]
+    whole = to_heads(tensors, group, layout)
+    out = whole_rows(build(*whole), batch, path, tuple(whole[0].shape[:2]))
+    return to_sequence(out.movedim(token_dim, 1), group, layout).movedim(1, token_dim)
+
+
 def whole_rows(segment, batch, path: str, shape: tuple[int, int]):
     """``segment.run(None)`` over whole rows (``shape``: rows, whole length), the state reset at every document
     start of the batch's host runs (packed and padded rows); the kernel's outputs (first element)."""

@@ -40,6 +40,7 @@ from ..errors import UnsupportedLayerError
 from .context import LayerContext, check_call_kwargs
 from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes
+from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
@@ -143,6 +144,10 @@ def cp_lightning(ctx: LayerContext, batch, q, k, v, slope, block_size: int):
         return by_parts(batch, lambda part, q_, k_, v_: cp_lightning(ctx, part, q_, k_, v_, slope, block_size),
                         (q, k, v), (1,) * 3, 1)
     group, size, layout, strategy = ctx.resolve(batch)
+    if strategy == HEADS and size > 1:   # whole rows for this rank's heads, and their slopes
+        slope = local_heads(slope, group)
+        return run_heads(ctx.path, group, layout, batch, [q, k, v],
+                         lambda *t: LightningSegment(*t, slope, block_size), q.shape[2])
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (q, k, v)]
@@ -228,6 +233,6 @@ def _probe_kwargs(x):
 
 
 KIND = RecurrentKind(name="lightning", kernels=KERNELS, optional=OPTIONAL, wire=wire_lightning_layer,
-                     probe_kwargs=_probe_kwargs,
+                     probe_kwargs=_probe_kwargs, strategies=(HEADS,),
                      description="MiniMax lightning attention: linear attention with a scalar decay per head "
                                  "(ringmaster's own forward of the layer, checked against the class forward)")

@@ -55,6 +55,7 @@ from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments
 from .mixer import wire_conv_scan_mixer
+from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .kind import RecurrentKind
 from .step_size import mamba1_dt
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -222,6 +223,9 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     if B.dim() != 3 or C.dim() != 3:
         raise NotImplementedError(f"{ctx.path}: selective scan with grouped B/C of shape {tuple(B.shape)}; ringmaster "
                                   "passes state for B, C of shape [batch, d_state, seq] only")
+    if strategy == HEADS and size > 1:
+        return heads_selective_scan(kernel, ctx.path, group, layout, batch, hidden_states, dt, A, B, C, D, z,
+                                    delta_bias, delta_softplus, kwargs)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=-1) for t in (hidden_states, dt, B, C)]
@@ -235,6 +239,24 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
 
 
 
+def heads_selective_scan(kernel: Callable, path: str, group, layout: str, batch, u, dt, A, B, C, D, z, delta_bias,
+                         delta_softplus, kwargs: dict):
+    """``recurrent="heads"``: the selective scan over whole rows for this rank's channels (``[b, d, l]`` inputs;
+    B / C, read by every channel, go whole to every rank); A, D and delta_bias sliced to those channels."""
+    A, D, delta_bias = (local_heads(t, group) for t in (A, D, delta_bias))
+    per_channel = [t.transpose(1, 2) for t in (u, dt)] + [t.transpose(1, 2)[:, :, None] for t in (B, C)]
+    gated = z is not None
+    if gated:
+        per_channel.append(z.transpose(1, 2))
+
+    def build(u_, dt_, B_, C_, *z_):
+        return Mamba1Segment(kernel, u_.transpose(1, 2), dt_.transpose(1, 2), A, B_[:, :, 0].transpose(1, 2),
+                             C_[:, :, 0].transpose(1, 2), D, z_[0].transpose(1, 2) if gated else None, delta_bias,
+                             delta_softplus, kwargs)
+    return run_heads(path, group, layout, batch, per_channel, build, u.shape[1], "channels",
+                     shared={2: "B", 3: "C"}, token_dim=2)
+
+
 def wire_mamba1_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one Mamba1 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
@@ -242,6 +264,6 @@ def wire_mamba1_layer(module, ctx: LayerContext, names: dict | None = None) -> C
     return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_selective_scan)
 
 
-KIND = RecurrentKind(name="mamba1", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba1_layer,
+KIND = RecurrentKind(name="mamba1", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba1_layer, strategies=(HEADS,),
                      description="Mamba1 mixer: causal conv1d + selective scan (diagonal per-channel decay, "
                                  "state [d_inner, d_state])")

@@ -36,7 +36,7 @@ from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments
-from .heads import STRATEGY as HEADS, check_heads, grouped, local_heads, to_heads, to_sequence, whole_rows
+from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .mixer import wire_conv_scan_mixer
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
@@ -160,14 +160,10 @@ def heads_scan(kernel: Callable, path: str, group, layout: str, batch, x, dt, A,
                dt_softplus, dt_limit, kwargs: dict):
     """``recurrent="heads"``: the chunk scan over whole rows for this rank's heads; B / C replicated to the groups
     those heads read when ``n_groups`` < P; A, D and dt_bias sliced to them. Returns ``[b, l, h, p]``."""
-    P = dist.get_world_size(group)
-    h = x.shape[2]
-    check_heads(path, "heads", h, P)
-    B, C = (grouped(path, t, h, P, "B/C") for t in (B, C))
-    x, dt, B, C = to_heads([x, dt, B, C], group, layout)
-    seg = Mamba2Segment(kernel, x, dt, local_heads(A, group), B, C, chunk_size, local_heads(D, group),
-                        local_heads(dt_bias, group), dt_softplus, dt_limit, kwargs)
-    return to_sequence(whole_rows(seg, batch, path, tuple(x.shape[:2])), group, layout)
+    A, D, dt_bias = (local_heads(t, group) for t in (A, D, dt_bias))
+    return run_heads(path, group, layout, batch, [x, dt, B, C], lambda x_, dt_, B_, C_: Mamba2Segment(
+        kernel, x_, dt_, A, B_, C_, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs), x.shape[2],
+        shared={2: "B/C", 3: "B/C"})
 
 
 def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:

@@ -56,6 +56,7 @@ from ..errors import UnsupportedLayerError
 from .context import LayerContext
 from .documents import by_parts, document_segments
 from ..intercept import interceptable, rebind_attributes
+from .heads import STRATEGY as HEADS, run_heads
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
@@ -165,6 +166,10 @@ def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate, batch=N
         return by_parts(batch, lambda part, *t: cp_mlstm(kernel, ctx, *t, batch=part), (q, k, v, igate, fgate),
                         (2,) * 5, 2)
     group, size, layout, strategy = ctx.resolve(batch)
+    if strategy == HEADS and size > 1:   # whole rows for this rank's heads ([b, h, l, ...] inputs)
+        return run_heads(ctx.path, group, layout, batch, [t.transpose(1, 2) for t in (q, k, v, igate, fgate)],
+                         lambda *t: MlstmSegment(kernel, *(x.transpose(1, 2) for x in t)), q.shape[1],
+                         token_dim=2), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=2) for t in (q, k, v, igate, fgate)]
@@ -230,6 +235,6 @@ def wire_mlstm_layer(module, ctx: LayerContext, names: dict | None = None) -> Ca
     return undo
 
 
-KIND = RecurrentKind(name="mlstm", kernels=KERNELS, wire=wire_mlstm_layer,
+KIND = RecurrentKind(name="mlstm", kernels=KERNELS, wire=wire_mlstm_layer, strategies=(HEADS,),
                      description="xLSTM's mLSTM: matrix memory + normaliser with a max-plus stabiliser "
                                  "(stabilised state, log-sum-exp composition on m, chunks rerun)")

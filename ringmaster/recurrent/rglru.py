@@ -36,6 +36,7 @@ from .context import LayerContext
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments, recurrent_runs
 from ..intercept import interceptable, rebind_attributes
+from .heads import STRATEGY as HEADS, run_heads
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
@@ -117,9 +118,14 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     if recurrent_states is not None or hidden_states.shape[1] == 1 and size > 1:
         raise RuntimeError(f"{ctx.path}: a cache (the RG-LRU's recurrent state) is not supported under CP or with "
                            "packed rows; run the model with use_cache=False")
+    reset = reset.expand(*hidden_states.shape[:2], 1) if reset.shape[0] != hidden_states.shape[0] else reset
+    if strategy == HEADS and size > 1:   # whole rows for this rank's channels; the reset flags go to every rank
+        flags = reset.dtype   # bool: sent as the activations' dtype, one all-to-all fewer
+        return run_heads(ctx.path, group, layout, batch, [hidden_states, recurrent_gate, reset.to(hidden_states.dtype)],
+                         lambda x, a, r: RglruSegment(kernel, x, a, r.to(flags)), hidden_states.shape[-1], "channels",
+                         shared={2: "reset flag"}), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    reset = reset.expand(*hidden_states.shape[:2], 1) if reset.shape[0] != hidden_states.shape[0] else reset
     parts = [split_local(t, n, dim=1) for t in (hidden_states, recurrent_gate, reset)]
     segments = document_segments([RglruSegment(kernel, *chunk) for chunk in zip(*parts)], batch, ctx.path, size,
                                  rank, layout, tuple(hidden_states.shape[:2]))
@@ -182,4 +188,5 @@ def _probe_kwargs(x):
 
 
 KIND = RecurrentKind(name="rglru", kernels=KERNELS, wire=wire_rglru_layer, probe_kwargs=_probe_kwargs,
+                     strategies=(HEADS,),
                      description="Griffin recurrent block: causal conv1d + RG-LRU (diagonal gated recurrence)")

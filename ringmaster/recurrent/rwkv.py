@@ -50,6 +50,7 @@ from .conv import conv_documents, cp_causal_conv1d, probe_conv
 from .context import LayerContext
 from .documents import by_parts, document_segments, recurrent_runs
 from ..intercept import interceptable, rebind_attributes, rebind_forward
+from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .kind import RecurrentKind
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
@@ -157,6 +158,10 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
     if state is not None or return_state:
         raise RuntimeError(f"{ctx.path}: a cache (the WKV state) is not supported under CP or with packed rows; "
                            "run the model with use_cache=False")
+    if strategy == HEADS and size > 1:   # whole rows for this rank's channels, and their decay / bonus
+        decay, first = local_heads(time_decay, group), local_heads(time_first, group)
+        return run_heads(ctx.path, group, layout, batch, [key, value],
+                         lambda k, v: WkvSegment(kernel, decay, first, k, v), key.shape[-1], "channels"), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (key, value)]
@@ -273,8 +278,9 @@ def wire_rwkv_channel_mix(module, ctx: LayerContext, names: dict | None = None) 
     return undo
 
 
-KIND = RecurrentKind(name="rwkv", kernels=KERNELS, optional=OPTIONAL, wire=wire_rwkv_layer,
+KIND = RecurrentKind(name="rwkv", kernels=KERNELS, optional=OPTIONAL, wire=wire_rwkv_layer, strategies=(HEADS,),
                      description="RWKV time mixing: token shift (halo of one token) + WKV with its normaliser "
                                  "(stabilised state, log-sum-exp composition)")
 CHANNEL_MIX = RecurrentKind(name="rwkv_channel_mix", kernels=SHIFT_KERNELS, wire=wire_rwkv_channel_mix,
+                            strategies=(HEADS,),   # the one-token halo under every strategy
                             description="RWKV channel mixing: token shift (halo of one token), then per-token MLP")

@@ -1,0 +1,80 @@
+"""Pool jobs for ``recurrent="heads"`` (head-parallel recurrent layers): model-level parity against the same
+model without CP, dense / packed / ``load_balance="documents"`` rows, and the mutations that break the head
+split."""
+
+from __future__ import annotations
+
+import contextlib
+
+import ringmaster as rm
+from jobs_documents import ATTN, _prepare
+
+DOC_LENS = (5, 27, 2, 30)   # 64 tokens: documents start mid-shard and on the P=2 / P=4 shard edges
+
+
+def parity(ctx, model_type, P, backend="ulysses", rows="dense", load_balance="auto", fp64=True, mutation=None,
+           seq_len=64):
+    """``rows``: ``dense`` (one random row), ``packed`` (one packed row against every document run alone),
+    ``documents`` (the packed row under ``load_balance="documents"``). ``mutation``: a name of :data:`MUTATIONS`,
+    applied while both models run."""
+    from ringmaster_tools.parity import compare, packed_batch, per_document_forward
+
+    if rows == "documents":
+        load_balance = "documents"
+    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent="heads", load_balance=load_balance)
+    extra = {}
+    if rows != "dense":
+        extra = dict(batch=lambda m: packed_batch(m.config.vocab_size, list(DOC_LENS)),
+                     reference_forward=per_document_forward)
+    with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
+        return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=_prepare(model_type),
+                       fp64=fp64, attn_implementation=ATTN.get(model_type, "sdpa"), **extra)
+
+
+@contextlib.contextmanager
+def _patched(owner, name, new):
+    old = getattr(owner, name)
+    setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _wrong_head_slice():
+    """Per-head parameters sliced for the next rank's heads (Mamba2's A / D / dt_bias, lightning's slopes, RWKV's
+    decays): the kernel runs this rank's heads with another rank's constants."""
+    import torch.distributed as dist
+
+    from ringmaster.recurrent import heads
+
+    def local_heads(t, group, dim=0):
+        if t is None or t.dim() == 0:
+            return t
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = t.shape[dim] // P
+        return t.narrow(dim, ((rank + 1) % P) * n, n)
+    return _patched(heads, "local_heads", local_heads)
+
+
+def _groups_not_replicated():
+    """Inputs shared by a group of heads (B/C with n_groups < P, q/k with fewer key heads) sliced like the heads
+    instead of replicated: a rank's heads read another group's B/C (or q/k)."""
+    from ringmaster.recurrent import heads
+
+    def grouped(path, t, heads_, P, what):
+        if t.shape[2] % P == 0:
+            return t
+        reps = -(-P // t.shape[2])
+        return t.repeat(1, 1, reps, *[1] * (t.dim() - 3))   # tiled, not interleaved: the wrong groups
+    return _patched(heads, "grouped", grouped)
+
+
+def _order_ignored():
+    """The whole row assembled in the order the ranks' chunks arrive, not in sequence order (head_tail)."""
+    from ringmaster.recurrent import heads
+    return _patched(heads, "_order", lambda layout, P: None)
+
+
+MUTATIONS = {"wrong_head_slice": _wrong_head_slice, "groups_not_replicated": _groups_not_replicated,
+             "order_ignored": _order_ignored}
