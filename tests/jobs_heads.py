@@ -13,7 +13,7 @@ DOC_LENS = (5, 27, 2, 30)   # 64 tokens: documents start mid-shard and on the P=
 
 
 def parity(ctx, model_type, P, backend="ulysses", rows="dense", load_balance="auto", fp64=True, mutation=None,
-           seq_len=64):
+           seq_len=64, **overrides):
     """``rows``: ``dense`` (one random row), ``packed`` (one packed row against every document run alone),
     ``documents`` (the packed row under ``load_balance="documents"``). ``mutation``: a name of :data:`MUTATIONS`,
     applied while both models run."""
@@ -28,17 +28,20 @@ def parity(ctx, model_type, P, backend="ulysses", rows="dense", load_balance="au
                      reference_forward=per_document_forward)
     with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
         return compare(model_type, cfg, seq_len=seq_len, device_mesh=ctx.mesh(P), prepare=_prepare(model_type),
-                       fp64=fp64, attn_implementation=ATTN.get(model_type, "sdpa"), **extra)
+                       fp64=fp64, attn_implementation=ATTN.get(model_type, "sdpa"), **extra, **overrides)
 
 
 @contextlib.contextmanager
-def _patched(owner, name, new):
-    old = getattr(owner, name)
-    setattr(owner, name, new)
+def _patched(owners, name, new):
+    owners = owners if isinstance(owners, (list, tuple)) else [owners]
+    old = [getattr(o, name) for o in owners]
+    for o in owners:
+        setattr(o, name, new)
     try:
         yield
     finally:
-        setattr(owner, name, old)
+        for o, fn in zip(owners, old):
+            setattr(o, name, fn)
 
 
 def _wrong_head_slice():
@@ -46,7 +49,7 @@ def _wrong_head_slice():
     decays): the kernel runs this rank's heads with another rank's constants."""
     import torch.distributed as dist
 
-    from ringmaster.recurrent import heads
+    from ringmaster.recurrent import lightning, mamba1, mamba2, rwkv
 
     def local_heads(t, group, dim=0):
         if t is None or t.dim() == 0:
@@ -54,7 +57,7 @@ def _wrong_head_slice():
         P, rank = dist.get_world_size(group), dist.get_rank(group)
         n = t.shape[dim] // P
         return t.narrow(dim, ((rank + 1) % P) * n, n)
-    return _patched(heads, "local_heads", local_heads)
+    return _patched([lightning, mamba1, mamba2, rwkv], "local_heads", local_heads)
 
 
 def _groups_not_replicated():
@@ -74,6 +77,20 @@ def _order_ignored():
     """The whole row assembled in the order the ranks' chunks arrive, not in sequence order (head_tail)."""
     from ringmaster.recurrent import heads
     return _patched(heads, "_order", lambda layout, P: None)
+
+
+def refused(ctx, model_type, P, **overrides):
+    """``rm.wire`` with ``recurrent="heads"`` on a model whose head count P does not divide: the error, or None."""
+    from ringmaster_tools.parity import tiny_model
+
+    model = tiny_model(model_type, **overrides)
+    try:
+        rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses", recurrent="heads"), device_mesh=ctx.mesh(P))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        rm.teardown()
+    return None
 
 
 MUTATIONS = {"wrong_head_slice": _wrong_head_slice, "groups_not_replicated": _groups_not_replicated,

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
+from .heads import STRATEGY as HEADS, check_heads
 from .scan import KERNEL_STRATEGIES, STRATEGIES
 
 
@@ -21,9 +22,14 @@ class Probe:
     inject: set = field(default_factory=set)      # kernel names that get a random incoming state
     called: set = field(default_factory=set)
     seed: int = 0
+    # recurrent="heads": the layer's path and the CP size its heads (the state's dim 1) are split over
+    path: str = ""
+    heads: int = 1
 
     def state(self, name: str, shape, dtype, device):
         self.called.add(name)
+        if self.heads > 1 and name == "scan":   # a head count the CP size does not divide: refused at wire
+            check_heads(self.path, "heads", tuple(shape)[1], self.heads)
         if name not in self.inject:
             return None
         g = torch.Generator().manual_seed(self.seed + len(self.called))

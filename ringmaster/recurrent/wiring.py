@@ -18,6 +18,7 @@ from .context import LayerContext, Probe
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
 from ..intercept import interceptable
 from .registry import get_kind, known_kinds
+from .heads import STRATEGY as HEADS
 from .scan import KERNEL_STRATEGIES
 
 
@@ -159,7 +160,7 @@ def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length:
     x = x.to(device=param.device, dtype=param.dtype)
 
     def run(inject: set) -> tuple[torch.Tensor, set]:
-        ctx.probe = Probe(inject=inject, seed=17)
+        ctx.probe = Probe(inject=inject, seed=17, path=ctx.path, heads=ctx.size if ctx.strategy == HEADS else 1)
         try:
             with torch.no_grad():
                 out = module(x, **(kwargs(x) if kwargs is not None else {}))

@@ -1,0 +1,100 @@
+"""``recurrent="heads"``: head-parallel recurrent layers against the same model without CP.
+
+Every recurrent family of transformers, float64 end to end (every parameter against its own norm, 1e-5; loss and
+gathered logits 1e-10), over P=2 and 4, Ulysses, Ring (``head_tail`` too) and USP around it, dense rows, packed rows
+(against every document run alone) and ``load_balance="documents"``. The kernel runs whole rows for H/P heads, so
+nothing is passed between ranks: a head split, group replication or sequence order that is wrong shows at once, and
+the mutations below make these checks fail.
+"""
+
+import jobs_heads as jh
+import jobs_recurrent_variants as jv
+import pytest
+from test_hybrid_parity import FP64_PARAM_TOL, FP64_TOL
+
+# every family whose recurrent layers ringmaster wires (Inkling's short convs keep the halo under every strategy:
+# tests/test_relbias.py and tests/test_inkling2.py)
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lara_mini", "olmo_hybrid", "bailing_hybrid",
+            "kimi_linear", "nemotron_h", "mamba2", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "minimax",
+            "recurrent_gemma", "rwkv", "xlstm", "mamba", "falcon_mamba", "jamba", "zamba", "lfm2", "lfm2_moe", "lfm3"]
+# both degrees, both layouts of Ring and Ulysses around it: one cell each, in turn
+CELLS = [(2, "ulysses", "auto"), (4, "ring", "head_tail"), (4, "ulysses", "auto"), (2, "ring", "auto")]
+DENSE = [(m, *CELLS[i % len(CELLS)]) for i, m in enumerate(FAMILIES)]
+# families with parameters a model never uses (zamba2's unused shared-block copies, as without heads)
+UNUSED = {"zamba2"}
+# one family per kind: packed rows and documents batches
+PACKED = [("qwen3_5_text", 4, "ring", "head_tail"), ("kimi_linear", 4, "usp", "auto"), ("nemotron_h", 4, "ulysses", "auto"),
+          ("minimax", 2, "ring", "head_tail"), ("mamba", 4, "ulysses", "auto"), ("recurrent_gemma", 2, "ulysses", "auto"),
+          ("rwkv", 4, "ring", "head_tail"), ("xlstm", 2, "ring", "auto"), ("lfm2", 2, "ulysses", "auto")]
+DOCUMENTS = [("qwen3_5_text", 4, "ring"), ("kimi_linear", 2, "ulysses"), ("nemotron_h", 2, "ring"),
+             ("minimax", 4, "ulysses"), ("mamba", 2, "ulysses"), ("recurrent_gemma", 4, "ring"), ("rwkv", 2, "ring"),
+             ("xlstm", 4, "ulysses")]
+
+
+def check(results, P, model_type):
+    for rank, r in enumerate(results):
+        assert r["cp_size"] == P and r["recurrent_layers"] >= 1, r
+        assert not r["missing_grads"], r["missing_grads"]
+        assert model_type in UNUSED or r["n_grads"] == r["n_params"], (r["n_grads"], r["n_params"])
+        assert r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r["loss_err"], r["logits_err"])
+        worst = {k: v for k, v in r["grad_errs"].items() if v > FP64_PARAM_TOL}
+        assert not worst, (rank, worst)
+
+
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[0]}-P{c[1]}-{c[2]}{'-ht' if c[3] == 'head_tail' else ''}")
+def test_dense_rows_fp64(pool, case):
+    model_type, P, backend, load_balance = case
+    results = pool.run(jh.parity, model_type, P, backend, load_balance=load_balance)
+    assert all(r["layout"] == "head_tail" for r in results) or load_balance != "head_tail", [r["layout"] for r in results]
+    check(results, P, model_type)
+
+
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: f"{c[0]}-P{c[1]}-{c[2]}{'-ht' if c[3] == 'head_tail' else ''}")
+def test_packed_rows_fp64(pool, case):
+    model_type, P, backend, load_balance = case
+    check(pool.run(jh.parity, model_type, P, backend, rows="packed", load_balance=load_balance), P, model_type)
+
+
+@pytest.mark.parametrize("case", DOCUMENTS, ids=lambda c: f"{c[0]}-P{c[1]}-{c[2]}")
+def test_documents_fp64(pool, case):
+    model_type, P, backend = case
+    check(pool.run(jh.parity, model_type, P, backend, rows="documents"), P, model_type)
+
+
+MUTATIONS = [
+    # mutation, (model, P, backend), job kwargs, parameter that must show it
+    ("wrong_head_slice", ("nemotron_h", 2, "ulysses"), {}, "mixer.A_log"),
+    ("wrong_head_slice", ("minimax", 2, "ulysses"), {}, "qkv_proj.weight"),
+    ("wrong_head_slice", ("rwkv", 2, "ulysses"), {}, "attention.time_decay"),
+    ("wrong_head_slice", ("mamba", 2, "ulysses"), {}, "mixer.A_log"),
+    ("groups_not_replicated", ("nemotron_h", 4, "ulysses"), {}, "mixer.A_log"),
+    ("groups_not_replicated", ("qwen3_5_text", 4, "ulysses"), {}, "linear_attn.in_proj_qkv.weight"),
+    ("order_ignored", ("lara_mini", 2, "ring"), {"load_balance": "head_tail"}, "linear_attn.A_log"),
+]
+
+
+@pytest.mark.parametrize("case", MUTATIONS, ids=[f"{c[0]}-{c[1][0]}-P{c[1][1]}" for c in MUTATIONS])
+def test_mutations_are_caught(pool, case):
+    mutation, args, kwargs, param = case
+    for rank, r in enumerate(pool.run(jh.parity, *args, mutation=mutation, **kwargs)):
+        errs = {k: v for k, v in r["grad_errs"].items() if param in k}
+        assert errs, (param, sorted(r["grad_errs"]))
+        print(f"{mutation} {args} rank {rank}: {param} {max(errs.values()):.2e}, loss {r['loss_err']:.1e}")
+        assert max(errs.values()) > 1e-3, (mutation, rank, errs)
+
+
+def test_conv_halo_is_kept_and_checked(pool):
+    """The layers' short convs keep their halo under heads: dropping it is caught at model level."""
+    for out in pool.run(jv.mutated, "conv_halo_dropped", "parity", "lfm3", 2, "heads", "ulysses"):
+        assert "raised" not in out, out["raised"]
+        errs = {k: v for k, v in out["mutated"]["grad_errs"].items() if "conv.conv.weight" in k}
+        assert errs and max(errs.values()) > 1e-3, errs
+
+
+def test_head_count_the_cp_size_does_not_divide_is_refused_at_wire(pool):
+    """Six value heads over four ranks: refused by ``rm.wire``'s probe, naming the counts and the sizes that work."""
+    for out in pool.run(jh.refused, "qwen3_5_text", 4, linear_num_value_heads=6):
+        assert out is not None, "wired"
+        name, msg = out
+        assert name == "UnsupportedLayerError", out
+        assert "6 heads" in msg and "4 CP ranks" in msg and "[2, 3, 6]" in msg and "recurrent='scan'" in msg, msg
