@@ -10,6 +10,8 @@ A_log / dt_bias / conv1d.weight among them):
   2x2 and Ring at P=4;
 - ``recurrent="fla_cp"`` through FLA's own CP for gated DeltaNet and KDA: contiguous (Ulysses) and
   ``head_tail`` (Ring: FLA's ``layout="zigzag"``), packed rows and the documents mode;
+- ``recurrent="heads"`` (FLA's kernel over whole rows for half the heads) for gated DeltaNet and KDA: dense under
+  Ring's ``head_tail``, packed under Ulysses, the documents mode;
 - mutations with the real kernels: ringmaster's state passing off, FLA's CP context dropped, the kernel ignoring
   its initial state (refused by ``wire``'s probe).
 
@@ -166,15 +168,17 @@ def test_cpu_tools_run_torch_kernels_where_fla_is_installed():
 # (tests/test_zoo.py, torch kernels)
 CASES = [
     # the mutations share this row's reference: ringmaster's state passing off (scan), FLA's CP context dropped
-    ("qwen3_5_text", 2, "dense", [("ulysses", "auto"), ("ring", "fla_cp"), ("ulysses", "scan", "no_state_passing"),
-                                  ("ring", "fla_cp", "no_fla_cp_context")], {}),
-    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ulysses", "fla_cp"), ("ring", "fla_cp")], {}),
-    ("qwen3_5_text", 2, "documents", [("ulysses", "fla_cp"), ("ring", "fla_cp")], {}),
+    ("qwen3_5_text", 2, "dense", [("ulysses", "auto"), ("ring", "fla_cp"), ("ring", "heads"),
+                                  ("ulysses", "scan", "no_state_passing"), ("ring", "fla_cp", "no_fla_cp_context")], {}),
+    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ulysses", "fla_cp"), ("ring", "fla_cp"), ("ulysses", "heads")],
+     {}),
+    ("qwen3_5_text", 2, "documents", [("ulysses", "fla_cp"), ("ring", "fla_cp"), ("ring", "heads")], {}),
     ("qwen3_next", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], {}),
     ("olmo_hybrid", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], {}),
     ("lara_mini", 2, "dense", [("ulysses", "scan"), ("ring", "sequential")], {}),
     # KDA's intra-chunk kernel runs a program per token: 16 tokens
-    ("kimi_linear", 2, "dense", [("ulysses", "scan"), ("ring", "fla_cp"), ("ulysses", "fla_cp")], dict(seq_len=16)),
+    ("kimi_linear", 2, "dense", [("ulysses", "scan"), ("ring", "fla_cp"), ("ulysses", "fla_cp"), ("ring", "heads")],
+     dict(seq_len=16)),
     ("bailing_hybrid", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], dict(seq_len=16)),
     ("qwen3_next", 4, "dense", [("usp", "scan"), ("ring", "fla_cp")], {}),
 ]
