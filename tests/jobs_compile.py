@@ -133,7 +133,7 @@ KIND_FAMILIES = {"mamba1": "falcon_mamba", "lightning": "minimax", "rglru": "rec
                  "mlstm": "xlstm", "short_conv": "lfm2", "kda": "kimi_linear", "dynamic_short_conv": "inkling2_text"}
 
 
-def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_partition"):
+def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_partition", recurrent="auto"):
     """A tiny ``model_type`` wired with ``compile=True`` (the scan), its decoder blocks compiled with fullgraph=True
     before the first CP step, two steps (the first compiled too): loss of each and every gradient of the second
     against the model without CP, fp32; graph breaks and graphs; the recurrent kinds wired."""
@@ -153,7 +153,8 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config.vocab_size, 16)
     ref_out = step_shape._step(ref, {**batch, "use_cache": False})
-    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=mesh, compile=True)
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses", recurrent=recurrent), device_mesh=mesh,
+                      compile=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     blocks = step_shape.decoder_blocks(model)
@@ -178,13 +179,16 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
 
 
 def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2,
-                         zero_padding=False, seq_len=64, kind="packed"):
+                         zero_padding=False, seq_len=64, kind="packed", row_pieces_dropped=False):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
     pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
     documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
     and length reach the block as Python ints (``ChunkPieces.n``, ``.L``), not as dynamic sizes; ``zero_padding``,
-    the stabilised kinds pad their pieces with zeros (RWKV's key, mLSTM's gates), not with their neutral values."""
+    the stabilised kinds pad their pieces with zeros (RWKV's key, mLSTM's gates), not with their neutral values;
+    ``row_pieces_dropped``, recurrent="heads" without the whole rows' pieces (``CPBatch.row_pieces``): the
+    documents cut in Python, per packing."""
     from ringmaster.recurrent import documents, mlstm, rwkv
+    from ringmaster.sharding.documents import CPBatch
     from ringmaster_tools import packings
 
     original, sizes = documents.PiecesSegment.local_map, documents.PiecesSegment.__dict__["_sizes"]
@@ -202,8 +206,12 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         documents.PiecesSegment.local_map = first_map
     if static_sizes:
         documents.PiecesSegment._sizes = staticmethod(lambda pieces: (pieces.n, pieces.L))
+    row_pieces = CPBatch._row_pieces
+    if row_pieces_dropped:
+        CPBatch._row_pieces = lambda self: None
     try:
         return packings.over_packings(ctx, model, backend, kind, steps, size=P, seq_len=seq_len)
     finally:
         documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes
+        CPBatch._row_pieces = row_pieces
         rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads

@@ -77,12 +77,18 @@ def test_mutation_first_cp_forward_eager_compiles_nothing_in_it(pool):
         assert steps[0]["graphs"] == 0, steps
 
 
-@pytest.mark.parametrize("kind", ["mamba1", "lightning", "rglru", "rwkv", "mlstm", "short_conv"])
-def test_every_recurrent_kind_compiles_fullgraph(pool, kind):
+KIND_CASES = [(k, "auto") for k in ("mamba1", "lightning", "rglru", "rwkv", "mlstm", "short_conv")] + \
+    [(k, "heads") for k in ("mamba1", "lightning", "rglru", "rwkv", "mlstm")]
+
+
+@pytest.mark.parametrize("kind, recurrent", KIND_CASES, ids=[f"{k}-{r}" for k, r in KIND_CASES])
+def test_every_recurrent_kind_compiles_fullgraph(pool, kind, recurrent):
     """A family of each recurrent kind (gated DeltaNet and Mamba2 above; KDA in ``benchmarks/compile.py
     --kinds``): its blocks compiled with fullgraph=True before the first CP step, no graph break, loss and every
-    gradient as the model without CP (fp32; dynamo's graphs on its eager backend, AOTAutograd in the benchmark)."""
-    r = pool.run(jobs_compile.recurrent_kind_compiles, jobs_compile.KIND_FAMILIES[kind], compiler="eager")[0]
+    gradient as the model without CP (fp32; dynamo's graphs on its eager backend, AOTAutograd in the benchmark);
+    under the state passing and head-parallel (``recurrent="heads"``)."""
+    r = pool.run(jobs_compile.recurrent_kind_compiles, jobs_compile.KIND_FAMILIES[kind], compiler="eager",
+                 recurrent=recurrent)[0]
     assert kind in r["kinds"] and r["breaks"] == 0 and 1 <= r["graphs"] <= 3 and not r["missing"], r
     assert max(r["loss"]) <= TOL and r["grad"] <= 1e-5, r
 
@@ -123,6 +129,22 @@ def test_hybrid_new_packings_compile_few_graphs(pool):
     for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses", 16):
         assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
+def test_heads_new_packings_compile_few_graphs(pool):
+    """``recurrent="heads"`` (a Mamba2 hybrid, Ulysses): the recurrent layers run whole rows whose documents are the
+    batch's whole-row pieces (``CPBatch.row_pieces``, dynamic sizes), so 8 new packings compile a bounded number of
+    graphs (measured: 4 in 12) and every step is exact; fullgraph, no break."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 8):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
+def test_mutation_heads_without_row_pieces_compile_per_packing(pool):
+    """Mutation: heads mode cutting the whole rows' documents in Python (no ``CPBatch.row_pieces``): a graph per
+    packing, past the bound above (measured: 8 graphs in 6 packings)."""
+    results = pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 6, row_pieces_dropped=True)
+    assert max(r["graphs"][-1] for r in results) > HYBRID_GRAPHS, [r["graphs"] for r in results]
 
 
 def test_mutation_static_piece_sizes_compile_per_size_pair(pool):

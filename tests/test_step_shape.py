@@ -18,6 +18,8 @@ MODELS = ["llama", "gdn-hybrid", "mamba2-hybrid"]
 P2 = list(itertools.product(MODELS, ["ulysses", "ring-alltoall", "ring-allgather", "distflash"],
                             ["dense", "packed", "padded"]))
 P4 = [(m, b, k) for m in MODELS for b, k in (("usp", "packed"), ("usp", "padded"), ("ring-alltoall", "packed"))]
+# recurrent="heads": the hybrids' recurrent layers head-parallel, whole rows cut by the shard step's row pieces
+P2 += [(m, b, k) for m in MODELS[1:] for b in ("ulysses-heads", "ring-heads") for k in ("dense", "packed", "padded")]
 
 
 def _check(rows):

@@ -42,7 +42,7 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
                                  multimodal=rt.multimodal is not None, documents=policy_of(rt))
     meta = shard.pop(CP_SHARD_KEY)
     validate_batch(rt, meta, full_batch=batch)
-    shard[BATCH_KWARG] = batch_kwarg(meta)
+    shard[BATCH_KWARG] = batch_kwarg(meta, rt)
     apply_positions(rt, shard)   # absolute position tables: the model's own numbering of the full row
     count = num_items_in_batch if num_items_in_batch is not None else global_num_items(batch)
     if count is not None and "shift_labels" in shard:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..comm import all_to_all
 from ..errors import UnsupportedLayerError
-from .documents import DocumentSegment, global_documents, host_runs
+from .documents import DocumentSegment, PiecesSegment, global_documents, host_runs
 from .scan import chunk_ids
 
 STRATEGY = "heads"
@@ -155,11 +155,17 @@ def run_heads(path: str, group, layout: str, batch, tensors: Sequence[torch.Tens
 
 def whole_rows(segment, batch, path: str, shape: tuple[int, int]):
     """``segment.run(None)`` over whole rows (``shape``: rows, whole length), the state reset at every document
-    start of the batch's host runs (packed and padded rows); the kernel's outputs (first element)."""
+    start of the batch's host runs (packed and padded rows); the kernel's outputs (first element). Inside a
+    compiled block, the documents run as the batch's whole-row pieces (``CPBatch.row_pieces``, made in the shard
+    step: :class:`~ringmaster.recurrent.documents.PiecesSegment`), so a new packing is new data, not a new graph;
+    in eager mode each document is cut exactly (:class:`~ringmaster.recurrent.documents.DocumentSegment`)."""
     B, S = shape
     size = getattr(batch, "size", 1)
     docs = None if batch is None else global_documents(batch, path, size, B, S // size)
-    if docs is not None:
+    pieces = getattr(batch, "row_pieces", None)
+    if docs is not None and pieces is not None and torch.compiler.is_compiling() and hasattr(segment, "with_tensors"):
+        segment = PiecesSegment(segment, pieces)
+    elif docs is not None:
         segment = DocumentSegment(segment, host_runs(batch).pattern(0, S, B), S)
     out = segment.run(None)
     return out[0] if isinstance(out, tuple) else out

@@ -241,12 +241,14 @@ def _gather_documents(local: torch.Tensor, dim: int, group, a: Assignment) -> to
     return full.index_select(dim, inverse)
 
 
-def batch_kwarg(meta: Mapping[str, Any]) -> CPBatch:
+def batch_kwarg(meta: Mapping[str, Any], runtime=None) -> CPBatch:
     """The ``ringmaster_batch`` kwarg for a shard's metadata: the only way the per-step layout and
     document structure reach the CP layers (nothing reads them from a process global). The step's dropout
     seed is drawn from it by the first forward that trains (:mod:`.rng`), not here: a step that draws nothing
-    leaves the random stream alone."""
-    return CPBatch.from_meta(meta)
+    leaves the random stream alone. ``runtime``: the one the batch is for (its ``recurrent="heads"`` asks for the
+    whole rows' pieces, ``CPBatch.row_pieces``)."""
+    config = getattr(runtime, "config", None)
+    return CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads")
 
 
 def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:
@@ -367,7 +369,7 @@ class ContextParallelContextManager:
             self._local_valid = None if local is None else local.ne(IGNORE_INDEX).sum()
             if kwargs.get("num_items_in_batch") is None and full_count is not None:
                 kwargs["num_items_in_batch"] = full_count.float() / self.cp_size
-            kwargs[BATCH_KWARG] = batch_kwarg(meta)
+            kwargs[BATCH_KWARG] = batch_kwarg(meta, runtime)
             self._layouts[id(module)] = meta["layout"]
             self._assignments[id(module)] = meta.get("assignment")
             apply_positions(runtime, kwargs)

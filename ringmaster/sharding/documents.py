@@ -301,7 +301,7 @@ class CPBatch:
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
                  origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
-                 recurrent_doc_ids: torch.Tensor | None = None):
+                 recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False):
         self.rank, self.size, self.seq_len = rank, size, seq_len
         # this rank's shard of the batch's own attention_mask [B, local] (None without one): the token weights of a
         # per-sequence statistic (the MoE router loss, sharding.router); attention never reads it (doc_ids do)
@@ -334,9 +334,13 @@ class CPBatch:
         # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
         # shard step: a compiled block reads no per-packing Python value); None without documents
         self.pieces = self._chunk_pieces() if pieces else None
+        # recurrent="heads" (row_pieces: the shard step's runtime runs it): the whole rows cut at their document
+        # starts, as data, for the kernels that run whole rows for their heads (recurrent.heads); None otherwise
+        self.row_pieces = self._row_pieces() if pieces and row_pieces else None
         # load_balance="documents": the two parts, made here (the shard step, on the host), never in forward, and
         # the split share as the size of an empty tensor: a compiled block reads it as a size it may mark dynamic,
         # not as a Python constant of this packing (with the parts' own lengths, from their tensors' shapes)
+        self._row_pieces_wanted = row_pieces   # the parts inherit it
         self.parts = (self.split_part(), self.whole_part()) if assignment is not None else None
         self.split_marker = None if assignment is None else _dynamic(torch.empty(0, assignment.split_share), 1)
 
@@ -351,11 +355,19 @@ class CPBatch:
         return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
                               m, device, padded=self.origin is not None, local=self.origin is not None and self.size == 1)
 
+    def _row_pieces(self) -> "ChunkPieces | None":
+        if self.recurrent_runs is None or self.assignment is not None or self.size == 1:
+            return None
+        device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
+        pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, padded=True, local=True)
+        return None if pieces is None else pieces[0]
+
     @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> "CPBatch":
+    def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False) -> "CPBatch":
+        """``row_pieces``: make :attr:`row_pieces` (the runtime runs ``recurrent="heads"``)."""
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
                    meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"),
-                   recurrent_doc_ids=meta.get("recurrent_doc_ids"))
+                   recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces)
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
@@ -388,7 +400,7 @@ class CPBatch:
         if "split" not in self._cache:
             runs = Runs(a.split_len, (a.split_starts(),))
             part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
-                           origin=a.sub_row)
+                           origin=a.sub_row, row_pieces=self._row_pieces_wanted)
             part.rng_seed = self.rng_seed
             self._cache["split"] = part
         return self._cache["split"]
