@@ -251,5 +251,21 @@ def kernel_ignores_initial_state() -> Callable[[], None]:
     return lambda: setattr(m, "torch_chunk_gated_delta_rule", original)
 
 
+def heads_varlen_one_document() -> Callable[[], None]:
+    """recurrent="heads" on a packed row: FLA's varlen call given one document spanning every row (the
+    boundaries dropped), so the state runs across every document start."""
+    import torch
+
+    from ringmaster.recurrent import heads
+
+    original = heads.rows_cu_seqlens
+    heads.rows_cu_seqlens = lambda runs, rows, seq_len: torch.tensor([0, rows * seq_len])
+
+    def undo():
+        heads.rows_cu_seqlens = original
+    return undo
+
+
 MUTATIONS = {"no_state_passing": no_state_passing, "no_fla_cp_context": no_fla_cp_context,
-             "kernel_ignores_initial_state": kernel_ignores_initial_state}
+             "kernel_ignores_initial_state": kernel_ignores_initial_state,
+             "heads_varlen_one_document": heads_varlen_one_document}

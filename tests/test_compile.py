@@ -133,17 +133,17 @@ def test_hybrid_new_packings_compile_few_graphs(pool):
 
 def test_heads_new_packings_compile_few_graphs(pool):
     """``recurrent="heads"`` (a Mamba2 hybrid, Ulysses): the recurrent layers run whole rows whose documents are the
-    batch's whole-row pieces (``CPBatch.row_pieces``, dynamic sizes), so 8 new packings compile a bounded number of
+    batch's whole-row pieces (``CPBatch.row_pieces``, dynamic sizes), so 6 new packings compile a bounded number of
     graphs (measured: 4 in 12) and every step is exact; fullgraph, no break."""
-    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 8):
+    for r in pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 6):
         assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS, r["graphs"]
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
 
 
 def test_mutation_heads_without_row_pieces_compile_per_packing(pool):
     """Mutation: heads mode cutting the whole rows' documents in Python (no ``CPBatch.row_pieces``): a graph per
-    packing, past the bound above (measured: 8 graphs in 6 packings)."""
-    results = pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 6, row_pieces_dropped=True)
+    packing, past the bound above (measured: 7 graphs in 5 packings, 11 in 12)."""
+    results = pool.run(jobs_compile.hybrid_over_packings, "mamba2-hybrid", "ulysses-heads", 5, row_pieces_dropped=True)
     assert max(r["graphs"][-1] for r in results) > HYBRID_GRAPHS, [r["graphs"] for r in results]
 
 

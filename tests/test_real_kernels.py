@@ -170,8 +170,9 @@ CASES = [
     # the mutations share this row's reference: ringmaster's state passing off (scan), FLA's CP context dropped
     ("qwen3_5_text", 2, "dense", [("ulysses", "auto"), ("ring", "fla_cp"), ("ring", "heads"),
                                   ("ulysses", "scan", "no_state_passing"), ("ring", "fla_cp", "no_fla_cp_context")], {}),
-    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ulysses", "fla_cp"), ("ring", "fla_cp"), ("ulysses", "heads")],
-     {}),
+    # heads on a packed row: FLA's own varlen mode, one call over every document; the mutation drops its boundaries
+    ("qwen3_5_text", 2, "packed", [("ulysses", "scan"), ("ulysses", "fla_cp"), ("ring", "fla_cp"), ("ulysses", "heads"),
+                                   ("ulysses", "heads", "heads_varlen_one_document")], {}),
     ("qwen3_5_text", 2, "documents", [("ulysses", "fla_cp"), ("ring", "fla_cp"), ("ring", "heads")], {}),
     ("qwen3_next", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], {}),
     ("olmo_hybrid", 2, "dense", [("ulysses", "sequential"), ("ring", "scan")], {}),

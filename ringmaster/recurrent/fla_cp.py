@@ -50,6 +50,15 @@ def _params(fn) -> dict:
         return {}
 
 
+def takes_varlen(kernel: Callable) -> bool:
+    """The layer's kernel is flash-linear-attention's and takes its varlen boundaries on the host too
+    (``cu_seqlens`` and ``cu_seqlens_cpu``: no device read of them). transformers' torch fallback swallows unknown
+    keywords, so a ``cu_seqlens`` passed to it would be silently ignored: never varlen."""
+    impl = kernel_implementation(kernel)
+    module = getattr(impl, "__module__", "") or ""
+    return (module == "fla" or module.startswith("fla.")) and {"cu_seqlens", "cu_seqlens_cpu"} <= set(_params(impl))
+
+
 def unavailable_reason(kernel: Callable) -> str | None:
     """Why ``recurrent="fla_cp"`` cannot run with this layer kernel (None: it can)."""
     impl = kernel_implementation(kernel)

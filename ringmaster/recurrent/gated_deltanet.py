@@ -43,7 +43,7 @@ from .conv import cp_conv_kernel
 from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, global_documents, host_runs, document_segments
-from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, unavailable_reason
+from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, takes_varlen, unavailable_reason
 from .heads import STRATEGY as HEADS, run_heads
 from ..intercept import rebind_forward
 from .kind import RecurrentKind
@@ -161,9 +161,13 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
 def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict):
     """``recurrent="heads"``: the layer's kernel over whole rows for this rank's value heads (q / k replicated to
     the groups those heads read when the key heads are fewer than the ranks); returns the outputs ``[b, l, hv, dv]``."""
+    def varlen(flat, cu_seqlens):   # flash-linear-attention's own varlen mode: every document in one call
+        q, k, v, g_, b_ = flat
+        return kernel(q, k, v, g=g_, beta=b_, cu_seqlens=cu_seqlens.to(q.device, non_blocking=True),
+                      cu_seqlens_cpu=cu_seqlens, **kwargs)[0]
     return run_heads(path, group, layout, batch, [query, key, value, g, beta],
                      lambda *t: GatedDeltaSegment(kernel, *t, kwargs=kwargs), value.shape[2], "value heads",
-                     shared={0: "query/key head", 1: "query/key head"})
+                     shared={0: "query/key head", 1: "query/key head"}, varlen=varlen if takes_varlen(kernel) else None)
 
 
 def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:

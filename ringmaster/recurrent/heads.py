@@ -24,13 +24,14 @@ fewer bytes than moving the conv's input and output through two more all-to-alls
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all
 from ..errors import UnsupportedLayerError
+from ..sharding.documents import row_cu_seqlens
 from .documents import DocumentSegment, PiecesSegment, global_documents, host_runs
 from .scan import chunk_ids
 
@@ -138,19 +139,36 @@ def to_sequence(out: torch.Tensor, group, layout: str) -> torch.Tensor:
 
 
 def run_heads(path: str, group, layout: str, batch, tensors: Sequence[torch.Tensor], build, heads: int,
-              what: str = "heads", shared: dict | None = None, token_dim: int = 1) -> torch.Tensor:
+              what: str = "heads", shared: dict | None = None, token_dim: int = 1,
+              varlen: Callable | None = None) -> torch.Tensor:
     """A recurrent kernel in head-parallel form: ``tensors`` (each ``[b, l, H_i, ...]``: this rank's tokens, every
     head) to whole rows for this rank's heads (:func:`to_heads`; ``shared``: index -> what, the tensors read by
     groups of the ``heads`` heads, :func:`grouped`), ``build(*whole)`` the kind's segment over them, run over whole
     rows with the batch's document resets (:func:`whole_rows`), and its output (token dim ``token_dim``, heads
-    right after it once the token dim is moved to 1) back to this rank's tokens (:func:`to_sequence`)."""
+    right after it once the token dim is moved to 1) back to this rank's tokens (:func:`to_sequence`).
+    ``varlen(flat, cu_seqlens)``: the kernel over every row's documents in one call (each whole tensor flattened to
+    one row ``[1, b * S, ...]``, ``cu_seqlens`` the host boundaries of every document of every row), for a kernel
+    with its own varlen mode (flash-linear-attention's): used for packed and padded rows in eager mode."""
     P = dist.get_world_size(group)
     check_heads(path, what, heads, P)
     shared = shared or {}
     tensors = [grouped(path, t, heads, P, shared[i]) if i in shared else t for i, t in enumerate(tensors)]
     whole = to_heads(tensors, group, layout)
-    out = whole_rows(build(*whole), batch, path, tuple(whole[0].shape[:2]))
+    B, S = whole[0].shape[:2]
+    if varlen is not None and not torch.compiler.is_compiling() and \
+            global_documents(batch, path, batch.size, B, S // batch.size) is not None:
+        out = varlen([t.reshape(1, B * S, *t.shape[2:]) for t in whole], rows_cu_seqlens(host_runs(batch), B, S))
+        out = out.reshape(B, S, *out.shape[2:])
+    else:
+        out = whole_rows(build(*whole), batch, path, (B, S))
     return to_sequence(out.movedim(token_dim, 1), group, layout).movedim(1, token_dim)
+
+
+def rows_cu_seqlens(runs, rows: int, seq_len: int) -> torch.Tensor:
+    """The host ``cu_seqlens`` (int64) of ``rows`` whole rows flattened into one: each row's document starts (a run
+    of padding is one document: the recurrent runs) shifted to where the row starts, and the end."""
+    cut = [row_cu_seqlens(runs, r if r < runs.rows else 0, seq_len)[:-1] + r * seq_len for r in range(rows)]
+    return torch.cat([*cut, torch.tensor([rows * seq_len])])
 
 
 def whole_rows(segment, batch, path: str, shape: tuple[int, int]):
