@@ -9,6 +9,9 @@
    CPU timings of tiny models say how the work scales, not what a GPU does: no speed claim is made from them.
 3. bf16 drift: the gathered logits of a bf16 model, without CP and under each strategy, against the same model
    in float64 (its kernels kept in float64), at growing sequence length, P = 4.
+4. What ``scan`` holds for backward at large P: the last rank composes the P-1 gathered maps before its chunk, and
+   autograd keeps the all-gather's output (P maps) until the layer's backward (analytic, per rank; a log-depth
+   prefix scan would hold ceil(log2 P); ``sequential`` holds the one state it received, ``heads`` none).
 
     python benchmarks/recurrent_modes.py [--skip-pool] [--sizes 2,4,8] [--drift-seqs 256,1024,4096]
 
@@ -177,6 +180,22 @@ def drift(seqs, P: int = 4) -> None:
                 print(f"{model_type:<14} {S:>6} " + " ".join(f"{r[c]:>18.2e}" for c in columns), flush=True)
 
 
+# (model, recurrent layers of that kind) for the held-maps table
+HELD = {"Qwen3.5-27B-ish (GDN)": 48, "Nemotron-H-8B (Mamba2)": 24, "MiniMax-Text-01 (lightning)": 70,
+        "Kimi-Linear-48B (KDA)": 20}
+
+
+def held(sizes=(8, 32, 64)) -> None:
+    print("\n## 4. maps the last rank holds for backward under scan, every recurrent layer of the model, no checkpointing")
+    print(f"{'model':<28} {'layers':>6} {'P':>3} {'scan (P maps)':>16} {'log-depth scan':>15} {'sequential':>11}")
+    for name, layers in HELD.items():
+        state, maps, _ = _state_bytes(MODELS[name])
+        for P in sizes:
+            log = (P - 1).bit_length()
+            print(f"{name:<28} {layers:>6} {P:>3} {P * maps * layers / 2**30:>13.2f}GiB "
+                  f"{log * maps * layers / 2**30:>12.2f}GiB {state * layers / 2**30:>8.2f}GiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=32768, help="sequence length of the analytic table")
@@ -184,11 +203,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--pool-seq", type=int, default=1024)
     ap.add_argument("--drift-seqs", default="256,1024,4096")
-    ap.add_argument("--parts", default="1,2,3", help="which tables to print (1: analytic, 2: measured, 3: drift)")
+    ap.add_argument("--parts", default="1,2,3,4",
+                    help="which tables to print (1: analytic bytes, 2: measured, 3: drift, 4: maps held by scan)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if "1" in parts:
         analytic(args.seq)
+    if "4" in parts:
+        held()
     if not args.skip_pool and "2" in parts:
         measured([int(p) for p in args.sizes.split(",")], args.pool_seq)
     if not args.skip_pool and "3" in parts:
