@@ -12,7 +12,7 @@ Checked, fp32 on both sides, tolerances of tests/test_real_kernels.py:
 - what transformers resolves: the SSD scan is mamba-ssm's; the fused block, causal-conv1d and Mamba1's selective
   scan keep transformers' torch fallbacks (they need the CUDA extensions: realkernels.mamba.CANNOT_RUN);
 - the kernel against the stand-in's token-by-token fp64 reference, with ``initial_states`` and ``seq_idx``;
-- Mamba2 under CP at P=2 (``scan`` and ``sequential``; Ulysses' contiguous and Ring's head_tail layout) against
+- Mamba2 under CP at P=2 (``scan``, ``sequential`` and ``heads``; Ulysses' contiguous and Ring's head_tail layout) against
   the same model without CP, a scan chunk of 12 that divides no shard; state passing off must miss;
 - causal-conv1d's own ``causal_conv1d_ref`` equals the torch conv ringmaster's CP conv runs here.
 """
@@ -58,8 +58,9 @@ def test_kernel_matches_the_fp64_reference(mamba_pool):
         assert max(r["errs"].values()) <= KERNEL_TOL, (case, r)
 
 
-# sequential hands the passed state to the kernel's initial_states; Ring cuts head_tail
-CASES = [("ulysses", "scan"), ("ring", "sequential"), ("ulysses", "scan", "mamba2_state_not_passed")]
+# sequential hands the passed state to the kernel's initial_states; Ring cuts head_tail; heads runs the kernel over
+# whole rows for half the heads (Ring's head_tail order restored inside its all-to-alls)
+CASES = [("ulysses", "scan"), ("ring", "sequential"), ("ring", "heads"), ("ulysses", "scan", "mamba2_state_not_passed")]
 
 
 def test_mamba2_exact_on_mamba_ssms_kernel(mamba_pool):
