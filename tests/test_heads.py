@@ -98,3 +98,15 @@ def test_head_count_the_cp_size_does_not_divide_is_refused_at_wire(pool):
         name, msg = out
         assert name == "UnsupportedLayerError", out
         assert "6 heads" in msg and "4 CP ranks" in msg and "[2, 3, 6]" in msg and "recurrent='scan'" in msg, msg
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "mamba"])
+def test_gradient_checkpointing(pool, model_type):
+    """Decoder layers recomputed in backward (HF gradient checkpointing, fp32): the recomputation runs the two
+    all-to-alls again from the step context it replays, and the gradients stay exact."""
+    import jobs_mamba1 as jm
+    from test_hybrid_parity import PARAM_TOL, TOL, TOTAL_TOL
+
+    for r in pool.run(jm.family_parity, model_type, 2, "heads", checkpointing=True):
+        assert r["loss_err"] <= TOL and r["logits_err"] <= TOL and r["grad_err_total"] <= TOTAL_TOL, r
+        assert max(r["grad_errs"].values()) <= PARAM_TOL, r["worst_param"]
