@@ -110,3 +110,25 @@ def test_gradient_checkpointing(pool, model_type):
     for r in pool.run(jm.family_parity, model_type, 2, "heads", checkpointing=True):
         assert r["loss_err"] <= TOL and r["logits_err"] <= TOL and r["grad_err_total"] <= TOTAL_TOL, r
         assert max(r["grad_errs"].values()) <= PARAM_TOL, r["worst_param"]
+
+
+PADDED = [("lara_mini", 2, "ulysses"), ("nemotron_h", 4, "ulysses")]
+
+
+@pytest.mark.parametrize("model_type, P, backend", PADDED, ids=[f"{m}-P{P}" for m, P, _ in PADDED])
+def test_padded_rows_fp64(pool, model_type, P, backend):
+    """Two rows, one left- and right-padded: a run of padding is one document of the whole row, so no state reaches
+    the first real token (fp64 per parameter)."""
+    for rank, r in enumerate(pool.run(jv.padded_parity, model_type, P, "heads", backend)):
+        assert not r["nan"] and r["loss_err"] <= FP64_TOL and r["logits_err"] <= FP64_TOL, (rank, r)
+        assert r["grad_err"] <= FP64_PARAM_TOL, (rank, r)
+
+
+def test_padded_rows_stabilised_state(pool):
+    """RWKV's stabilised state under Ring's head_tail, padded rows (fp32: the loss, logits and whole gradient)."""
+    import jobs_linear_recurrent as jl
+    from test_hybrid_parity import TOL, TOTAL_TOL
+
+    for r in pool.run(jl.padded_parity, "rwkv", 4, "heads", "ring"):
+        assert not r["nan"] and r["loss_err"] <= TOL and r["logits_err"] <= TOL, r
+        assert r["grad_err_total"] <= TOTAL_TOL, r
