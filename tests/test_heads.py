@@ -132,3 +132,15 @@ def test_padded_rows_stabilised_state(pool):
     for r in pool.run(jl.padded_parity, "rwkv", 4, "heads", "ring"):
         assert not r["nan"] and r["loss_err"] <= TOL and r["logits_err"] <= TOL, r
         assert r["grad_err_total"] <= TOTAL_TOL, r
+
+
+def test_rows_cu_seqlens_flattens_every_rows_documents():
+    """The varlen boundaries of whole rows flattened into one (FLA's varlen call): each row's document starts shifted
+    to where the row starts; one row of runs stands for every row."""
+    from ringmaster.recurrent.heads import rows_cu_seqlens
+    from ringmaster.sharding.documents import Runs
+
+    two = Runs(8, ((0, 3), (0, 5, 6)))
+    assert rows_cu_seqlens(two, 2, 8).tolist() == [0, 3, 8, 13, 14, 16]
+    one = Runs(8, ((0, 2),))
+    assert rows_cu_seqlens(one, 3, 8).tolist() == [0, 2, 8, 10, 16, 18, 24]
