@@ -218,3 +218,18 @@ def test_axolotl_plugin_trains_ring_distflash(pool, case):
             "ring", "hf_kernels", "contiguous", "distflash"), r
         assert r["collator_shards"] and r["presharded"], r
     check(results, P, hybrid=hybrid)
+
+
+def test_settings_take_every_recurrent_strategy():
+    """The plugin's ``ringmaster:`` block takes every ``RingmasterConfig.recurrent`` value (``fla_cp`` and ``heads``
+    were refused by its schema before) and refuses others, naming them."""
+    import pytest
+
+    pytest.importorskip("pydantic")
+    from ringmaster.adapters.axolotl import RingmasterSettings
+    from ringmaster.config import RECURRENT_CHOICES
+
+    for value in RECURRENT_CHOICES:
+        assert RingmasterSettings(recurrent=value).recurrent == value
+    with pytest.raises(ValueError, match="heads"):
+        RingmasterSettings(recurrent="headwise")

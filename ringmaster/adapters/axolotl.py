@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from ..config import RingmasterConfig
+from ..config import RECURRENT_CHOICES, RingmasterConfig
 
 try:
     from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,7 +55,7 @@ if BaseModel is not None:
         documents_threshold: Optional[int] = Field(default=None, ge=1)
         """load_balance: documents: documents longer than this are split over the group (None: chosen per batch)."""
         ring_impl: Literal["auto", "math", "torch_native", "hf_kernels"] = "auto"
-        recurrent: Literal["auto", "scan", "sequential"] = "auto"
+        recurrent: Literal[RECURRENT_CHOICES] = "auto"   # every RingmasterConfig.recurrent value (fla_cp, heads)
         gather_outputs: bool = False
         """All-gather the logits back to the full sequence after every forward (RL losses)."""
 
