@@ -60,6 +60,8 @@ BACKENDS = {
     # recurrent="heads": the recurrent layers head-parallel (whole rows for H/P heads)
     "ulysses-heads": dict(backend="ulysses", recurrent="heads"),
     "ring-heads": dict(backend="ring", rotate_method="alltoall", load_balance="head_tail", recurrent="heads"),
+    "ulysses-documents-heads": dict(backend="ulysses", load_balance="documents", documents_threshold=16,
+                                    recurrent="heads"),
 }
 
 

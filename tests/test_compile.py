@@ -140,6 +140,16 @@ def test_heads_new_packings_compile_few_graphs(pool):
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
 
 
+def test_heads_under_documents_compiles(pool):
+    """``recurrent="heads"`` with ``load_balance="documents"`` (a gated-DeltaNet hybrid): the split part through the
+    head all-to-alls, the whole documents locally, both in one compiled block, exact, no break (before: dynamo
+    failed on the kernel wrapper's closure, which heads mode inspected in forward; now decided at wire)."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "gdn-hybrid", "ulysses-documents-heads", 1, kind="documents",
+                         seq_len=32):
+        assert r["breaks"] == 0, r
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= GDN_GRAD_TOL, (r["loss"], r["grad"])
+
+
 def test_mutation_heads_without_row_pieces_compile_per_packing(pool):
     """Mutation: heads mode cutting the whole rows' documents in Python (no ``CPBatch.row_pieces``): a graph per
     packing, past the bound above (measured: 7 graphs in 5 packings, 11 in 12)."""

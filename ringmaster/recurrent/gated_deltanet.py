@@ -31,6 +31,7 @@ DocumentSegment` cuts each chunk at its starts, and a chunk with a start maps wi
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -122,15 +123,17 @@ class GatedDeltaSegment:
 
 
 def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, value, g, beta,
-                              initial_state=None, output_final_state=False, **kwargs):
-    """``chunk_gated_delta_rule`` for this rank's shard, with the earlier shards' state passed in."""
+                              initial_state=None, output_final_state=False, *, fla_varlen: bool = False, **kwargs):
+    """``chunk_gated_delta_rule`` for this rank's shard, with the earlier shards' state passed in. ``fla_varlen``:
+    ``kernel`` is flash-linear-attention's with its varlen mode (:func:`~.fla_cp.takes_varlen`, decided at wire)."""
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, q, k, v, g_, b_: cp_chunk_gated_delta_rule(
-            kernel, ctx, q, k, v, g_, b_, initial_state, output_final_state, **{**kwargs, BATCH_KWARG: part}),
+            kernel, ctx, q, k, v, g_, b_, initial_state, output_final_state, fla_varlen=fla_varlen,
+            **{**kwargs, BATCH_KWARG: part}),
             (query, key, value, g, beta), (1,) * 5, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
@@ -147,7 +150,8 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
         runs = None if docs is None else host_runs(batch)
         return fla_cp_rule(kernel, ctx.path, group, layout, runs, query, key, value, g, beta, kwargs), None
     if strategy == HEADS and size > 1:
-        return heads_rule(kernel, ctx.path, group, layout, batch, query, key, value, g, beta, kwargs), None
+        return heads_rule(kernel, ctx.path, group, layout, batch, query, key, value, g, beta, kwargs,
+                          fla_varlen), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (query, key, value, g, beta)]
@@ -158,16 +162,22 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
 
 
-def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict):
+def _fla_varlen(kernel: Callable, kwargs: dict, flat, cu_seqlens):
+    """flash-linear-attention's own varlen mode: every document of every whole row in one call."""
+    q, k, v, g, beta = flat
+    return kernel(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens.to(q.device, non_blocking=True),
+                  cu_seqlens_cpu=cu_seqlens, **kwargs)[0]
+
+
+def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict,
+               fla_varlen: bool = False):
     """``recurrent="heads"``: the layer's kernel over whole rows for this rank's value heads (q / k replicated to
-    the groups those heads read when the key heads are fewer than the ranks); returns the outputs ``[b, l, hv, dv]``."""
-    def varlen(flat, cu_seqlens):   # flash-linear-attention's own varlen mode: every document in one call
-        q, k, v, g_, b_ = flat
-        return kernel(q, k, v, g=g_, beta=b_, cu_seqlens=cu_seqlens.to(q.device, non_blocking=True),
-                      cu_seqlens_cpu=cu_seqlens, **kwargs)[0]
+    the groups those heads read when the key heads are fewer than the ranks); returns the outputs ``[b, l, hv, dv]``.
+    ``fla_varlen``: packed rows in one varlen call of the kernel (flash-linear-attention's)."""
     return run_heads(path, group, layout, batch, [query, key, value, g, beta],
                      lambda *t: GatedDeltaSegment(kernel, *t, kwargs=kwargs), value.shape[2], "value heads",
-                     shared={0: "query/key head", 1: "query/key head"}, varlen=varlen if takes_varlen(kernel) else None)
+                     shared={0: "query/key head", 1: "query/key head"},
+                     varlen=functools.partial(_fla_varlen, kernel, kwargs) if fla_varlen else None)
 
 
 def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
@@ -182,8 +192,14 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
                                         f"context parallelism) is unavailable: {reason}; use recurrent='scan' or "
                                         "'sequential'")
 
+    # flash-linear-attention's varlen mode, decided here (the kernel is inspected once, not in forward) for the kernel
+    # the name resolves to now; a kernel put there later is never given cu_seqlens (the torch fallback ignores them)
+    wired = namespace.get(names["scan"])
+    varlen = wired is not None and takes_varlen(wired)
+
     def rule(*args, **kwargs):
-        return cp_chunk_gated_delta_rule(namespace[names["scan"]], ctx, *args, **kwargs)
+        kernel = namespace[names["scan"]]
+        return cp_chunk_gated_delta_rule(kernel, ctx, *args, fla_varlen=varlen and kernel is wired, **kwargs)
 
     replacements: dict[str, Any] = {
         names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),
