@@ -144,3 +144,12 @@ def test_rows_cu_seqlens_flattens_every_rows_documents():
     assert rows_cu_seqlens(two, 2, 8).tolist() == [0, 3, 8, 13, 14, 16]
     one = Runs(8, ((0, 2),))
     assert rows_cu_seqlens(one, 3, 8).tolist() == [0, 2, 8, 10, 16, 18, 24]
+
+
+def test_groups_the_cp_size_cannot_split_or_replicate_are_refused_at_wire(pool):
+    """Mamba2 with three B/C groups over two ranks (six heads: the heads split, the groups neither split nor
+    replicate): refused by ``rm.wire``, naming the groups and the sizes that work."""
+    for out in pool.run(jh.refused, "nemotron_h", 2, mamba_num_heads=6, n_groups=3):
+        assert out is not None, "wired"
+        name, msg = out
+        assert name == "UnsupportedLayerError" and "3 B/C groups" in msg and "[3, 6]" in msg, msg

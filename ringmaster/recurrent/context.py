@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
-from .heads import STRATEGY as HEADS, check_heads
+from .heads import check_groups, check_heads
 from .scan import KERNEL_STRATEGIES, STRATEGIES
 
 
@@ -25,6 +25,12 @@ class Probe:
     # recurrent="heads": the layer's path and the CP size its heads (the state's dim 1) are split over
     path: str = ""
     heads: int = 1
+
+    def shared_by(self, heads: int, groups: int, what: str) -> None:
+        """recurrent="heads": an input that ``groups`` groups of the layer's ``heads`` heads share must split over
+        or replicate to the CP size: refused at wire (:func:`~.heads.check_groups`)."""
+        if self.heads > 1:
+            check_groups(self.path, heads, groups, self.heads, what)
 
     def state(self, name: str, shape, dtype, device):
         self.called.add(name)

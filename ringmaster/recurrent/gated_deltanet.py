@@ -128,6 +128,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     ``kernel`` is flash-linear-attention's with its varlen mode (:func:`~.fla_cp.takes_varlen`, decided at wire)."""
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
+        ctx.probe.shared_by(value.shape[2], query.shape[2], "query/key head")
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

@@ -56,13 +56,18 @@ def grouped(path: str, t: torch.Tensor, heads: int, P: int, what: str) -> torch.
     ``i // (heads / G)``), repeated so that the head split gives each rank the groups its heads read: as it is when
     ``P`` divides ``G``; each group repeated ``P / G`` times when ``G`` divides ``P`` (one group per rank)."""
     G = t.shape[2]
+    check_groups(path, heads, G, P, what)
+    return t if G % P == 0 else t.repeat_interleave(P // G, dim=2)
+
+
+def check_groups(path: str, heads: int, G: int, P: int, what: str) -> None:
+    """Refuse ``G`` groups of ``what`` (read by groups of the layer's ``heads`` heads) that neither split over nor
+    replicate to ``P`` ranks (:func:`grouped`), naming the sizes that work."""
     check_heads(path, "heads", heads, P)
     if heads % G:
         raise UnsupportedLayerError(f"{path}: {heads} heads do not fall into {G} groups of {what}")
-    if G % P == 0:
-        return t
-    if P % G == 0:
-        return t.repeat_interleave(P // G, dim=2)
+    if G % P == 0 or P % G == 0:
+        return
     raise UnsupportedLayerError(
         f"{path}: recurrent='heads' needs the layer's {G} {what} groups and the CP size {P} to divide one another; "
         f"use a CP size among {sorted(set(_sizes_that_work(G)) | {p for p in range(2, 17) if p % G == 0 and heads % p == 0})}"

@@ -124,6 +124,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         kwargs.pop("z", None)
+        ctx.probe.shared_by(hidden_states.shape[2], B.shape[2], "B/C")
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
