@@ -76,6 +76,7 @@ TAG_LAYER_KINDS: dict[str, str] = {
     "mamba": "recurrent",
     "gated_deltanet": "recurrent",
     "linear_attn": "recurrent",
+    "heads": "recurrent",   # recurrent="heads": the all-to-alls to whole rows and back (heads_in / heads_out)
     "other": "other",
     "gather_sequence": "other",
 }
