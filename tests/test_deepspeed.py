@@ -35,6 +35,10 @@ CASES = [
     ("llama", "ulysses", 3, "zero_init"),
     ("llama", "ring-alltoall", 1, "before"),
     ("mamba2-hybrid", "ulysses", 2, "after"),
+    # recurrent="heads" under ZeRO-3 (per-head constants sliced from parameters DeepSpeed gathers): built under
+    # zero.Init (the wire probe checks the heads on the gathered layer), and wired after initialize
+    ("mamba2-hybrid", "ulysses-heads", 3, "zero_init"),
+    ("gdn-hybrid", "ring-heads", 3, "after"),
 ]
 
 
