@@ -124,7 +124,7 @@ def _slim(r: dict) -> dict:
     return out
 
 
-def family_cases(ctx, model_type, P, mode, cases, seq_len=64, overrides=None) -> list[dict]:
+def family_cases(ctx, model_type, P, mode, cases, seq_len=64, overrides=None, doc_lens=None) -> list[dict]:
     """fp32 parity of ``model_type`` at CP size ``P`` on FLA's kernels against the same model without CP (also on
     FLA's kernels), one reference run shared by every case. ``mode``: ``dense`` (``seq_len`` tokens), ``packed``
     (a row of documents against every document alone) or ``documents`` (the same under
@@ -144,7 +144,7 @@ def family_cases(ctx, model_type, P, mode, cases, seq_len=64, overrides=None) ->
     if mode == "dense":
         batch, forward = tiny_batch(vocab, seq_len, seed=1), _plain_forward
     else:
-        batch = packed_batch(vocab, list(DOC_LENS if mode == "packed" else DOCUMENTS_DOC_LENS))
+        batch = packed_batch(vocab, list(doc_lens or (DOC_LENS if mode == "packed" else DOCUMENTS_DOC_LENS)))
         forward = per_document_forward
     reference = copy.deepcopy(base)
     out = forward(reference, batch)

@@ -100,7 +100,7 @@ def kernel_matches_reference(ctx, cases=((40, 12, True, True),)):
     return out
 
 
-def mamba2_cases(ctx, cases, seq_len=64, overrides=None) -> list[dict]:
+def mamba2_cases(ctx, cases, seq_len=64, overrides=None, mode="dense", doc_lens=None) -> list[dict]:
     """fp32 parity of the tiny Mamba2 at P=2 on mamba-ssm's kernel against the same model without CP (also on
     it): jobs_real_kernels.family_cases (one reference shared by the ``(backend, recurrent[, mutation])`` cases;
     the mutations of :data:`MUTATIONS` are added to its table), and the seconds the whole job took."""
@@ -109,7 +109,7 @@ def mamba2_cases(ctx, cases, seq_len=64, overrides=None) -> list[dict]:
     for name, mutation in MUTATIONS.items():
         jr.MUTATIONS.setdefault(name, mutation)
     t0 = time.perf_counter()
-    results = jr.family_cases(ctx, "mamba2", 2, "dense", cases, seq_len=seq_len, overrides=overrides)
+    results = jr.family_cases(ctx, "mamba2", 2, mode, cases, seq_len=seq_len, overrides=overrides, doc_lens=doc_lens)
     for r in results:
         r["job_s"] = time.perf_counter() - t0
     return results

@@ -73,6 +73,16 @@ def test_mamba2_exact_on_mamba_ssms_kernel(mamba_pool):
         print(f"rank {rank}: {len(CASES)} cases in {per_case[-1]['job_s']:.1f} s")
 
 
+# heads on a packed row: mamba-ssm's own seq_idx, every document in one call; the mutation drops its boundaries
+PACKED_CASES = [("ulysses", "heads"), ("ulysses", "heads", "heads_varlen_one_document")]
+
+
+def test_mamba2_heads_packed_rows_on_mamba_ssms_seq_idx(mamba_pool):
+    # 32 tokens: documents start mid-shard and on the shard edge (16)
+    results = mamba_pool.run(jm.mamba2_cases, PACKED_CASES, overrides=OVERRIDES, mode="packed", doc_lens=(5, 11, 3, 13))
+    check(results, 2, "packed", PACKED_CASES, needed=NEEDED)
+
+
 def test_causal_conv1d_reference_is_the_conv_run_here(mamba_pool):
     """causal-conv1d's compiled ``causal_conv1d_fn`` cannot run (no ``causal_conv1d_cuda``); its pure-torch
     ``causal_conv1d_ref`` (which transformers never resolves: it looks up ``causal_conv1d_fn``) equals transformers'

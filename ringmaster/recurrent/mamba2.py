@@ -26,12 +26,15 @@ has decay 0 in its map), so state never flows from one document into the next, a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .fla_cp import kernel_implementation
 from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
@@ -119,8 +122,9 @@ class Mamba2Segment:
 
 def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A, B, C, chunk_size, D=None,
                          dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, math.inf),
-                         return_final_states=False, **kwargs):
-    """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in."""
+                         return_final_states=False, *, ssm_varlen: bool = False, **kwargs):
+    """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in. ``ssm_varlen``:
+    ``kernel`` is mamba-ssm's and takes ``seq_idx`` (:func:`takes_seq_idx`, decided at wire)."""
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         kwargs.pop("z", None)
@@ -130,7 +134,8 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, x, dt_, b_, c_: cp_mamba2_chunk_scan(
             kernel, ctx, x, dt_, A, b_, c_, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_limit,
-            return_final_states, **{**kwargs, BATCH_KWARG: part}), (hidden_states, dt, B, C), (1,) * 4, 1)
+            return_final_states, ssm_varlen=ssm_varlen, **{**kwargs, BATCH_KWARG: part}), (hidden_states, dt, B, C),
+            (1,) * 4, 1)
     group, size, layout, strategy = ctx.resolve(batch)
     packed = getattr(batch, "doc_ids", None) is not None
     if size == 1 and not packed:
@@ -143,7 +148,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
     kwargs.pop("z", None)  # the mixers gate outside the scan (z=None)
     if strategy == HEADS and size > 1:
         return heads_scan(kernel, ctx.path, group, layout, batch, hidden_states, dt, A, B, C, chunk_size, D, dt_bias,
-                          dt_softplus, dt_limit, kwargs)
+                          dt_softplus, dt_limit, kwargs, ssm_varlen)
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (hidden_states, dt, B, C)]
@@ -157,21 +162,48 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
 
 
 
+def takes_seq_idx(kernel: Callable) -> bool:
+    """The scan kernel is mamba-ssm's ``mamba_chunk_scan_combined``, which resets its state where ``seq_idx`` changes.
+    transformers' torch fallback is never given ``seq_idx`` (a fallback that swallowed it would ignore it)."""
+    impl = kernel_implementation(kernel)
+    module = getattr(impl, "__module__", "") or ""
+    try:
+        params = inspect.signature(impl).parameters
+    except (TypeError, ValueError):
+        return False
+    return (module == "mamba_ssm" or module.startswith("mamba_ssm.")) and "seq_idx" in params
+
+
+def _ssm_varlen(kernel: Callable, A, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs: dict, flat, cu_seqlens):
+    """mamba-ssm's own packed mode: every document of every whole row in one call, ``seq_idx`` from the host
+    boundaries (one index per document, copied to the device once)."""
+    x, dt, B, C = flat
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None]
+    keep = {k: v for k, v in kwargs.items() if k not in ("seq_idx", "cu_seqlens")}
+    return kernel(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, seq_idx=seq_idx.to(x.device, non_blocking=True),
+                  dt_softplus=dt_softplus, dt_limit=dt_limit, **keep)
+
+
 def heads_scan(kernel: Callable, path: str, group, layout: str, batch, x, dt, A, B, C, chunk_size, D, dt_bias,
-               dt_softplus, dt_limit, kwargs: dict):
+               dt_softplus, dt_limit, kwargs: dict, ssm_varlen: bool = False):
     """``recurrent="heads"``: the chunk scan over whole rows for this rank's heads; B / C replicated to the groups
-    those heads read when ``n_groups`` < P; A, D and dt_bias sliced to them. Returns ``[b, l, h, p]``."""
+    those heads read when ``n_groups`` < P; A, D and dt_bias sliced to them. Returns ``[b, l, h, p]``.
+    ``ssm_varlen``: packed rows in one call of mamba-ssm's kernel with ``seq_idx``."""
     A, D, dt_bias = (local_heads(t, group) for t in (A, D, dt_bias))
+    varlen = (functools.partial(_ssm_varlen, kernel, A, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
+              if ssm_varlen else None)
     return run_heads(path, group, layout, batch, [x, dt, B, C], lambda x_, dt_, B_, C_: Mamba2Segment(
         kernel, x_, dt_, A, B_, C_, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs), x.shape[2],
-        shared={2: "B/C", 3: "B/C"})
+        shared={2: "B/C", 3: "B/C"}, varlen=varlen)
 
 
 def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:
     """Route one Mamba2 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
     names = {**KERNELS, **OPTIONAL, **(names or {})}
-    return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_mamba2_chunk_scan)
+    return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_mamba2_chunk_scan,
+                                wired_kwargs=lambda kernel: {"ssm_varlen": takes_seq_idx(kernel)})
 
 
 KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer, strategies=(HEADS,),

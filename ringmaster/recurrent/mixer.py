@@ -25,16 +25,21 @@ def route_around_fused(ctx: LayerContext, namespace: dict, name: str):
 
 
 def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[str],
-                         cp_scan: Callable[..., Any]) -> Callable[[], None]:
+                         cp_scan: Callable[..., Any], wired_kwargs: Callable[[Callable], dict] | None = None
+                         ) -> Callable[[], None]:
     """Route one mixer instance through exact CP: ``names`` maps the roles ``conv``, ``scan``, ``fused``,
     ``conv_update`` and ``state_update`` to the kernel names its forward calls; ``cp_scan(kernel, ctx,
     *args, **kwargs)`` is the kind's CP scan. Kernels are looked up per call (one swapped in later is
-    used). Returns the undo."""
+    used). ``wired_kwargs(kernel)``: keywords for ``cp_scan`` decided here, once, from the scan kernel the name
+    resolves to now (what the kernel supports), passed only while that kernel is the one called. Returns the undo."""
     forward = interceptable(module, ctx.path, required)   # the class forward, or axolotl's composed one
     namespace = inspect.unwrap(forward).__globals__
+    wired = namespace.get(names["scan"])
+    extra = wired_kwargs(wired) if wired_kwargs is not None and wired is not None else {}
 
     def scan(*args, **kwargs):
-        return cp_scan(namespace[names["scan"]], ctx, *args, **kwargs)
+        kernel = namespace[names["scan"]]
+        return cp_scan(kernel, ctx, *args, **(extra if kernel is wired else {}), **kwargs)
 
     replacements: dict[str, Any] = {
         names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),
