@@ -189,3 +189,15 @@ CASES = [
 def test_exact_on_flas_kernels(fla_pool, row):
     model_type, P, mode, cases, kwargs = row
     check(fla_pool.run(jr.family_cases, model_type, P, mode, cases, **kwargs), P, mode, cases)
+
+
+def test_heads_padded_rows_in_one_varlen_call(fla_pool):
+    """recurrent="heads" on two rows, one left- and right-padded, on FLA's kernel: both rows flattened into one
+    varlen call (each row's documents, a run of padding one of them), against each row's real tokens run alone."""
+    from jobs import padded_parity
+    from jobs_mamba1 import slow_decay
+
+    for r in fla_pool.run(padded_parity, 2, "ulysses", {"recurrent": "heads"}, model_type="qwen3_5_text",
+                          prepare=slow_decay, S=32, left=5, real=19, **jr.SMALL["qwen3_5_text"]):
+        assert not r["nan"] and r["loss_err"] <= TOL and r["logits_err"] <= TOL, r
+        assert r["grad_err_total"] <= TOTAL_TOL, r
