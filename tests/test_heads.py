@@ -17,9 +17,9 @@ from test_hybrid_parity import FP64_PARAM_TOL, FP64_TOL
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lara_mini", "olmo_hybrid", "bailing_hybrid",
             "kimi_linear", "nemotron_h", "mamba2", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "minimax",
             "recurrent_gemma", "rwkv", "xlstm", "mamba", "falcon_mamba", "jamba", "zamba", "lfm2", "lfm2_moe", "lfm3"]
-# both degrees, both layouts of Ring and Ulysses around it: one cell each, in turn
-CELLS = [(2, "ulysses", "auto"), (4, "ring", "head_tail"), (4, "ulysses", "auto"), (2, "ring", "auto")]
-DENSE = [(m, *CELLS[i % len(CELLS)]) for i, m in enumerate(FAMILIES)]
+# every family at both degrees, Ulysses around it at P=2 and Ring's head_tail at P=4; P=4 Ulysses and P=2 Ring
+# (contiguous) once per kind in the packed and documents grids below
+DENSE = [(m, 2, "ulysses", "auto") for m in FAMILIES] + [(m, 4, "ring", "head_tail") for m in FAMILIES]
 # families with parameters a model never uses (zamba2's unused shared-block copies, as without heads)
 UNUSED = {"zamba2"}
 # one family per kind: packed rows and documents batches
