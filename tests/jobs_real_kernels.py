@@ -256,13 +256,13 @@ def heads_varlen_one_document() -> Callable[[], None]:
     boundaries dropped), so the state runs across every document start."""
     import torch
 
-    from ringmaster.recurrent import heads
+    from ringmaster.sharding import documents
 
-    original = heads.rows_cu_seqlens
-    heads.rows_cu_seqlens = lambda runs, rows, seq_len: torch.tensor([0, rows * seq_len])
+    original = documents.rows_cu_seqlens
+    documents.rows_cu_seqlens = lambda runs, rows, seq_len: torch.tensor([0, rows * seq_len])
 
     def undo():
-        heads.rows_cu_seqlens = original
+        documents.rows_cu_seqlens = original
     return undo
 
 

@@ -137,8 +137,7 @@ def test_padded_rows_stabilised_state(pool):
 def test_rows_cu_seqlens_flattens_every_rows_documents():
     """The varlen boundaries of whole rows flattened into one (FLA's varlen call): each row's document starts shifted
     to where the row starts; one row of runs stands for every row."""
-    from ringmaster.recurrent.heads import rows_cu_seqlens
-    from ringmaster.sharding.documents import Runs
+    from ringmaster.sharding.documents import Runs, rows_cu_seqlens
 
     two = Runs(8, ((0, 3), (0, 5, 6)))
     assert rows_cu_seqlens(two, 2, 8).tolist() == [0, 3, 8, 13, 14, 16]

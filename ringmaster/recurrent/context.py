@@ -98,6 +98,20 @@ class LayerContext:
         return self.group, size, batch.layout, strategy
 
 
+def wired_kernel(namespace: dict, name: str, facts: Callable[[Callable], dict]) -> Callable[[], tuple[Callable, dict]]:
+    """``current()`` -> ``(kernel, keywords)``: the kernel ``name`` resolves to in ``namespace`` when called (one
+    swapped in later is used), and ``facts(kernel)`` (keywords saying what the kernel supports), decided once, now,
+    for the kernel the name resolves to at wire: given only while that kernel is the one called, so nothing
+    inspects a kernel in forward and a kernel swapped in later gets none."""
+    wired = namespace.get(name)
+    known = facts(wired) if wired is not None else {}
+
+    def current() -> tuple[Callable, dict]:
+        kernel = namespace[name]
+        return kernel, (known if kernel is wired else {})
+    return current
+
+
 def check_call_kwargs(path: str, kwargs: dict) -> None:
     """Refuse packing metadata that describes the *local* shard or the full row in kernel terms
     (``cu_seqlens``/``seq_idx``): under CP the document structure comes from the global document

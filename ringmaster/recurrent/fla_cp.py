@@ -50,13 +50,19 @@ def _params(fn) -> dict:
         return {}
 
 
-def takes_varlen(kernel: Callable) -> bool:
-    """The layer's kernel is flash-linear-attention's and takes its varlen boundaries on the host too
-    (``cu_seqlens`` and ``cu_seqlens_cpu``: no device read of them). transformers' torch fallback swallows unknown
-    keywords, so a ``cu_seqlens`` passed to it would be silently ignored: never varlen."""
+def kernel_takes(kernel: Callable, package: str, params) -> bool:
+    """The function behind ``kernel`` (:func:`kernel_implementation`) is ``package``'s and takes every one of
+    ``params``: where a package-specific keyword may go. transformers' torch fallbacks swallow unknown keywords, so
+    one passed to them would be silently ignored."""
     impl = kernel_implementation(kernel)
     module = getattr(impl, "__module__", "") or ""
-    return (module == "fla" or module.startswith("fla.")) and {"cu_seqlens", "cu_seqlens_cpu"} <= set(_params(impl))
+    return (module == package or module.startswith(package + ".")) and set(params) <= set(_params(impl))
+
+
+def takes_varlen(kernel: Callable) -> bool:
+    """The layer's kernel is flash-linear-attention's and takes its varlen boundaries on the host too
+    (``cu_seqlens`` and ``cu_seqlens_cpu``: no device read of them); never transformers' torch fallback."""
+    return kernel_takes(kernel, "fla", ("cu_seqlens", "cu_seqlens_cpu"))
 
 
 def unavailable_reason(kernel: Callable) -> str | None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedLayerError
 from .conv import cp_conv_kernel
-from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp
+from .context import LayerContext, call_guard, check_call_kwargs, decode_only_without_cp, wired_kernel
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, global_documents, host_runs, document_segments
 from .fla_cp import STRATEGY as FLA_CP, fla_cp_rule, takes_varlen, unavailable_reason
@@ -163,11 +163,13 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     return (outs[0] if n == 1 else torch.cat(outs, dim=1)), None
 
 
-def _fla_varlen(kernel: Callable, kwargs: dict, flat, cu_seqlens):
-    """flash-linear-attention's own varlen mode: every document of every whole row in one call."""
+def _fla_varlen(kernel: Callable, kwargs: dict, flat, batch):
+    """flash-linear-attention's own varlen mode: every document of every whole row in one call (the boundaries on
+    the device and on the host, made once per batch)."""
     q, k, v, g, beta = flat
-    return kernel(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens.to(q.device, non_blocking=True),
-                  cu_seqlens_cpu=cu_seqlens, **kwargs)[0]
+    rows = q.shape[1] // batch.seq_len
+    return kernel(q, k, v, g=g, beta=beta, cu_seqlens=batch.recurrent_bounds(rows, q.device),
+                  cu_seqlens_cpu=batch.recurrent_bounds(rows), **kwargs)[0]
 
 
 def heads_rule(kernel: Callable, path: str, group, layout: str, batch, query, key, value, g, beta, kwargs: dict,
@@ -193,14 +195,13 @@ def wire_gated_deltanet_layer(module, ctx: LayerContext, names: dict | None = No
                                         f"context parallelism) is unavailable: {reason}; use recurrent='scan' or "
                                         "'sequential'")
 
-    # flash-linear-attention's varlen mode, decided here (the kernel is inspected once, not in forward) for the kernel
-    # the name resolves to now; a kernel put there later is never given cu_seqlens (the torch fallback ignores them)
-    wired = namespace.get(names["scan"])
-    varlen = wired is not None and takes_varlen(wired)
+    # flash-linear-attention's varlen mode, decided here for the kernel the name resolves to now (inspecting the
+    # kernel in forward crashed dynamo); a kernel put there later is never given cu_seqlens
+    current = wired_kernel(namespace, names["scan"], lambda kernel: {"fla_varlen": takes_varlen(kernel)})
 
     def rule(*args, **kwargs):
-        kernel = namespace[names["scan"]]
-        return cp_chunk_gated_delta_rule(kernel, ctx, *args, fla_varlen=varlen and kernel is wired, **kwargs)
+        kernel, facts = current()
+        return cp_chunk_gated_delta_rule(kernel, ctx, *args, **facts, **kwargs)
 
     replacements: dict[str, Any] = {
         names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),

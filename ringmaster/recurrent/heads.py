@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from ..comm import all_to_all
 from ..errors import UnsupportedLayerError
-from ..sharding.documents import row_cu_seqlens
 from .documents import DocumentSegment, PiecesSegment, global_documents, host_runs
 from .scan import chunk_ids
 
@@ -68,10 +67,10 @@ def check_groups(path: str, heads: int, G: int, P: int, what: str) -> None:
         raise UnsupportedLayerError(f"{path}: {heads} heads do not fall into {G} groups of {what}")
     if G % P == 0 or P % G == 0:
         return
+    sizes = sorted(set(_sizes_that_work(G)) | {p for p in range(2, 17) if p % G == 0 and heads % p == 0})
     raise UnsupportedLayerError(
         f"{path}: recurrent='heads' needs the layer's {G} {what} groups and the CP size {P} to divide one another; "
-        f"use a CP size among {sorted(set(_sizes_that_work(G)) | {p for p in range(2, 17) if p % G == 0 and heads % p == 0})}"
-        ", or recurrent='scan' / 'sequential'")
+        f"use a CP size among {sizes}, or recurrent='scan' / 'sequential'")
 
 
 def local_heads(t: torch.Tensor | None, group, dim: int = 0) -> torch.Tensor | None:
@@ -151,43 +150,39 @@ def run_heads(path: str, group, layout: str, batch, tensors: Sequence[torch.Tens
     groups of the ``heads`` heads, :func:`grouped`), ``build(*whole)`` the kind's segment over them, run over whole
     rows with the batch's document resets (:func:`whole_rows`), and its output (token dim ``token_dim``, heads
     right after it once the token dim is moved to 1) back to this rank's tokens (:func:`to_sequence`).
-    ``varlen(flat, cu_seqlens)``: the kernel over every row's documents in one call (each whole tensor flattened to
-    one row ``[1, b * S, ...]``, ``cu_seqlens`` the host boundaries of every document of every row), for a kernel
-    with its own varlen mode (flash-linear-attention's): used for packed and padded rows in eager mode."""
+    ``varlen(flat, batch)``: the kernel over every row's documents in one call (each whole tensor flattened to one
+    row ``[1, b * S, ...]``; the boundaries of every document of every row from ``batch.recurrent_bounds(b)`` or
+    ``batch.recurrent_seq_idx``), for a kernel with its own varlen mode (flash-linear-attention's, mamba-ssm's):
+    used for packed and padded rows in eager mode."""
     P = dist.get_world_size(group)
     check_heads(path, what, heads, P)
     shared = shared or {}
     tensors = [grouped(path, t, heads, P, shared[i]) if i in shared else t for i, t in enumerate(tensors)]
-    whole = to_heads(tensors, group, layout)
-    B, S = whole[0].shape[:2]
-    if varlen is not None and not torch.compiler.is_compiling() and \
-            global_documents(batch, path, batch.size, B, S // batch.size) is not None:
-        out = varlen([t.reshape(1, B * S, *t.shape[2:]) for t in whole], rows_cu_seqlens(host_runs(batch), B, S))
-        out = out.reshape(B, S, *out.shape[2:])
-    else:
-        out = whole_rows(build(*whole), batch, path, (B, S))
+    out = whole_rows(build, to_heads(tensors, group, layout), batch, path, varlen)
     return to_sequence(out.movedim(token_dim, 1), group, layout).movedim(1, token_dim)
 
 
-def rows_cu_seqlens(runs, rows: int, seq_len: int) -> torch.Tensor:
-    """The host ``cu_seqlens`` (int64) of ``rows`` whole rows flattened into one: each row's document starts (a run
-    of padding is one document: the recurrent runs) shifted to where the row starts, and the end."""
-    cut = [row_cu_seqlens(runs, r if r < runs.rows else 0, seq_len)[:-1] + r * seq_len for r in range(rows)]
-    return torch.cat([*cut, torch.tensor([rows * seq_len])])
-
-
-def whole_rows(segment, batch, path: str, shape: tuple[int, int]):
-    """``segment.run(None)`` over whole rows (``shape``: rows, whole length), the state reset at every document
-    start of the batch's host runs (packed and padded rows); the kernel's outputs (first element). Inside a
-    compiled block, the documents run as the batch's whole-row pieces (``CPBatch.row_pieces``, made in the shard
-    step: :class:`~ringmaster.recurrent.documents.PiecesSegment`), so a new packing is new data, not a new graph;
-    in eager mode each document is cut exactly (:class:`~ringmaster.recurrent.documents.DocumentSegment`)."""
-    B, S = shape
-    size = getattr(batch, "size", 1)
-    docs = None if batch is None else global_documents(batch, path, size, B, S // size)
-    pieces = getattr(batch, "row_pieces", None)
-    if docs is not None and pieces is not None and torch.compiler.is_compiling() and hasattr(segment, "with_tensors"):
-        segment = PiecesSegment(segment, pieces)
+def whole_rows(build, whole: Sequence[torch.Tensor], batch, path: str, varlen: Callable | None = None):
+    """The kernel's outputs over whole rows (``whole``: each ``[B, S, ...]``), the state reset at every document
+    start of the batch's host runs (packed and padded rows):
+    - no documents: ``build(*whole).run(None)``;
+    - inside a compiled block, the documents as the batch's whole-row pieces (``CPBatch.row_pieces``, made in the
+      shard step: :class:`~ringmaster.recurrent.documents.PiecesSegment`), so a new packing is new data, not a new
+      graph;
+    - in eager mode, every document in one ``varlen`` call where the kernel has one, else each document cut
+      exactly (:class:`~ringmaster.recurrent.documents.DocumentSegment`)."""
+    B, S = whole[0].shape[:2]
+    segment = build(*whole)
+    docs = None if batch is None else global_documents(batch, path, batch.size, B, S // batch.size)
+    if docs is not None and torch.compiler.is_compiling():
+        pieces = getattr(batch, "row_pieces", None)
+        if pieces is not None and hasattr(segment, "with_tensors"):
+            segment = PiecesSegment(segment, pieces)
+        else:
+            segment = DocumentSegment(segment, host_runs(batch).pattern(0, S, B), S)
+    elif docs is not None and varlen is not None:
+        out = varlen([t.reshape(1, B * S, *t.shape[2:]) for t in whole], batch)
+        return out.reshape(B, S, *out.shape[2:])
     elif docs is not None:
         segment = DocumentSegment(segment, host_runs(batch).pattern(0, S, B), S)
     out = segment.run(None)

@@ -27,14 +27,13 @@ has decay 0 in its map), so state never flows from one document into the next, a
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .fla_cp import kernel_implementation
+from .fla_cp import kernel_takes
 from .step_size import mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
@@ -124,7 +123,8 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
                          dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                          return_final_states=False, *, ssm_varlen: bool = False, **kwargs):
     """``mamba2_chunk_scan`` for this rank's shard, with the state of the earlier shards passed in. ``ssm_varlen``:
-    ``kernel`` is mamba-ssm's and takes ``seq_idx`` (:func:`takes_seq_idx`, decided at wire)."""
+    ``kernel`` is mamba-ssm's ``mamba_chunk_scan_combined``, which resets its state where ``seq_idx`` changes (decided
+    at wire: :func:`~.fla_cp.kernel_takes`; transformers' torch fallback is never given ``seq_idx``)."""
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         kwargs.pop("z", None)
@@ -162,27 +162,14 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
 
 
 
-def takes_seq_idx(kernel: Callable) -> bool:
-    """The scan kernel is mamba-ssm's ``mamba_chunk_scan_combined``, which resets its state where ``seq_idx`` changes.
-    transformers' torch fallback is never given ``seq_idx`` (a fallback that swallowed it would ignore it)."""
-    impl = kernel_implementation(kernel)
-    module = getattr(impl, "__module__", "") or ""
-    try:
-        params = inspect.signature(impl).parameters
-    except (TypeError, ValueError):
-        return False
-    return (module == "mamba_ssm" or module.startswith("mamba_ssm.")) and "seq_idx" in params
-
-
-def _ssm_varlen(kernel: Callable, A, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs: dict, flat, cu_seqlens):
-    """mamba-ssm's own packed mode: every document of every whole row in one call, ``seq_idx`` from the host
-    boundaries (one index per document, copied to the device once)."""
+def _ssm_varlen(kernel: Callable, A, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs: dict, flat, batch):
+    """mamba-ssm's own packed mode: every document of every whole row in one call, ``seq_idx`` (one index per
+    document) made once per batch from the host boundaries."""
     x, dt, B, C = flat
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None]
     keep = {k: v for k, v in kwargs.items() if k not in ("seq_idx", "cu_seqlens")}
-    return kernel(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, seq_idx=seq_idx.to(x.device, non_blocking=True),
-                  dt_softplus=dt_softplus, dt_limit=dt_limit, **keep)
+    return kernel(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                  seq_idx=batch.recurrent_seq_idx(x.shape[1] // batch.seq_len, x.device), dt_softplus=dt_softplus,
+                  dt_limit=dt_limit, **keep)
 
 
 def heads_scan(kernel: Callable, path: str, group, layout: str, batch, x, dt, A, B, C, chunk_size, D, dt_bias,
@@ -202,8 +189,10 @@ def wire_mamba2_layer(module, ctx: LayerContext, names: dict | None = None) -> C
     """Route one Mamba2 mixer instance through exact CP; returns the undo. ``names``: role -> the
     kernel name this layer calls (default :data:`KERNELS` and :data:`OPTIONAL`)."""
     names = {**KERNELS, **OPTIONAL, **(names or {})}
+    def facts(kernel):   # mamba-ssm's scan resets where seq_idx changes: packed rows in one call under heads
+        return {"ssm_varlen": kernel_takes(kernel, "mamba_ssm", ("seq_idx",))}
     return wire_conv_scan_mixer(module, ctx, names, [names[r] for r in KERNELS], cp_mamba2_chunk_scan,
-                                wired_kwargs=lambda kernel: {"ssm_varlen": takes_seq_idx(kernel)})
+                                wired_kwargs=facts)
 
 
 KIND = RecurrentKind(name="mamba2", kernels=KERNELS, optional=OPTIONAL, wire=wire_mamba2_layer, strategies=(HEADS,),

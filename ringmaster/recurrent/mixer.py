@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments
+from .context import LayerContext, call_guard, decode_only_without_cp, drop_local_segments, wired_kernel
 from .conv import cp_conv_kernel
 from ..intercept import interceptable, rebind_forward, takes_local_segments
 
@@ -34,12 +34,11 @@ def wire_conv_scan_mixer(module, ctx: LayerContext, names: dict, required: list[
     resolves to now (what the kernel supports), passed only while that kernel is the one called. Returns the undo."""
     forward = interceptable(module, ctx.path, required)   # the class forward, or axolotl's composed one
     namespace = inspect.unwrap(forward).__globals__
-    wired = namespace.get(names["scan"])
-    extra = wired_kwargs(wired) if wired_kwargs is not None and wired is not None else {}
+    current = wired_kernel(namespace, names["scan"], wired_kwargs or (lambda kernel: {}))
 
     def scan(*args, **kwargs):
-        kernel = namespace[names["scan"]]
-        return cp_scan(kernel, ctx, *args, **(extra if kernel is wired else {}), **kwargs)
+        kernel, facts = current()
+        return cp_scan(kernel, ctx, *args, **facts, **kwargs)
 
     replacements: dict[str, Any] = {
         names["conv"]: cp_conv_kernel(ctx, namespace, names["conv"]),

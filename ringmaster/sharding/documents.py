@@ -106,6 +106,13 @@ def row_cu_seqlens(runs, row: int, seq_len: int) -> torch.Tensor:
     return torch.tensor([*(runs.row(row) if runs is not None else (0,)), seq_len], dtype=torch.long)
 
 
+def rows_cu_seqlens(runs, rows: int, seq_len: int) -> torch.Tensor:
+    """The host ``cu_seqlens`` (int64) of ``rows`` rows flattened into one (row-major): each row's
+    :func:`row_cu_seqlens` shifted to where the row starts (never a document across two rows), and the end."""
+    cut = [row_cu_seqlens(runs, r, seq_len)[:-1] + r * seq_len for r in range(rows)]
+    return torch.cat([*cut, torch.tensor([rows * seq_len])])
+
+
 def bisect_right(seq: tuple[int, ...], x: int) -> int:
     """``bisect.bisect_right`` in plain Python: torch.compile traces it (the C builtin is a graph break)."""
     lo, hi = 0, len(seq)
@@ -499,9 +506,29 @@ class CPBatch:
         key = ("varlen", batch_size, str(device))
         if key not in self._cache:
             S = self.seq_len
-            rows = [row_cu_seqlens(self.runs, r, S)[:-1] + r * S for r in range(batch_size)]
-            cu = torch.cat([*rows, torch.tensor([batch_size * S])])
+            cu = rows_cu_seqlens(self.runs, batch_size, S)
             self._cache[key] = (_on(device, cu, torch.int32), S if self.runs is None else self.runs.longest())
+        return self._cache[key]
+
+    def recurrent_bounds(self, rows: int, device=None) -> torch.Tensor:
+        """The recurrent layers' ``cu_seqlens`` (int64) of ``rows`` whole rows flattened into one (a run of padding
+        is one document: :attr:`recurrent_runs`), on the host (``device`` None) or a copy on ``device``: what a
+        varlen recurrent kernel takes (``recurrent="heads"``). Made once per batch, not per layer."""
+        key = ("recurrent_bounds", rows, None if device is None else str(device))
+        if key not in self._cache:
+            self._cache[key] = (rows_cu_seqlens(self.recurrent_runs, rows, self.seq_len) if device is None
+                                else _on(device, self.recurrent_bounds(rows), torch.long))
+        return self._cache[key]
+
+    def recurrent_seq_idx(self, rows: int, device) -> torch.Tensor:
+        """The document index of every token of ``rows`` whole rows flattened into one, ``[1, rows * S]`` int32 on
+        ``device`` (mamba-ssm's ``seq_idx``), from :meth:`recurrent_bounds`. Made once per batch."""
+        key = ("recurrent_seq_idx", rows, str(device))
+        if key not in self._cache:
+            cu = self.recurrent_bounds(rows)
+            lengths = cu[1:] - cu[:-1]
+            index = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None]
+            self._cache[key] = _on(device, index, torch.int32)
         return self._cache[key]
 
 
