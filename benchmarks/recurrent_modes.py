@@ -63,17 +63,24 @@ def heads_per_token(m: dict, P: int) -> tuple[int, int]:
 
 
 def analytic(seq: int) -> None:
+    """Part 1. The last two columns are the short conv's: ``halo`` is what every strategy sends for it (each rank's
+    last K-1 inputs, all-gathered: counted as sent to each of the P-1 others), ``conv by channel`` what moving the
+    conv's own input to whole rows for C/P channels and its output back would send instead (two all-to-alls
+    around the model's unchanged conv call: the model's forward reads the conv's output per token)."""
     print(f"\n## 1. bytes one rank sends per recurrent layer, forward, S={seq}, batch 1")
-    print(f"{'model':<28} {'P':>2} {'heads':>11} {'scan':>11} {'sequential':>11} {'heads/scan':>11}")
+    print(f"{'model':<28} {'P':>2} {'heads':>11} {'scan':>11} {'sequential':>11} {'heads/scan':>11} "
+          f"{'conv halo':>11} {'conv by channel':>16}")
     for name, m in MODELS.items():
         for P in (2, 4, 8):
-            state, maps, _ = _state_bytes(m)
+            state, maps, conv_channels = _state_bytes(m)
             fin, fout = heads_per_token({**m, "name": name}, P)
             heads = seq // P * (fin + fout) * (P - 1) // P
             scan = maps * (P - 1)
             ratio = f"{heads / scan:>11.0f}" if scan else f"{'halo':>11}"
+            halo = (P - 1) * (m["conv"] - 1) * conv_channels * BF16
+            by_channel = 2 * seq // P * conv_channels * BF16 * (P - 1) // P
             print(f"{name:<28} {P:>2} {heads / 2**20:>8.1f}MiB {scan / 2**20:>8.2f}MiB {state / 2**20:>8.2f}MiB"
-                  f" {ratio}")
+                  f" {ratio} {halo / 2**10:>8.1f}KiB {by_channel / 2**20:>13.1f}MiB")
 
 
 # tiny hybrids wide enough for 8 ranks to split their heads: (model_type, config overrides)

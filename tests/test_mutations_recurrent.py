@@ -17,6 +17,9 @@ CASES = [
     ("mamba2_decay_detached", "nemotron_h", 4, "scan", "mixer.A_log"),
     ("conv_halo_dropped", "qwen3_5_text", 4, "scan", "conv1d.weight"),
     ("conv_halo_dropped", "nemotron_h", 4, "scan", "conv1d.weight"),
+    # recurrent="heads" moves the kernel's inputs after the conv: the conv before it keeps its halo
+    ("conv_halo_dropped", "qwen3_5_text", 2, "heads", "conv1d.weight"),
+    ("conv_halo_dropped", "nemotron_h", 2, "heads", "conv1d.weight"),
     ("gated_delta_state_dropped", "qwen3_5_text", 4, "scan", "linear_attn.A_log"),
     ("gated_delta_state_dropped", "qwen3_5_text", 4, "sequential", "linear_attn.A_log"),
 ]
