@@ -50,6 +50,8 @@ class WireReport:
     inner_attn: str | None
     attention: list[str] = field(default_factory=list)
     recurrent: list[tuple[str, str]] = field(default_factory=list)
+    # recurrent="auto": what it picks per recurrent layer (heads on rows up to a length, else the state passing)
+    recurrent_choice: dict[str, str] = field(default_factory=dict)
     use_cache_switched_off: bool = False
     positions: str | None = None     # how absolute position tables are numbered (PositionConvention.describe)
     bridged: list[str] = field(default_factory=list)  # attention layers whose decoder layer drops **kwargs
@@ -62,7 +64,9 @@ class WireReport:
     def __str__(self) -> str:
         lines = [f"ringmaster wired family={self.family} attention={self.attn_implementation} (inner {self.inner_attn})",
                  f"  {len(self.attention)} attention layers" + (f": {self.attention[0]} ..." if self.attention else "")]
-        lines += [f"  recurrent {path}: {kind}" for path, kind in self.recurrent]
+        lines += [f"  recurrent {path}: {kind}" + (f", auto: {self.recurrent_choice[path]}"
+                                                   if path in self.recurrent_choice else "")
+                  for path, kind in self.recurrent]
         if self.positions:
             lines.append(f"  absolute positions numbered from the full row: {self.positions}")
         if self.bridged:
@@ -347,13 +351,15 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
             bridged, handles = bridge.install(model, layers.attention)
             undo.extend(handle.remove for handle in handles)
         if recurrent:
-            wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=strategy)
+            wiring = wire_recurrent_layers(model, group=rt.cp_group, layers=recurrent, strategy=strategy,
+                                           auto=asked_recurrent == "auto")
             undo.append(wiring.restore)
             rt.recurrent_wiring = wiring
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
                                use_cache_switched_off=switched, bridged=bridged,
-                               positions=positions.describe() if positions else None, compile_notes=notes)
+                               positions=positions.describe() if positions else None, compile_notes=notes,
+                               recurrent_choice=dict(wiring.choices) if recurrent else {})
         if rt.binding is not None and rt.binding.ledger is not None and rt.attn_implementation is not None:
             modules = dict(model.named_modules())
             arm(rt.binding.ledger, model, {p: modules[p] for p in layers.attention},

@@ -13,7 +13,7 @@ DOC_LENS = (5, 27, 2, 30)   # 64 tokens: documents start mid-shard and on the P=
 
 
 def parity(ctx, model_type, P, backend="ulysses", rows="dense", load_balance="auto", fp64=True, mutation=None,
-           seq_len=64, **overrides):
+           seq_len=64, recurrent="heads", **overrides):
     """``rows``: ``dense`` (one random row), ``packed`` (one packed row against every document run alone),
     ``documents`` (the packed row under ``load_balance="documents"``). ``mutation``: a name of :data:`MUTATIONS`,
     applied while both models run."""
@@ -21,7 +21,7 @@ def parity(ctx, model_type, P, backend="ulysses", rows="dense", load_balance="au
 
     if rows == "documents":
         load_balance = "documents"
-    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent="heads", load_balance=load_balance)
+    cfg = rm.RingmasterConfig(size=P, backend=backend, recurrent=recurrent, load_balance=load_balance)
     extra = {}
     if rows != "dense":
         extra = dict(batch=lambda m: packed_batch(m.config.vocab_size, list(DOC_LENS)),
@@ -95,3 +95,38 @@ def refused(ctx, model_type, P, **overrides):
 
 MUTATIONS = {"wrong_head_slice": _wrong_head_slice, "groups_not_replicated": _groups_not_replicated,
              "order_ignored": _order_ignored}
+
+
+def auto_bytes(ctx, model_type, P, seqs, inverted=False, **overrides):
+    """``recurrent="auto"`` against ``heads`` and the state passing it falls back to: the recurrent layers' bytes
+    sent per forward (``rm.profile_comms``) on dense rows of each length in ``seqs``, and what ``auto`` reports per
+    layer. ``inverted``: the mutation, ``auto`` picking the strategy that sends more."""
+    from ringmaster.adapters.raw import context_parallel_region
+    from ringmaster.recurrent.cost import LayerCost
+    from ringmaster_tools.parity import tiny_batch, tiny_model
+
+    fallback = "sequential" if P <= 2 else "scan"
+    out = {}
+    pick = LayerCost.pick
+    flip = {"heads": fallback, fallback: "heads"}
+    with (_patched(LayerCost, "pick", lambda self, S, f: flip[pick(self, S, f)]) if inverted
+          else contextlib.nullcontext()):
+        for strategy in ("auto", "heads", fallback):
+            model = tiny_model(model_type, **overrides)
+            try:
+                runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses", recurrent=strategy),
+                                  device_mesh=ctx.mesh(P))
+            except rm.UnsupportedLayerError as e:   # heads refused (a head count P does not divide)
+                out[strategy] = str(e)
+                continue
+            try:
+                if strategy == "auto":
+                    out["choice"] = dict(runtime.report.recurrent_choice)
+                for S in seqs:
+                    with rm.profile_comms() as comms, context_parallel_region(
+                            tiny_batch(model.config.vocab_size, S)) as shard:
+                        model(**shard)
+                    out[(strategy, S)] = comms.by_layer_kind()["recurrent"]["forward"]["bytes"]
+            finally:
+                rm.unwire(model)
+    return out

@@ -112,6 +112,50 @@ def test_gradient_checkpointing(pool, model_type):
         assert max(r["grad_errs"].values()) <= PARAM_TOL, r["worst_param"]
 
 
+AUTO = [("qwen3_5_text", 4, {}), ("nemotron_h", 2, {})]
+
+
+@pytest.mark.parametrize("model_type, P, overrides", AUTO, ids=[f"{m}-P{P}" for m, P, _ in AUTO])
+def test_auto_picks_heads_per_layer_where_it_sends_no_more(pool, model_type, P, overrides):
+    """``recurrent="auto"``, per layer and row length: heads on the rows where it sends no more than the state
+    passing (scan at P=4, sequential at P=2), the state passing on longer ones; the bytes measured under ``auto`` are
+    the smaller of the two on both sides of the length ``rm.wire`` reports."""
+    r = pool.run(jh.auto_bytes, model_type, P, (16, 512), **overrides)[0]
+    fallback = "sequential" if P <= 2 else "scan"
+    longest = {int(c.split("up to ")[1].split()[0]) for c in r["choice"].values()}
+    assert len(longest) == 1 and 16 <= min(longest) < 512, r["choice"]
+    print(model_type, P, r)
+    assert r[("auto", 16)] == r[("heads", 16)] < r[(fallback, 16)], r
+    assert r[("auto", 512)] == r[(fallback, 512)] < r[("heads", 512)], r
+
+
+def test_auto_keeps_the_state_passing_where_heads_do_not_split(pool):
+    """Six value heads over four ranks: ``recurrent="heads"`` is refused, ``auto`` keeps the scan and says why."""
+    r = pool.run(jh.auto_bytes, "qwen3_5_text", 4, (16,), linear_num_value_heads=6, linear_num_key_heads=2)[0]
+    assert "4 does not divide 6" in r["heads"], r
+    assert all(c.startswith("scan (") and "6 heads" in c for c in r["choice"].values()), r["choice"]
+    assert r[("auto", 16)] == r[("scan", 16)], r
+
+
+def test_auto_mutation_inverted_choice_is_caught(pool):
+    """The mutation: ``auto`` picking the strategy that sends more; the byte check above fails."""
+    r = pool.run(jh.auto_bytes, "qwen3_5_text", 4, (16, 512), inverted=True)[0]
+    assert r[("auto", 16)] == r[("scan", 16)] > r[("heads", 16)], r
+    assert r[("auto", 512)] == r[("heads", 512)] > r[("scan", 512)], r
+
+
+AUTO_PARITY = [("qwen3_5_text", 4, 32, {}), ("nemotron_h", 2, 16, {}),
+               # six value heads over four ranks: heads cannot split them, auto keeps the scan (no refusal)
+               ("qwen3_5_text", 4, 32, {"linear_num_value_heads": 6, "linear_num_key_heads": 2})]
+
+
+@pytest.mark.parametrize("model_type, P, seq_len, overrides", AUTO_PARITY,
+                         ids=[f"{m}-P{P}-S{S}{'-indivisible' if o else ''}" for m, P, S, o in AUTO_PARITY])
+def test_auto_is_exact_fp64(pool, model_type, P, seq_len, overrides):
+    """``auto`` on rows short enough for heads (and on a layer whose heads do not split: the scan), fp64."""
+    check(pool.run(jh.parity, model_type, P, "ulysses", recurrent="auto", seq_len=seq_len, **overrides), P, model_type)
+
+
 PADDED = [("lara_mini", 2, "ulysses"), ("nemotron_h", 4, "ulysses")]
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
+from .cost import HEADS, LayerCost, layer_cost
 from .heads import check_groups, check_heads
 from .scan import KERNEL_STRATEGIES, STRATEGIES
 
@@ -25,6 +26,15 @@ class Probe:
     # recurrent="heads": the layer's path and the CP size its heads (the state's dim 1) are split over
     path: str = ""
     heads: int = 1
+    # recurrent="auto": the CP size, and what heads and the state passing would send for this layer (cost.LayerCost)
+    auto: int = 1
+    cost: "LayerCost | None" = None
+
+    def costs(self, segment, tensors, out, heads: int, shared: dict | None = None) -> None:
+        """recurrent="auto": record what this layer would send under each strategy (:func:`~.cost.layer_cost`:
+        ``tensors`` and ``out`` in the form heads moves them, ``shared``: index -> (groups, what))."""
+        if self.auto > 1 and self.cost is None:
+            self.cost = layer_cost(self.path, self.auto, segment, tensors, out, heads, shared)
 
     def shared_by(self, heads: int, groups: int, what: str) -> None:
         """recurrent="heads": an input that ``groups`` groups of the layer's ``heads`` heads share must split over
@@ -56,6 +66,10 @@ class LayerContext:
     carrier: StepCarrier = field(default_factory=StepCarrier, repr=False)
     # set only while ``wire`` probes the layer (:func:`ringmaster.intercept.probe_layer`)
     probe: "Probe | None" = field(default=None, repr=False)
+    # recurrent="auto" asked: heads for this layer on the rows where it sends no more than the state passing
+    # (``cost``, recorded by wire's probe; without it the state passing, as before)
+    auto: bool = False
+    cost: LayerCost | None = None
 
     def __post_init__(self):
         if self.strategy not in ("auto", *STRATEGIES, *KERNEL_STRATEGIES):
@@ -95,7 +109,16 @@ class LayerContext:
                 "shard with the runtime this model was wired with"
             )
         strategy = self.strategy if self.strategy != "auto" else ("sequential" if size <= 2 else "scan")
+        if self.auto and self.cost is not None and strategy in STRATEGIES:
+            strategy = self.cost.pick(batch.seq_len, strategy)
         return self.group, size, batch.layout, strategy
+
+    def choice(self) -> str | None:
+        """What ``auto`` picks for this layer (None: ``auto`` was not asked)."""
+        if not self.auto:
+            return None
+        fallback = self.strategy if self.strategy in STRATEGIES else ("sequential" if self.size <= 2 else "scan")
+        return fallback if self.cost is None else self.cost.describe(fallback)
 
 
 def wired_kernel(namespace: dict, name: str, facts: Callable[[Callable], dict]) -> Callable[[], tuple[Callable, dict]]:

@@ -130,6 +130,8 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         ctx.probe.shared_by(value.shape[2], query.shape[2], "query/key head")
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
+        ctx.probe.costs(seg, [query, key, value, g, beta], value, value.shape[2],
+                        {0: (query.shape[2], "query/key head"), 1: (key.shape[2], "query/key head")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, q, k, v, g_, b_: cp_chunk_gated_delta_rule(

@@ -130,6 +130,8 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
         kwargs.pop("z", None)
         ctx.probe.shared_by(hidden_states.shape[2], B.shape[2], "B/C")
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
+        ctx.probe.costs(seg, [hidden_states, dt, B, C], hidden_states, hidden_states.shape[2],
+                        {2: (B.shape[2], "B/C"), 3: (C.shape[2], "B/C")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, x, dt_, b_, c_: cp_mamba2_chunk_scan(

@@ -66,6 +66,9 @@ def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None 
 class RecurrentWiring:
     layers: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    # recurrent="auto": path -> what it picks for that layer (LayerContext.choice); ``heads``: some layer may run heads
+    choices: dict[str, str] = field(default_factory=dict)
+    heads: bool = False
     _restores: list[Callable[[], None]] = field(default_factory=list)
 
     def restore(self) -> None:
@@ -93,7 +96,7 @@ def _default_strategy(strategy: str | None) -> str:
 
 
 def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None = None,
-                          probe: bool = True) -> RecurrentWiring:
+                          probe: bool = True, auto: bool = False) -> RecurrentWiring:
     """Route every declared recurrent layer of ``model`` through exact cross-rank state passing.
 
     ``group`` and ``strategy`` are bound now (default: the current runtime's, else the default
@@ -118,7 +121,7 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                     f"layer {path!r} (kind {kind!r}) does not offer recurrent={strategy!r}; only kinds "
                     f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
                     "or 'sequential'")
-            ctx = LayerContext(path, group, strategy, carrier)
+            ctx = LayerContext(path, group, strategy, carrier, auto=auto or strategy == "auto")
             wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
             wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))
             wiring.layers.append(path)
@@ -127,6 +130,9 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                 width = get_kind(kind).probe_width
                 probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
+            if ctx.auto and ctx.size > 1:
+                wiring.choices[path] = ctx.choice()
+                wiring.heads = wiring.heads or (ctx.cost is not None and ctx.cost.token_bytes is not None)
     except BaseException:
         wiring.restore()
         raise
@@ -160,12 +166,14 @@ def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length:
     x = x.to(device=param.device, dtype=param.dtype)
 
     def run(inject: set) -> tuple[torch.Tensor, set]:
-        ctx.probe = Probe(inject=inject, seed=17, path=ctx.path, heads=ctx.size if ctx.strategy == HEADS else 1)
+        ctx.probe = Probe(inject=inject, seed=17, path=ctx.path, heads=ctx.size if ctx.strategy == HEADS else 1,
+                          auto=ctx.size if ctx.auto else 1)
         try:
             with torch.no_grad():
                 out = module(x, **(kwargs(x) if kwargs is not None else {}))
         finally:
-            called, ctx.probe = ctx.probe.called, None
+            called, cost, ctx.probe = ctx.probe.called, ctx.probe.cost, None
+        ctx.cost = ctx.cost or cost   # recurrent="auto": what this layer sends under each strategy
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out, called
 
