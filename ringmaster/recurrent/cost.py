@@ -66,6 +66,8 @@ class LayerCost:
     def describe(self, fallback: str) -> str:
         if self.token_bytes is None:
             return f"{fallback} ({self.why})"
+        if self.heads_up_to(fallback) == 0:
+            return f"{fallback} (heads would send more on any row)"
         return f"heads on rows up to {self.heads_up_to(fallback)} tokens, {fallback} on longer ones"
 
 

@@ -206,6 +206,8 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = Mamba1Segment(kernel, hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, kwargs)
+        ctx.probe.costs(seg, _per_channel(hidden_states, dt, B, C, z), hidden_states.transpose(1, 2),
+                        hidden_states.shape[1], {2: (1, "B"), 3: (1, "C")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, u, dt_, b_, c_, z_: cp_selective_scan(
@@ -239,15 +241,19 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
 
 
 
+def _per_channel(u, dt, B, C, z) -> list:
+    """The selective scan's inputs in heads form: ``[b, l, d]`` (u, dt, z) and ``[b, l, 1, n]`` (B, C: one group)."""
+    return [t.transpose(1, 2) for t in (u, dt)] + [t.transpose(1, 2)[:, :, None] for t in (B, C)] + (
+        [] if z is None else [z.transpose(1, 2)])
+
+
 def heads_selective_scan(kernel: Callable, path: str, group, layout: str, batch, u, dt, A, B, C, D, z, delta_bias,
                          delta_softplus, kwargs: dict):
     """``recurrent="heads"``: the selective scan over whole rows for this rank's channels (``[b, d, l]`` inputs;
     B / C, read by every channel, go whole to every rank); A, D and delta_bias sliced to those channels."""
     A, D, delta_bias = (local_heads(t, group) for t in (A, D, delta_bias))
-    per_channel = [t.transpose(1, 2) for t in (u, dt)] + [t.transpose(1, 2)[:, :, None] for t in (B, C)]
+    per_channel = _per_channel(u, dt, B, C, z)
     gated = z is not None
-    if gated:
-        per_channel.append(z.transpose(1, 2))
 
     def build(u_, dt_, B_, C_, *z_):
         return Mamba1Segment(kernel, u_.transpose(1, 2), dt_.transpose(1, 2), A, B_[:, :, 0].transpose(1, 2),

@@ -105,6 +105,8 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:
         seg = RglruSegment(kernel, hidden_states, recurrent_gate, reset)
+        ctx.probe.costs(seg, [hidden_states, recurrent_gate, reset.to(hidden_states.dtype)], hidden_states,
+                        hidden_states.shape[-1], {2: (reset.shape[2], "reset flag")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, x, a, r: cp_rnn_scan(kernel, ctx, x, a, r, recurrent_states,

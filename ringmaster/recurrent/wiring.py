@@ -130,7 +130,7 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                 width = get_kind(kind).probe_width
                 probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
-            if ctx.auto and ctx.size > 1:
+            if ctx.auto and ctx.size > 1 and ctx.cost is not None:   # a layer that passes state, probed
                 wiring.choices[path] = ctx.choice()
                 wiring.heads = wiring.heads or (ctx.cost is not None and ctx.cost.token_bytes is not None)
     except BaseException:
