@@ -36,6 +36,7 @@ import functools
 import inspect
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .memory_kinds import KERNELS, kind_model, norm_bytes
 from .memory_kinds.attention import kv_after_replication
@@ -100,6 +101,7 @@ class ModelShape:
     embed_params: int = 0             # input embedding (+ LM head when untied)
     params_source: str = "closed form"
     layers_source: str = "config (attention + dense MLP)"
+    model: Any = field(default=None, repr=False, compare=False)   # built on the meta device, when it could be
 
     def __post_init__(self):
         if not self.layers:   # no model to read: every layer an attention + dense MLP layer with RMSNorms
@@ -149,6 +151,7 @@ class ModelShape:
             shape.n_params, shape.largest_param, shape.embed_params = _param_count(model)
             shape.params_source = "counted on the meta device"
             shape.read_layers(model)
+            shape.model = model
         return shape
 
     def read_layers(self, model) -> None:
@@ -636,11 +639,47 @@ def report(shape: ModelShape, opts: PlanOptions, name: str = "") -> str:
         lines.append(f"  {backend:<16}" + "".join(f"{_fmt_seq(c):>16}" for c in seqs) + f"   ({split})")
     if not longest:
         lines += fit_hints(shape, opts, p)
+    lines += recurrent_choice(shape, opts)
     lines.append("(per-kind formulas, docs/planner.md: the torch kernels' within 0.94-1.08 of measured CPU peaks on "
                  "llama, gated-DeltaNet, Mamba2, Mamba1 and MoE models; the fast kernels' read from their "
                  "save_for_backward, not measured; not yet run on a GPU: leave headroom for the CUDA context and the "
                  "allocator)")
     return "\n".join(lines)
+
+
+def recurrent_choice(shape: ModelShape, opts: PlanOptions) -> list[str]:
+    """What ``recurrent="auto"`` picks for each recurrent layer at CP ``opts.gpus`` and ``opts.seq``, from the same
+    byte counts ``rm.wire``'s probe records (:func:`ringmaster.recurrent.wiring.layer_costs`, run on the meta
+    model): heads where it sends no more than the state passing, with both sides' bytes per layer and row."""
+    if shape.model is None or opts.gpus <= 1:
+        return []
+    import copy
+
+    import torch
+
+    from ringmaster.recurrent.wiring import check_recurrent_layers, layer_costs
+
+    kinds = {path: kind for path, _, kind in check_recurrent_layers(shape.model)}
+    if not kinds:
+        return []
+    P, S = opts.gpus, opts.seq
+    fallback = "sequential" if P <= 2 else "scan"
+    rows: dict[tuple, int] = {}
+    # the activations in the run's dtype (the meta model: no memory to copy or cast)
+    model = copy.deepcopy(shape.model).to({"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts.dtype, torch.float32))
+    for path, cost in layer_costs(model, P).items():
+        if isinstance(cost, str):
+            key = (kinds[path], f"{fallback} (not estimated: {cost})", "")
+        else:
+            heads = cost.sent("heads", S)
+            at = (f"at seq {S}: {cost.pick(S, fallback)} (heads {_fmt(heads).strip() if heads is not None else '-'}"
+                  f", {fallback} {_fmt(cost.sent(fallback, S)).strip()} per row)")
+            key = (kinds[path], cost.describe(fallback), at)
+        rows[key] = rows.get(key, 0) + 1
+    lines = ["", f'recurrent="auto" at CP {P}, per layer (bytes one rank sends per row, forward; rm.wire reports the '
+             "same in runtime.report.recurrent_choice):"]
+    lines += [f"  {n} x {kind}: {what}" + (f"; {at}" if at else "") for (kind, what, at), n in rows.items()]
+    return lines
 
 
 def _seqs(shape: ModelShape, opts: PlanOptions) -> list[int]:

@@ -130,3 +130,38 @@ def auto_bytes(ctx, model_type, P, seqs, inverted=False, **overrides):
             finally:
                 rm.unwire(model)
     return out
+
+
+def costs_checked(ctx, model_type, P, **overrides):
+    """``layer_costs`` on a tiny model of ``model_type``, every segment's ``map_meta()`` checked against the map its
+    ``local_map()`` computes (what the scan all-gathers), and what ``rm.wire(recurrent="auto")`` reports for the same
+    model, wired for real at CP size ``P``, against what ``layer_costs`` says of it on the meta device."""
+    import copy
+
+    import torch
+
+    from ringmaster.recurrent import context
+    from ringmaster.recurrent.wiring import layer_costs
+    from ringmaster_tools.parity import tiny_model
+
+    seen = []
+    original = context.Probe.costs
+
+    def checked(self, segment, *args, **kwargs):
+        seen.append((self.path, tuple(segment.map_meta()), tuple(segment.local_map()[0].shape)))
+        return original(self, segment, *args, **kwargs)
+
+    model = tiny_model(model_type, **overrides)
+    with _patched(context.Probe, "costs", checked):
+        real = layer_costs(model, P)
+    meta = copy.deepcopy(model).to("meta")
+    on_meta = layer_costs(meta, P)
+    fallback = "sequential" if P <= 2 else "scan"
+    runtime = rm.wire(model, rm.RingmasterConfig(size=P, backend="ulysses"), device_mesh=ctx.mesh(P))
+    try:
+        wired = dict(runtime.report.recurrent_choice)
+    finally:
+        rm.unwire(model)
+    return {"maps": seen, "real": {p: c.describe(fallback) for p, c in real.items()},
+            "meta": {p: c if isinstance(c, str) else c.describe(fallback) for p, c in on_meta.items()},
+            "wired": wired, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}

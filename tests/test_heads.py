@@ -144,6 +144,42 @@ def test_auto_mutation_inverted_choice_is_caught(pool):
     assert r[("auto", 512)] == r[("heads", 512)] > r[("scan", 512)], r
 
 
+COST_FAMILIES = ["qwen3_5_text", "kimi_linear", "nemotron_h", "mamba", "minimax", "recurrent_gemma", "rwkv", "xlstm"]
+
+
+@pytest.mark.parametrize("model_type", COST_FAMILIES)
+def test_costs_agree_wired_planned_and_computed(pool, model_type):
+    """One family per kind: what ``auto`` weighs is the same recorded by ``rm.wire``'s probe, by ``layer_costs`` on
+    the real model and on the meta device (the planner's); each kind's ``map_meta()`` is the shape of the map its
+    ``local_map()`` computes."""
+    r = pool.run(jh.costs_checked, model_type, 4)[0]
+    assert r["maps"] and all(meta == real for _, meta, real in r["maps"]), r["maps"]
+    assert r["wired"] and r["wired"] == r["real"] == r["meta"], r
+
+
+def test_planner_bytes_match_the_benchmarks_analytic_counts():
+    """``ringmaster plan --config``'s recurrent section (``layer_costs`` on the meta model, bf16) against
+    ``benchmarks/recurrent_modes.py``'s closed form for Qwen3-Next-80B's gated DeltaNet at P=8, S=32768."""
+    import os
+    import sys
+
+    from ringmaster_tools.memory_plan import ModelShape, PlanOptions, recurrent_choice
+    from transformers import AutoConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from recurrent_modes import heads_per_token
+    from state_passing import MODELS, _state_bytes
+
+    m = MODELS["Qwen3-Next-80B (GDN)"]
+    config = AutoConfig.for_model("qwen3_5_text", linear_num_key_heads=m["hk"], linear_num_value_heads=m["hv"],
+                                  linear_key_head_dim=m["dk"], linear_value_head_dim=m["dv"], num_hidden_layers=4)
+    lines = recurrent_choice(ModelShape.from_config(config), PlanOptions(seq=32768, gpus=8, dtype="bf16"))
+    fin, fout = heads_per_token(m, 8)
+    heads, scan = 32768 // 8 * (fin + fout) * 7 // 8, 7 * _state_bytes(m)[1]
+    text = "\n".join(lines)
+    assert f"heads {heads / 2**20:.1f} MiB" in text and f"scan {scan / 2**20:.1f} MiB" in text, (text, heads, scan)
+
+
 AUTO_PARITY = [("qwen3_5_text", 4, 32, {}), ("nemotron_h", 2, 16, {}),
                # six value heads over four ranks: heads cannot split them, auto keeps the scan (no refusal)
                ("qwen3_5_text", 4, 32, {"linear_num_value_heads": 6, "linear_num_key_heads": 2})]

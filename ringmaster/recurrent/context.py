@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
-from .cost import HEADS, LayerCost, layer_cost
+from .cost import HEADS, CostRecorded, LayerCost, layer_cost
 from .heads import check_groups, check_heads
 from .scan import KERNEL_STRATEGIES, STRATEGIES
 
@@ -29,12 +29,16 @@ class Probe:
     # recurrent="auto": the CP size, and what heads and the state passing would send for this layer (cost.LayerCost)
     auto: int = 1
     cost: "LayerCost | None" = None
+    # layer_costs: record the costs and stop the forward there (no kernel runs; the conv returns its input's shape)
+    record_only: bool = False
 
     def costs(self, segment, tensors, out, heads: int, shared: dict | None = None) -> None:
         """recurrent="auto": record what this layer would send under each strategy (:func:`~.cost.layer_cost`:
         ``tensors`` and ``out`` in the form heads moves them, ``shared``: index -> (groups, what))."""
         if self.auto > 1 and self.cost is None:
             self.cost = layer_cost(self.path, self.auto, segment, tensors, out, heads, shared)
+        if self.record_only:
+            raise CostRecorded(self.path)
 
     def shared_by(self, heads: int, groups: int, what: str) -> None:
         """recurrent="heads": an input that ``groups`` groups of the layer's ``heads`` heads share must split over

@@ -167,6 +167,8 @@ def _gaps(pieces, j: int) -> int | None:
 def probe_conv(ctx, kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
     """The conv under ``wire``'s probe: the layer's own kernel with a random (or zero) halo."""
     width = weight.shape[-1] - 1
+    if ctx.probe.record_only:   # layer_costs: the kernel never runs, only the shapes go on to the scan's kernel
+        return x
     halo = ctx.probe.state("conv", (*x.shape[:-1], width), x.dtype, x.device)
     return conv_with_halo(kernel, x, x.new_zeros(*x.shape[:-1], width) if halo is None else halo, weight, bias,
                           activation, **kwargs)

@@ -27,6 +27,11 @@ from ..errors import UnsupportedLayerError
 HEADS = "heads"
 
 
+class CostRecorded(Exception):
+    """Raised by a probe that only records costs (:func:`~.wiring.layer_costs`) once it has them: the layer's
+    kernels never run (the model may be on the meta device, where a Triton or CUDA kernel cannot)."""
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One recurrent layer at CP size ``size``, per row: bytes of the kernel's inputs and output per token in heads
@@ -91,10 +96,10 @@ def layer_cost(path: str, size: int, segment, tensors: Sequence[torch.Tensor], o
 
     shared = shared or {}
     rows = out.shape[0]
-    packed, _ = segment.local_map()
     shape, dtype, _ = segment.state_meta()
-    state = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    map_bytes = packed.numel() * packed.element_size() / rows
+    size_of = torch.empty((), dtype=dtype).element_size()   # maps and states: fp32, or fp64 for a float64 model
+    state = torch.Size(shape).numel() * size_of
+    map_bytes = torch.Size(segment.map_meta()).numel() * size_of / rows
     try:
         check_heads(path, "heads", heads, size)
         for G, what in shared.values():

@@ -73,6 +73,10 @@ class GatedDeltaSegment:
         dk = self.k.shape[-1]
         return (b, hv, dk, dv), state_dtype(self.q, self.v), self.v.device
 
+    def map_meta(self):
+        (b, hv, dk, dv), _, _ = self.state_meta()
+        return (b, hv, dk, dv + dk)
+
     def local_map(self):
         (b, hv, dk, dv), dtype, device = self.state_meta()
         v_ext = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:-1], dk)], dim=-1)

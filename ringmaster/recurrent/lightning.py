@@ -94,6 +94,10 @@ class LightningSegment:
         t = torch.arange(1, l + 1, device=self.q.device, dtype=dtype)
         return -self.slope.to(dtype).reshape(1, -1) * t[:, None]
 
+    def map_meta(self):
+        B, H, D, Dv = self.state_meta()[0]
+        return (B, H, D * Dv + 1)
+
     def local_map(self):
         y0, final = self.run(None)
         final = hi(final)

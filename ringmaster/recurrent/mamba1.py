@@ -140,6 +140,10 @@ class Mamba1Segment:
         b, d, _ = self.u.shape
         return (b, d, self.A.shape[-1]), state_dtype(self.u, self.delta), self.u.device
 
+    def map_meta(self):
+        b, d, n = self.state_meta()[0]
+        return (b, d, 2 * n)
+
     def local_map(self):
         y0 = self._call()
         y0 = y0[0] if isinstance(y0, tuple) else y0

@@ -68,6 +68,10 @@ class Mamba2Segment:
         b, _, h, p = self.x.shape
         return (b, h, p, self.B.shape[-1]), state_dtype(self.x, self.dt), self.x.device
 
+    def map_meta(self):
+        b, h, p, n = self.state_meta()[0]
+        return (b, h, p * n + 1)
+
     def local_map(self):
         y0, final = self._call(None)
         dt = mamba2_dt(hi(self.dt), None if self.dt_bias is None else hi(self.dt_bias), self.dt_softplus,

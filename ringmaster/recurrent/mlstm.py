@@ -103,6 +103,10 @@ class MlstmSegment:
         out, (c, n, m) = self.kernel(self.q, self.k, self.v, self.igate, self.fgate, c, n, m)
         return out, pack(c, n, m)
 
+    def map_meta(self):
+        b, h, n = self.state_meta()[0]
+        return (b, h, n + 1)
+
     def local_map(self):
         """``(C'_a, n'_a, a)``: the chunk from a zero state whose stabiliser is ``-1e38`` (so ``a`` is the
         chunk's own max-plus maximum), and ``G = Σ log f`` per head."""

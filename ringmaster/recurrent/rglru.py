@@ -61,6 +61,10 @@ class RglruSegment:
         """``Π_{s<=t} a_s`` (0 from a reset on): ``[b, l, w]``."""
         return torch.cumprod(hi(self.a).to(dtype) * ~self.reset, dim=1)
 
+    def map_meta(self):
+        b, w = self.state_meta()[0]
+        return (b, 2 * w)
+
     def local_map(self):
         y0, final = self.run(None)
         final = hi(final)

@@ -89,6 +89,10 @@ class WkvSegment:
                                  return_state=True)
         return out, torch.stack([hi(f) for f in final], dim=-1)
 
+    def map_meta(self):
+        b, c, _ = self.state_meta()[0]
+        return (b, c, 4)
+
     def local_map(self):
         y0, final = self.run(None)
         log_decay = -torch.exp(hi(self.time_decay).to(final.dtype)) * self.key.shape[1]     # w·L per channel

@@ -54,6 +54,10 @@ class Segment(Protocol):
     def local_map(self) -> tuple[torch.Tensor, Any]:
         """``(packed map (A, b) in fp32, aux)`` with a zero incoming state."""
 
+    def map_meta(self) -> tuple[int, ...]:
+        """The shape of :meth:`local_map`'s packed map, without computing it (``recurrent="auto"``'s costs: the
+        scan all-gathers one per rank)."""
+
     def combine(self, state: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
         """``A · state + b`` (``b`` when ``state`` is None), fp32."""
 

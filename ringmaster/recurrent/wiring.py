@@ -15,6 +15,7 @@ from ..errors import UnsupportedLayerError
 from ..runtime import active
 from ..sharding.carrier import attach
 from .context import LayerContext, Probe
+from .cost import CostRecorded, LayerCost
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
 from ..intercept import interceptable
 from .registry import get_kind, known_kinds
@@ -193,6 +194,42 @@ def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length:
                 "change the layer's output in a probe forward, so the state ringmaster passes across ranks would be "
                 "ignored (a changed transformers layer?); CP would be silently wrong"
             )
+
+
+def layer_costs(model, size: int, length: int = 8) -> dict[str, "LayerCost | str"]:
+    """What ``recurrent="auto"`` weighs for each recurrent layer of ``model`` at CP size ``size``
+    (:class:`~.cost.LayerCost`, recorded as ``rm.wire``'s probe records it), without wiring the model: each layer
+    in turn is routed, run once on ``length`` tokens (no grad; the model may be on the meta device, as the memory
+    planner builds it) and restored. A layer whose forward cannot run there maps to the reason."""
+    spec = _spec_of(model)
+    hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+    out: dict = {}
+    for path, module, kind in check_recurrent_layers(model, spec=spec):
+        k = get_kind(kind)
+        param = next(module.parameters(), None)
+        width = hidden if k.probe_width is None else k.probe_width(module, hidden)
+        if param is None or width is None:
+            out[path] = "no parameters or width to run it on"
+            continue
+        ctx = LayerContext(path, None, "auto", auto=True)
+        wire = wire_fla_mixer if fla_view(module) is not None else k.wire
+        undo = wire(module, ctx, kernel_names(spec, kind))
+        x = torch.zeros(1, length, width, device=param.device, dtype=param.dtype)
+        ctx.probe = Probe(path=path, auto=size, record_only=True)
+        cost = None
+        try:
+            with torch.no_grad():
+                module(x, **(k.probe_kwargs(x) if k.probe_kwargs is not None else {}))
+        except CostRecorded:
+            cost = ctx.probe.cost
+        except Exception as e:   # noqa: BLE001 - the layer's own code cannot run here: say what stopped it
+            cost = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+        finally:
+            ctx.probe = None
+            undo()
+        if cost is not None:   # a kind without a scan (short convs: the halo under every strategy) records none
+            out[path] = cost
+    return out
 
 
 def _is_dtensor(t) -> bool:
