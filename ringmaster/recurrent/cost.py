@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from ..errors import UnsupportedLayerError
+from .heads import check_groups, check_heads
 
 HEADS = "heads"
 
@@ -92,8 +93,6 @@ def layer_cost(path: str, size: int, segment, tensors: Sequence[torch.Tensor], o
     """What the probe forward of a layer records for ``auto``: ``segment`` (its :class:`~.scan.Segment`: the map
     and the state, per row), the kernel's per-token ``tensors`` and output ``out`` in the form heads would move
     them, ``heads`` the head (or channel) count the CP size must divide, ``shared``: index -> (groups, what)."""
-    from .heads import check_groups, check_heads
-
     shared = shared or {}
     rows = out.shape[0]
     shape, dtype, _ = segment.state_meta()
