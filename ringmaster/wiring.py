@@ -83,6 +83,9 @@ class WireReport:
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
 # recurrent kinds whose compiled blocks run packed rows as padded pieces (recurrent.documents.PiecesSegment)
 PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru", "mlstm", "rwkv")
+# recurrent kinds whose kernel loops over the tokens in Python (or, lightning, over blocks of them) and whose padding
+# moves a passed state: under load_balance="documents" each new length of the split part is a graph of its own
+SPLIT_LENGTH_KINDS = ("lightning", "rglru", "rwkv")
 # recurrent kinds that are convolutions only: their document gaps are the pieces' dynamic count
 CONV_KINDS = ("short_conv", "dynamic_short_conv", "rwkv_channel_mix")
 COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightning", "rglru", "rwkv", "rwkv_channel_mix",
@@ -120,9 +123,17 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the lengths "
                      "the model's kernels branch on, are cases of their own (measured, Ulysses, 12 packings: 6 graphs "
-                     "for gated-DeltaNet, KDA, Mamba1 and short-conv hybrids, 9-12 for lightning, RG-LRU and RWKV, "
-                     "past dynamo's default limit of 8): raise torch._dynamo.config.recompile_limit (32), or use a "
-                     "static load_balance for compiled hybrids")
+                     "for gated-DeltaNet, KDA, Mamba1 and short-conv hybrids, past dynamo's default limit of 8 for "
+                     "the others): raise torch._dynamo.config.recompile_limit (32), or use a static load_balance for "
+                     "compiled hybrids")
+    looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
+    if looped and cfg.load_balance is LoadBalance.DOCUMENTS:
+        notes.append(f"recurrent layers ({', '.join(looped)}) under load_balance='documents' compile a graph per new "
+                     "length of the split documents' part, without bound: their kernels loop over the tokens in "
+                     "Python, and the split part's piece cannot be padded (padding after it would move the state it "
+                     "passes on); measured, Ulysses, 30 packings: 17-18 graphs (RG-LRU), 18-20 (lightning), 28-30 "
+                     "(RWKV). Raising recompile_limit only postpones the failure: compile these models with a static "
+                     "load_balance ('none' or 'head_tail')")
     if cut:
         notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: not run as padded pieces, the "
                      "chunks are cut at their document starts in Python, and a new packing recompiles the block "
