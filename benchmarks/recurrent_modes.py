@@ -5,7 +5,8 @@
    back (two all-to-alls; inputs shared by a group of heads go to every rank that reads them), ``scan`` all-gathers
    one map per rank, ``sequential`` sends one state per hop. Analytic.
 2. Measured on tiny hybrids (gloo on CPU, forward + backward, one rank): bytes sent per step, the step time
-   relative to ``scan``, and the peak of the activations autograd saved (``rm.profile_memory``), P = 2, 4 and 8.
+   relative to ``scan``, and the peak of the activations autograd saved (``rm.profile_memory``), P = 2, 4 and 8;
+   ``auto`` too, which picks heads per layer where it sends no more than the state passing (``recurrent/cost.py``).
    CPU timings of tiny models say how the work scales, not what a GPU does: no speed claim is made from them.
 3. bf16 drift: the gathered logits of a bf16 model, without CP and under each strategy, against the same model
    in float64 (its kernels kept in float64), at growing sequence length, P = 4.
@@ -135,7 +136,7 @@ def measured(sizes, seq_len: int) -> None:
     with LocalPool(max(sizes), timeout=900, init=torch_kernels_only) as pool:
         for model_type in POOL_MODELS:
             for P in sizes:
-                rows = {s: pool.run(_step_job, model_type, P, s, seq_len)[0] for s in STRATEGIES}
+                rows = {s: pool.run(_step_job, model_type, P, s, seq_len)[0] for s in (*STRATEGIES, "auto")}
                 for s, r in rows.items():
                     print(f"{model_type:<14} {P:>2} {s:<11} {r['bytes'] / 2**20:>8.2f}MiB "
                           f"{r['seconds'] / rows['scan']['seconds']:>10.2f} {r['saved'] / 2**20:>8.2f}MiB", flush=True)
