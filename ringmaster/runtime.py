@@ -44,6 +44,7 @@ class Runtime:
     positions: Any = None              # rm.wire's PositionConvention for absolute position tables (else None)
     report: Any = None                 # rm.wire's WireReport
     recurrent_wiring: Any = None       # rm.wire's RecurrentWiring (restore() undoes the recurrent layers only)
+    recurrent_auto: bool = False       # the config asked recurrent="auto": wire_recurrent_layers picks per layer
     adapter: Any = None                # a framework adapter's record (e.g. adapters.accelerate.AccelerateWiring)
     # the step carriers (sharding.carrier.StepCarrier) of the models wired against this runtime: what
     # context_parallel_region(batch, runtime=...) sets for its step when it is not given the model

@@ -165,3 +165,18 @@ def costs_checked(ctx, model_type, P, **overrides):
     return {"maps": seen, "real": {p: c.describe(fallback) for p, c in real.items()},
             "meta": {p: c if isinstance(c, str) else c.describe(fallback) for p, c in on_meta.items()},
             "wired": wired, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+
+
+def setup_path_choices(ctx, P, recurrent="auto"):
+    """The low-level path (``rm.setup``, then ``rm.wire_recurrent_layers`` with no strategy): what the layers pick
+    under a runtime whose config asked ``recurrent``."""
+    from ringmaster_tools.parity import tiny_model
+
+    rm.setup(rm.RingmasterConfig(size=P, backend="ulysses", recurrent=recurrent), device_mesh=ctx.mesh(P))
+    try:
+        wiring = rm.wire_recurrent_layers(tiny_model("qwen3_5_text"))
+        choices = dict(wiring.choices)
+        wiring.restore()
+    finally:
+        rm.teardown()
+    return choices

@@ -137,6 +137,14 @@ def test_auto_keeps_the_state_passing_where_heads_do_not_split(pool):
     assert r[("auto", 16)] == r[("scan", 16)], r
 
 
+def test_auto_reaches_layers_wired_after_setup(pool):
+    """``rm.setup(RingmasterConfig(recurrent="auto"))`` then ``rm.wire_recurrent_layers(model)``: the layers pick per
+    layer as under ``rm.wire``; a config that asked ``"scan"`` keeps the scan."""
+    auto = pool.run(jh.setup_path_choices, 4)[0]
+    assert auto and all(c.startswith("heads on rows up to") for c in auto.values()), auto
+    assert pool.run(jh.setup_path_choices, 4, "scan")[0] == {}
+
+
 def test_auto_mutation_inverted_choice_is_caught(pool):
     """The mutation: ``auto`` picking the strategy that sends more; the byte check above fails."""
     r = pool.run(jh.auto_bytes, "qwen3_5_text", 4, (16, 512), inverted=True)[0]

@@ -71,12 +71,13 @@ def setup(cfg: RingmasterConfig | RingmasterPlan, num_kv_heads: int | None = Non
     size = group_size(group)
     if cfg.size != size:
         raise ValueError(size_mismatch_message(cfg.size, size, dist.get_world_size(), cp_dim, device_mesh is not None))
+    asked_auto = cfg.recurrent == "auto"   # a plan has it resolved; the layers wired under this runtime pick per layer
     cfg = cfg.resolve(num_kv_heads=num_kv_heads, intra_node_size=intra_node_size(), num_heads=num_heads)
     ulysses_only = _check_layout_for_backend(cfg)
     inner = inner_attn or "sdpa"
     rank = group_rank(group)
     rt = Runtime(config=cfg, cp_group=group, cp_rank=rank, cp_size=size, inner_attn=inner,
-                 num_kv_heads=num_kv_heads)
+                 num_kv_heads=num_kv_heads, recurrent_auto=asked_auto)
     serial = next(_SERIAL)
     if ulysses_only:
         rt.ulysses_group = group

@@ -109,6 +109,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     is undone and the layer named. ``restore()`` on the handle puts every original forward back."""
     spec = _spec_of(model)
     layers = check_recurrent_layers(model, None if layers is None else [(p, m, k) for p, m, k in layers], spec)
+    rt = active(required=False)
+    auto = auto or (strategy is None and rt is not None and rt.recurrent_auto)   # the runtime's config asked "auto"
     group, strategy = _default_group(group), _default_strategy(strategy)
     wiring = RecurrentWiring()
     hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
