@@ -102,14 +102,13 @@ def auto_bytes(ctx, model_type, P, seqs, inverted=False, **overrides):
     sent per forward (``rm.profile_comms``) on dense rows of each length in ``seqs``, and what ``auto`` reports per
     layer. ``inverted``: the mutation, ``auto`` picking the strategy that sends more."""
     from ringmaster.adapters.raw import context_parallel_region
-    from ringmaster.recurrent.cost import LayerCost
+    from ringmaster.sharding.documents import CPBatch
     from ringmaster_tools.parity import tiny_batch, tiny_model
 
     fallback = "sequential" if P <= 2 else "scan"
     out = {}
-    pick = LayerCost.pick
-    flip = {"heads": fallback, fallback: "heads"}
-    with (_patched(LayerCost, "pick", lambda self, S, f: flip[pick(self, S, f)]) if inverted
+    rows = CPBatch.heads_rows
+    with (_patched(CPBatch, "heads_rows", lambda self, up_to: not rows(self, up_to)) if inverted
           else contextlib.nullcontext()):
         for strategy in ("auto", "heads", fallback):
             model = tiny_model(model_type, **overrides)
@@ -180,3 +179,37 @@ def setup_path_choices(ctx, P, recurrent="auto"):
     finally:
         rm.teardown()
     return choices
+
+
+def auto_choice_graphs(ctx, mutated=False):
+    """``recurrent="auto"``'s per-call choice inside a compiled function, over batches whose rows differ in length
+    (as a documents shard's split part does per packing): graphs compiled. The choice reads the batch's host bool
+    (``CPBatch.heads_rows``); ``mutated``: it compares the row length itself in the graph, a guard per length."""
+    import torch
+    import torch._dynamo
+
+    from ringmaster.recurrent.context import LayerContext
+    from ringmaster.recurrent.cost import LayerCost
+    from ringmaster.sharding.documents import CPBatch
+
+    group = ctx.mesh(2).get_group("cp")
+    layer = LayerContext("layer", group, "sequential", auto=True, cost=LayerCost(2, 100.0, 1e6, 1e6))
+    rank = torch.distributed.get_rank(group)
+
+    class Carrier:   # as the model's step carrier hands the batch to a layer transformers calls without the kwarg
+        current = None
+
+    def step(x):
+        return x * 2 if layer.resolve(Carrier.current)[3] == "heads" else x
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    picked = []
+    with (_patched(CPBatch, "heads_rows", lambda self, up_to: 0 < self.seq_len <= up_to) if mutated
+          else contextlib.nullcontext()):
+        for S in (64, 96, 128, 160, 192, 2 * layer.heads_up_to, 4 * layer.heads_up_to):
+            Carrier.current = CPBatch(rank, 2, "contiguous", S, heads_upto=(layer.heads_up_to,))
+            picked.append(float(compiled(torch.ones(1))))
+    return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "picked": picked,
+            "up_to": layer.heads_up_to}

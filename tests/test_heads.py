@@ -145,6 +145,16 @@ def test_auto_reaches_layers_wired_after_setup(pool):
     assert pool.run(jh.setup_path_choices, 4, "scan")[0] == {}
 
 
+def test_auto_choice_compiles_once_per_choice_not_per_length(pool):
+    """A compiled block reads ``auto``'s choice as the batch's host bool (``CPBatch.heads_rows``), not the row length:
+    five short lengths and two long ones, two graphs (heads, the state passing). Mutation: the length compared in the
+    graph, a guard on it (dynamo compiles the first length static, then a graph with the length symbolic: 3)."""
+    r = pool.run(jh.auto_choice_graphs)[0]
+    assert r["picked"] == [2.0] * 5 + [1.0] * 2 and r["graphs"] == 2, r
+    m = pool.run(jh.auto_choice_graphs, mutated=True)[0]
+    assert m["picked"] == r["picked"] and m["graphs"] > r["graphs"], m
+
+
 def test_auto_mutation_inverted_choice_is_caught(pool):
     """The mutation: ``auto`` picking the strategy that sends more; the byte check above fails."""
     r = pool.run(jh.auto_bytes, "qwen3_5_text", 4, (16, 512), inverted=True)[0]

@@ -113,16 +113,27 @@ class LayerContext:
                 "shard with the runtime this model was wired with"
             )
         strategy = self.strategy if self.strategy != "auto" else ("sequential" if size <= 2 else "scan")
-        if self.auto and self.cost is not None and strategy in STRATEGIES:
-            strategy = self.cost.pick(batch.seq_len, strategy)
+        if self.heads_up_to and strategy in STRATEGIES and batch.heads_rows(self.heads_up_to):
+            strategy = HEADS
         return self.group, size, batch.layout, strategy
+
+    def _fallback(self) -> str:
+        return self.strategy if self.strategy in STRATEGIES else ("sequential" if self.size <= 2 else "scan")
+
+    @property
+    def heads_up_to(self) -> int:
+        """``auto``: the longest row this layer runs head-parallel (0: never), fixed at wire; the batch says, once per
+        step on the host, whether its rows are that short (``CPBatch.heads_rows``: a compiled block reads a bool, not
+        the row length, so a new length is no new graph)."""
+        if not self.auto or self.cost is None:
+            return 0
+        return self.cost.heads_up_to(self._fallback())
 
     def choice(self) -> str | None:
         """What ``auto`` picks for this layer (None: ``auto`` was not asked)."""
         if not self.auto:
             return None
-        fallback = self.strategy if self.strategy in STRATEGIES else ("sequential" if self.size <= 2 else "scan")
-        return fallback if self.cost is None else self.cost.describe(fallback)
+        return self._fallback() if self.cost is None else self.cost.describe(self._fallback())
 
 
 def wired_kernel(namespace: dict, name: str, facts: Callable[[Callable], dict]) -> Callable[[], tuple[Callable, dict]]:

@@ -70,6 +70,9 @@ class RecurrentWiring:
     # recurrent="auto": path -> what it picks for that layer (LayerContext.choice); ``heads``: some layer may run heads
     choices: dict[str, str] = field(default_factory=dict)
     heads: bool = False
+    # the row lengths up to which some layer runs heads (LayerContext.heads_up_to): the shard step compares each
+    # batch's row length with them once, on the host (CPBatch.heads_rows)
+    heads_upto: tuple = ()
     _restores: list[Callable[[], None]] = field(default_factory=list)
 
     def restore(self) -> None:
@@ -136,6 +139,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
             if ctx.auto and ctx.size > 1 and ctx.cost is not None:   # a layer that passes state, probed
                 wiring.choices[path] = ctx.choice()
                 wiring.heads = wiring.heads or (ctx.cost is not None and ctx.cost.token_bytes is not None)
+                if ctx.heads_up_to and ctx.heads_up_to not in wiring.heads_upto:
+                    wiring.heads_upto = (*wiring.heads_upto, ctx.heads_up_to)
     except BaseException:
         wiring.restore()
         raise

@@ -250,7 +250,7 @@ def batch_kwarg(meta: Mapping[str, Any], runtime=None) -> CPBatch:
     config = getattr(runtime, "config", None)
     wiring = getattr(runtime, "recurrent_wiring", None)   # recurrent="auto" may run heads on some layers
     return CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads"
-                             or getattr(wiring, "heads", False))
+                             or getattr(wiring, "heads", False), heads_upto=getattr(wiring, "heads_upto", ()))
 
 
 def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:

@@ -308,8 +308,12 @@ class CPBatch:
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
                  origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
-                 recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False):
+                 recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False, heads_upto: tuple = ()):
         self.rank, self.size, self.seq_len = rank, size, seq_len
+        # recurrent="auto": for each row length up to which a layer runs heads, whether this batch's rows are that
+        # short, decided here on the host (a compiled block reads the bool, never the length: heads_rows)
+        self._heads_upto = tuple(heads_upto)
+        self._heads_rows = {t: 0 < seq_len <= t for t in self._heads_upto}
         # this rank's shard of the batch's own attention_mask [B, local] (None without one): the token weights of a
         # per-sequence statistic (the MoE router loss, sharding.router); attention never reads it (doc_ids do)
         self.token_mask = token_mask
@@ -369,12 +373,19 @@ class CPBatch:
         pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, padded=True, local=True)
         return None if pieces is None else pieces[0]
 
+    def heads_rows(self, up_to: int) -> bool:
+        """Whether this batch's rows are at most ``up_to`` tokens long (``recurrent="auto"``: a layer runs heads on
+        them), from the host comparison made when the batch was built for the wired lengths."""
+        rows = self._heads_rows.get(up_to)
+        return (0 < self.seq_len <= up_to) if rows is None else rows
+
     @classmethod
-    def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False) -> "CPBatch":
-        """``row_pieces``: make :attr:`row_pieces` (the runtime runs ``recurrent="heads"``)."""
+    def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False, heads_upto: tuple = ()) -> "CPBatch":
+        """``row_pieces``: make :attr:`row_pieces` (the runtime runs ``recurrent="heads"``); ``heads_upto``: the row
+        lengths up to which the runtime's layers run heads (:meth:`heads_rows`)."""
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
                    meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"),
-                   recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces)
+                   recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces, heads_upto=heads_upto)
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
@@ -407,7 +418,7 @@ class CPBatch:
         if "split" not in self._cache:
             runs = Runs(a.split_len, (a.split_starts(),))
             part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
-                           origin=a.sub_row, row_pieces=self._row_pieces_wanted)
+                           origin=a.sub_row, row_pieces=self._row_pieces_wanted, heads_upto=self._heads_upto)
             part.rng_seed = self.rng_seed
             self._cache["split"] = part
         return self._cache["split"]
