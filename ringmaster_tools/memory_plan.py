@@ -657,13 +657,14 @@ def recurrent_choice(shape: ModelShape, opts: PlanOptions) -> list[str]:
 
     import torch
 
+    from ringmaster.recurrent.scan import auto_strategy
     from ringmaster.recurrent.wiring import check_recurrent_layers, layer_costs
 
     kinds = {path: kind for path, _, kind in check_recurrent_layers(shape.model)}
     if not kinds:
         return []
     P, S = opts.gpus, opts.seq
-    fallback = "sequential" if P <= 2 else "scan"
+    fallback = auto_strategy(P)
     rows: dict[tuple, int] = {}
     # the activations in the run's dtype (the meta model: no memory to copy or cast)
     model = copy.deepcopy(shape.model).to({"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts.dtype, torch.float32))

@@ -12,7 +12,7 @@ from ..sharding.carrier import StepCarrier
 from ..sharding.documents import BATCH_KWARG
 from .cost import HEADS, CostRecorded, LayerCost, layer_cost
 from .heads import check_groups, check_heads
-from .scan import KERNEL_STRATEGIES, STRATEGIES
+from .scan import KERNEL_STRATEGIES, STRATEGIES, auto_strategy
 
 
 @dataclass
@@ -112,13 +112,13 @@ class LayerContext:
                 f"to a CP group of {size} ranks (this rank: {dist.get_rank(self.group) if size > 1 else 0}); "
                 "shard with the runtime this model was wired with"
             )
-        strategy = self.strategy if self.strategy != "auto" else ("sequential" if size <= 2 else "scan")
+        strategy = self.strategy if self.strategy != "auto" else auto_strategy(size)
         if self.heads_up_to and strategy in STRATEGIES and batch.heads_rows(self.heads_up_to):
             strategy = HEADS
         return self.group, size, batch.layout, strategy
 
     def _fallback(self) -> str:
-        return self.strategy if self.strategy in STRATEGIES else ("sequential" if self.size <= 2 else "scan")
+        return self.strategy if self.strategy in STRATEGIES else auto_strategy(self.size)
 
     @property
     def heads_up_to(self) -> int:

@@ -48,6 +48,12 @@ STRATEGIES = ("scan", "sequential")
 KERNEL_STRATEGIES = ("fla_cp", "heads")
 
 
+def auto_strategy(size: int) -> str:
+    """The state passing ``recurrent="auto"`` runs at CP size ``size`` (where it does not run heads):
+    sequential for P <= 2, else the scan."""
+    return "sequential" if size <= 2 else "scan"
+
+
 class Segment(Protocol):
     """One contiguous stretch of tokens of one recurrent kernel call."""
 

@@ -67,9 +67,8 @@ def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None 
 class RecurrentWiring:
     layers: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
-    # recurrent="auto": path -> what it picks for that layer (LayerContext.choice); ``heads``: some layer may run heads
+    # recurrent="auto": path -> what it picks for that layer (LayerContext.choice)
     choices: dict[str, str] = field(default_factory=dict)
-    heads: bool = False
     # the row lengths up to which some layer runs heads (LayerContext.heads_up_to): the shard step compares each
     # batch's row length with them once, on the host (CPBatch.heads_rows)
     heads_upto: tuple = ()
@@ -99,6 +98,23 @@ def _default_strategy(strategy: str | None) -> str:
     return getattr(rt.config, "recurrent", "auto") if rt is not None else "auto"
 
 
+def _hidden_size(model) -> int | None:
+    return getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+
+
+def _probe_width(module, kind: str, hidden: int | None) -> int | None:
+    """The input width of a probe forward of ``module``: its kind's ``probe_width``, else the hidden size."""
+    width = get_kind(kind).probe_width
+    return hidden if width is None else width(module, hidden)
+
+
+def _routed(module, kind: str, ctx: LayerContext, spec) -> Callable[[], None]:
+    """Route one layer instance through its kind's CP wiring (an FLA mixer through :func:`wire_fla_mixer`); returns
+    the undo."""
+    wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
+    return wire(module, ctx, kernel_names(spec, kind))
+
+
 def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None = None,
                           probe: bool = True, auto: bool = False) -> RecurrentWiring:
     """Route every declared recurrent layer of ``model`` through exact cross-rank state passing.
@@ -116,8 +132,7 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
     auto = auto or (strategy is None and rt is not None and rt.recurrent_auto)   # the runtime's config asked "auto"
     group, strategy = _default_group(group), _default_strategy(strategy)
     wiring = RecurrentWiring()
-    hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
-    rt = active(required=False)
+    hidden = _hidden_size(model)
     carrier, undo_carrier = attach(model, rt if rt is not None and rt.cp_group is group else None)
     wiring._restores.append(undo_carrier)
     try:
@@ -128,17 +143,14 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
                     f"{[k for k in known_kinds() if strategy in get_kind(k).strategies]} do. Use recurrent='scan' "
                     "or 'sequential'")
             ctx = LayerContext(path, group, strategy, carrier, auto=auto or strategy == "auto")
-            wire = wire_fla_mixer if fla_view(module) is not None else get_kind(kind).wire
-            wiring._restores.append(wire(module, ctx, kernel_names(spec, kind)))
+            wiring._restores.append(_routed(module, kind, ctx, spec))
             wiring.layers.append(path)
             wiring.kinds.append(kind)
             if probe:
-                width = get_kind(kind).probe_width
-                probe_layer(module, ctx, _required(spec, kind), hidden if width is None else width(module, hidden),
+                probe_layer(module, ctx, _required(spec, kind), _probe_width(module, kind, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
             if ctx.auto and ctx.size > 1 and ctx.cost is not None:   # a layer that passes state, probed
                 wiring.choices[path] = ctx.choice()
-                wiring.heads = wiring.heads or (ctx.cost is not None and ctx.cost.token_bytes is not None)
                 if ctx.heads_up_to and ctx.heads_up_to not in wiring.heads_upto:
                     wiring.heads_upto = (*wiring.heads_upto, ctx.heads_up_to)
     except BaseException:
@@ -175,13 +187,13 @@ def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length:
 
     def run(inject: set) -> tuple[torch.Tensor, set]:
         ctx.probe = Probe(inject=inject, seed=17, path=ctx.path, heads=ctx.size if ctx.strategy == HEADS else 1,
-                          auto=ctx.size if ctx.auto else 1)
+                          auto=ctx.size if ctx.auto and ctx.cost is None else 1)
         try:
             with torch.no_grad():
                 out = module(x, **(kwargs(x) if kwargs is not None else {}))
         finally:
             called, cost, ctx.probe = ctx.probe.called, ctx.probe.cost, None
-        ctx.cost = ctx.cost or cost   # recurrent="auto": what this layer sends under each strategy
+        ctx.cost = ctx.cost or cost   # recurrent="auto": what this layer sends under each strategy (the first run's)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out, called
 
@@ -209,18 +221,17 @@ def layer_costs(model, size: int, length: int = 8) -> dict[str, "LayerCost | str
     in turn is routed, run once on ``length`` tokens (no grad; the model may be on the meta device, as the memory
     planner builds it) and restored. A layer whose forward cannot run there maps to the reason."""
     spec = _spec_of(model)
-    hidden = getattr(text_config(model.config), "hidden_size", None) if hasattr(model, "config") else None
+    hidden = _hidden_size(model)
     out: dict = {}
     for path, module, kind in check_recurrent_layers(model, spec=spec):
         k = get_kind(kind)
         param = next(module.parameters(), None)
-        width = hidden if k.probe_width is None else k.probe_width(module, hidden)
+        width = _probe_width(module, kind, hidden)
         if param is None or width is None:
             out[path] = "no parameters or width to run it on"
             continue
         ctx = LayerContext(path, None, "auto", auto=True)
-        wire = wire_fla_mixer if fla_view(module) is not None else k.wire
-        undo = wire(module, ctx, kernel_names(spec, kind))
+        undo = _routed(module, kind, ctx, spec)
         x = torch.zeros(1, length, width, device=param.device, dtype=param.dtype)
         ctx.probe = Probe(path=path, auto=size, record_only=True)
         cost = None

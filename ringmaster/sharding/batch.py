@@ -245,12 +245,13 @@ def batch_kwarg(meta: Mapping[str, Any], runtime=None) -> CPBatch:
     """The ``ringmaster_batch`` kwarg for a shard's metadata: the only way the per-step layout and
     document structure reach the CP layers (nothing reads them from a process global). The step's dropout
     seed is drawn from it by the first forward that trains (:mod:`.rng`), not here: a step that draws nothing
-    leaves the random stream alone. ``runtime``: the one the batch is for (its ``recurrent="heads"``, or an
-    ``"auto"`` that may pick heads for a layer, asks for the whole rows' pieces, ``CPBatch.row_pieces``)."""
+    leaves the random stream alone. ``runtime``: the one the batch is for (its ``recurrent="heads"`` asks for the
+    whole rows' pieces, ``CPBatch.row_pieces``; with ``"auto"``, the row lengths up to which its layers run heads:
+    the batch makes the pieces when its rows are that short)."""
     config = getattr(runtime, "config", None)
-    wiring = getattr(runtime, "recurrent_wiring", None)   # recurrent="auto" may run heads on some layers
-    return CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads"
-                             or getattr(wiring, "heads", False), heads_upto=getattr(wiring, "heads_upto", ()))
+    wiring = getattr(runtime, "recurrent_wiring", None)
+    return CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads",
+                             heads_upto=getattr(wiring, "heads_upto", ()))
 
 
 def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:

@@ -345,9 +345,10 @@ class CPBatch:
         # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
         # shard step: a compiled block reads no per-packing Python value); None without documents
         self.pieces = self._chunk_pieces() if pieces else None
-        # recurrent="heads" (row_pieces: the shard step's runtime runs it): the whole rows cut at their document
+        # recurrent="heads" (row_pieces: the shard step's runtime runs it, or auto runs it on some layer for rows this
+        # short: heads_rows): the whole rows cut at their document
         # starts, as data, for the kernels that run whole rows for their heads (recurrent.heads); None otherwise
-        self.row_pieces = self._row_pieces() if pieces and row_pieces else None
+        self.row_pieces = self._row_pieces() if pieces and (row_pieces or any(self._heads_rows.values())) else None
         # load_balance="documents": the two parts, made here (the shard step, on the host), never in forward, and
         # the split share as the size of an empty tensor: a compiled block reads it as a size it may mark dynamic,
         # not as a Python constant of this packing (with the parts' own lengths, from their tensors' shapes)
