@@ -83,9 +83,9 @@ class WireReport:
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
 # recurrent kinds whose compiled blocks run packed rows as padded pieces (recurrent.documents.PiecesSegment)
 PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru", "mlstm", "rwkv")
-# recurrent kinds whose compiled blocks specialise on the length of a load_balance="documents" shard's split part
-# (their kernels loop over the tokens, or lightning's over blocks of them, in Python, and the split part's lone piece
-# fills its row): a graph per new length, measured over 30 packings
+# recurrent kinds whose kernels loop over the tokens (lightning's over blocks of them) in Python: under
+# load_balance="documents" they specialise on the split part's piece length, a graph per new length unless every
+# layer pads its pieces neutrally (RecurrentWiring.pow2_pieces: then a power of two), measured over 30-50 packings
 SPLIT_LENGTH_KINDS = ("lightning", "rglru", "rwkv", "mlstm")
 # recurrent kinds that are convolutions only: their document gaps are the pieces' dynamic count
 CONV_KINDS = ("short_conv", "dynamic_short_conv", "rwkv_channel_mix")
@@ -95,8 +95,11 @@ COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightnin
 COMPILE_VERIFIED_INNER = ("sdpa", "eager", "flex_attention")
 
 
-def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: str) -> list[str]:
-    """What would not compile, or is not shown to, under ``torch.compile(block, fullgraph=True)``."""
+def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: str,
+                  pow2_pieces: bool = False) -> list[str]:
+    """What would not compile, or is not shown to, under ``torch.compile(block, fullgraph=True)``. ``pow2_pieces``:
+    every recurrent layer pads its pieces neutrally (``RecurrentWiring.pow2_pieces``, from wire's probe), so a
+    documents shard's split part runs as pieces a power of two long."""
     notes = []
     if cfg.ring_size > 1 and resolve_ring_impl(cfg.ring_impl, inner) is RingImpl.HF_KERNELS:
         notes.append("ring_impl='hf_kernels': the hub flash kernels are not traced here (no fake implementation "
@@ -122,19 +125,22 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
-                     "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the lengths "
-                     "the model's kernels branch on, are cases of their own (measured, Ulysses, 12 packings: 6 graphs "
-                     "for gated-DeltaNet, KDA, Mamba1 and short-conv hybrids, past dynamo's default limit of 8 for "
-                     "the others): raise torch._dynamo.config.recompile_limit (32), or use a static load_balance for "
-                     "compiled hybrids")
+                     "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "
+                     "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
+                     "Ulysses, two-block models, 50 packings: 7-8 graphs for a gated-DeltaNet hybrid, 9-10 Mamba2, "
+                     "10-11 RG-LRU, 7 mLSTM; 30 packings: 6-7 Mamba1), past dynamo's default limit of 8 for some: "
+                     "raise torch._dynamo.config.recompile_limit (16), or use a static load_balance for compiled "
+                     "hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
-    if looped and cfg.load_balance is LoadBalance.DOCUMENTS:
-        notes.append(f"recurrent layers ({', '.join(looped)}) under load_balance='documents' keep compiling graphs as "
-                     "new lengths of the split documents' part come: their kernels loop over the tokens in Python, "
-                     "and the split part's lone piece fills its row (padding after it would move the state it passes "
-                     "on); measured, Ulysses, two-block models, 30 packings: 14-15 graphs (mLSTM), 17-19 (RG-LRU), "
-                     "18-20 (lightning), 28-30 (RWKV). Raising recompile_limit only postpones the failure: compile "
-                     "these models with a static load_balance ('none' or 'head_tail')")
+    if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
+        notes.append(f"recurrent layers ({', '.join(looped or padded)}) under load_balance='documents' keep compiling "
+                     "graphs as new lengths of the split documents' part come: not every recurrent layer of this model "
+                     "pads its pieces neutrally (lightning's and RWKV's fixed decays move a state through any padding; "
+                     "so do a Mamba step size clamped above 0 and gates computed in the kernel), so the split part's "
+                     "lone piece fills its row, and a kernel that loops over the tokens in Python or branches on the "
+                     "length compiles a graph per new length (measured, Ulysses, two-block models, 30 packings: 18-20 "
+                     "graphs for lightning, 28-30 for RWKV). Raising recompile_limit only postpones the failure: "
+                     "compile this model with a static load_balance ('none' or 'head_tail')")
     if cut:
         notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: not run as padded pieces, the "
                      "chunks are cut at their document starts in Python, and a new packing recompiles the block "
@@ -314,11 +320,6 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         _check_documents(spec, model)
 
     strategy = cfg.recurrent
-    notes: list[str] = []
-    if compile:
-        notes = compile_notes(cfg, inner, [k for _, _, k in recurrent], strategy)
-        if notes:
-            warnings.warn("rm.wire(compile=True): " + "; ".join(notes), stacklevel=2)
 
     # ---- change, recording every undo
     previous = _runtime.active(required=False)
@@ -367,6 +368,12 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
                                            auto=asked_recurrent == "auto")
             undo.append(wiring.restore)
             rt.recurrent_wiring = wiring
+        notes: list[str] = []
+        if compile:   # after the recurrent wiring: its probe tells whether every layer pads its pieces neutrally
+            notes = compile_notes(cfg, inner, [k for _, _, k in recurrent], strategy,
+                                  pow2_pieces=bool(recurrent) and wiring.pow2_pieces)
+            if notes:
+                warnings.warn("rm.wire(compile=True): " + "; ".join(notes), stacklevel=2)
         rt.report = WireReport(family=spec.name, attn_implementation=rt.attn_implementation, inner_attn=inner,
                                attention=layers.attention, recurrent=[(p, k) for p, _, k in recurrent],
                                use_cache_switched_off=switched, bridged=bridged,

@@ -10,6 +10,7 @@ collectives where ringmaster pins them), minus inductor's CPU code generation, t
 
 import jobs_compile
 import pytest
+import torch
 
 from ringmaster_tools.pool import RankError
 
@@ -263,9 +264,68 @@ def test_wire_for_compile_names_what_does_not_compile():
     assert len(other) == 2 and "recompiles the block" in other[0] and "not shown to compile" in other[1], other
     docs = rm.RingmasterConfig(size=2, backend="ulysses", load_balance="documents").resolve(num_kv_heads=2)
     assert compile_notes(docs, "sdpa", [], "scan") == []   # its sizes are dynamic: tests above
-    hybrid_docs = compile_notes(docs, "sdpa", ["mamba1"], "scan")
+    # every layer pads its pieces neutrally (wire's probe): the split part's pieces a power of two long, cases only
+    hybrid_docs = compile_notes(docs, "sdpa", ["mamba1"], "scan", pow2_pieces=True)
     assert len(hybrid_docs) == 2 and "recompile_limit" in hybrid_docs[1], hybrid_docs
-    # the kinds whose Python loops specialise on the split part's length: no bound, a static layout is the fix
+    # some layer does not: the split part's lone piece fills its row, a graph per new length; a static layout is the fix
     looped = compile_notes(docs, "sdpa", ["rglru", "gated_deltanet"], "scan")
     assert len(looped) == 3 and "(rglru)" in looped[2] and "only postpones" in looped[2], looped
     assert "static load_balance" in looped[2], looped
+    assert len(compile_notes(docs, "sdpa", ["rglru", "gated_deltanet"], "scan", pow2_pieces=True)) == 2
+
+
+@pytest.mark.parametrize("model,neutral", [("rglru-hybrid", True), ("mamba2-hybrid", True), ("xlstm", True),
+                                           ("lightning-hybrid", False), ("rwkv", False)])
+def test_wire_probe_tells_whether_every_layer_pads_neutrally(model, neutral):
+    """wire's probe asks each layer's segment whether its pieces' padding leaves any state as it is
+    (``neutral_padding``); only a model whose every layer does gets a documents split part's pieces a power of two
+    long (``RecurrentWiring.pow2_pieces``). Lightning's and RWKV's fixed decays move any state through padding."""
+    from ringmaster.recurrent.wiring import wire_recurrent_layers
+    from ringmaster_tools import step_shape
+
+    torch.manual_seed(0)
+    m = step_shape._model(model, **step_shape.TWO_BLOCKS[model])
+    wiring = wire_recurrent_layers(m)
+    try:
+        assert wiring.neutral and wiring.pow2_pieces is neutral, wiring.neutral
+    finally:
+        wiring.restore()
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_documents_split_part_pieces_take_few_lengths(pow2):
+    """Under ``load_balance="documents"`` the split part's length is new per packing; its lone piece (a document
+    the state enters and leaves) used to fill its row, so a kernel that loops over the tokens in Python (RG-LRU,
+    mLSTM, RWKV, lightning) compiled a graph per packing. Where every layer pads neutrally the pieces are a power of
+    two long: over the 30 packings ``benchmarks/compile.py`` measures (12 split shares), on both ranks, the split
+    part's piece lengths take 2 values, 16 and 32 (without: 13 lengths, the mutation)."""
+    from ringmaster.sharding.assignment import plan_documents
+    from ringmaster.sharding.documents import CPBatch, Runs
+    from ringmaster_tools.packings import random_packing
+
+    lengths = set()
+    for step in range(30):
+        lens = random_packing(torch.Generator().manual_seed(1000 + step), 64)
+        docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]
+        runs = Runs.from_doc_ids(docs)
+        a = plan_documents(runs, 64, 2, "contiguous", 16)
+        for rank in range(2):
+            split = CPBatch(rank, 2, "contiguous", 64, docs, runs=runs, assignment=a, pow2_pieces=pow2).split_part()
+            if split is not None and split.pieces is not None:
+                lengths.add(split.pieces[0].L)
+                assert split.pieces[0].neutral is pow2
+    assert (len(lengths) <= 2 and all(L & (L - 1) == 0 for L in lengths)) if pow2 else len(lengths) > 10, lengths
+
+
+def test_documents_split_part_power_of_two_pieces_exact(pool):
+    """An RG-LRU hybrid (Ulysses, load_balance="documents"), compiled: the split part's lone pieces padded to a
+    power of two with ``a = 1, x = 0`` after them, four new packings, exact on every step, no graph break.
+    Mutation: RG-LRU's padding ``a = 0`` (still claiming neutral) wipes the state the lone piece hands on (measured:
+    loss 1.5e-4, worst parameter gradient 0.57 on the second packing)."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "rglru-hybrid", "ulysses-documents", 4, kind="documents"):
+        assert r["breaks"] == 0, r
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+    # the second packing's split share, 11 tokens of one document per rank, runs as a piece of 16 (the first's: 32)
+    for r in pool.run(jobs_compile.hybrid_over_packings, "rglru-hybrid", "ulysses-documents", 2, kind="documents",
+                      rglru_decaying_padding=True):
+        assert max(r["loss"]) > 1e-4 or max(r["grad"]) > 1e-3, (r["loss"], r["grad"])

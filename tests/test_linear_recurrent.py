@@ -358,3 +358,79 @@ def test_documents_parts_pieces_exact_float64(local):
     whole = _run(segments([5, 1, 3], 24, 9, local=True), "sequential")    # a rank's whole documents
     err = max(_rel(split, alone([13, 11])), _rel(whole, alone([5, 1, 3], 24)))
     assert (err > 1e-3) if local else (err <= 1e-11), err
+
+
+def _split_part_segments(make, tensors, lens=(13, 11), chunk=12):
+    """A documents shard's split part as the compiled path runs it with every layer padding neutrally
+    (``ChunkPieces.of(neutral=True)``): two chunks of 12, the first one piece of a 13-token document that the state
+    enters and leaves, padded to 16 after it."""
+    from ringmaster.recurrent.documents import PiecesSegment
+    from ringmaster.sharding.documents import ChunkPieces
+
+    docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None].expand(tensors[0].shape[0], -1)
+    b = list(range(0, sum(lens) + 1, chunk))
+    pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", padded=True, neutral=True)
+    assert pieces[0].L == 16 > chunk and pieces[0].neutral, (pieces[0].L, pieces[0].neutral)
+    return [PiecesSegment(make(*(t[:, s:e] for t in tensors)), p) for s, e, p in zip(b, b[1:], pieces)]
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+@pytest.mark.parametrize("kind", ["rglru", "kda", "rglru-zero-padded"])
+def test_split_part_power_of_two_pieces_exact_float64(kind, strategy):
+    """A documents shard's split part as pieces a power of two long (its length is new per packing; a kernel that
+    loops over the tokens in Python would compile a graph per length): the padding after a piece the state passes on
+    must leave any state as it is (``neutral_padding``: RG-LRU pads ``a = 1, x = 0``, gated DeltaNet / KDA zeros, so
+    ``g = beta = 0``). Outputs and gradients as each document alone, float64. Mutation (``rglru-zero-padded``): RG-LRU
+    padded with ``a = 0`` (a zero state stays zero, so the padding before a document is fine, but the state the lone
+    piece hands on is wiped), still claiming neutral: the next chunk's tokens of the document go wrong."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+    from ringmaster.recurrent.rglru import RglruSegment
+    from ringmaster_tools.parity import keep_fp64
+
+    lens = (13, 11)
+    g = torch.Generator().manual_seed(0)
+    if kind.startswith("rglru"):
+        x = torch.randn(2, 24, 6, generator=g, dtype=torch.float64, requires_grad=True)
+        a = (1 - torch.logspace(-4, -0.3, 6, dtype=torch.float64) * torch.rand(2, 24, 6, generator=g,
+                                                                                dtype=torch.float64)).requires_grad_(True)
+        reset = torch.zeros(2, 24, 1, dtype=torch.bool)
+        reset[:, 13] = True                                   # the second document's start (the model's position 0)
+
+        class ZeroPadded(RglruSegment):
+            def with_tensors(self, fn):
+                return ZeroPadded(self.kernel, fn(self.x), fn(self.a), fn(self.reset))
+
+        seg = ZeroPadded if kind == "rglru-zero-padded" else RglruSegment
+
+        def kernel(**kw):
+            return RecurrentGemmaRglru._rnn_scan(None, **kw)
+
+        leaves = [x, a]
+        with keep_fp64():
+            ref = naive.rglru_recurrence(x, a, reset)[0]
+            y = _run(_split_part_segments(lambda *t: seg(kernel, *t), [x, a, reset], lens), strategy)
+    else:
+        inputs = {k: v.requires_grad_(True) for k, v in _kda_inputs().items()}
+        leaves = list(inputs.values())
+        ref = torch.cat([naive.kda_recurrence(*(t[:, s:s + n] for t in inputs.values()))[0]
+                         for s, n in zip((0, lens[0]), lens)], dim=1)
+        y = _run(_split_part_segments(lambda *t: GatedDeltaSegment(naive.chunk_kda_ref, *t, kwargs=dict(
+            use_qk_l2norm_in_kernel=True)), leaves, lens), strategy)
+    if kind == "rglru-zero-padded":
+        assert _rel(y, ref) > 1e-3, _rel(y, ref)
+    else:
+        _check_grads(y, ref, leaves, 1e-11)
+
+
+def test_split_part_power_of_two_pieces_refused_where_padding_moves_the_state():
+    """Lightning attention's decay is a constant per token, so no padding leaves its state as it is
+    (``neutral_padding`` False): handed pieces padded after a piece the state passes on, its segment refuses
+    (the batch of another runtime than the one that wired the model), rather than run them inexactly."""
+    from ringmaster.recurrent.lightning import LightningSegment
+
+    inputs, slope = _lightning_inputs(b=1, l=24)
+    assert not getattr(LightningSegment(*inputs.values(), slope[:, None, None], 5), "neutral_padding", False)
+    with pytest.raises(RuntimeError, match="pads neutrally"):
+        _split_part_segments(lambda *t: LightningSegment(*t, slope[:, None, None], 5), list(inputs.values()))

@@ -31,10 +31,16 @@ class Probe:
     cost: "LayerCost | None" = None
     # layer_costs: record the costs and stop the forward there (no kernel runs; the conv returns its input's shape)
     record_only: bool = False
+    # the layer's segment pads its pieces neutrally (its ``neutral_padding``: documents.PiecesSegment); None: no
+    # segment seen
+    neutral: bool | None = None
 
-    def costs(self, segment, tensors, out, heads: int, shared: dict | None = None) -> None:
-        """recurrent="auto": record what this layer would send under each strategy (:func:`~.cost.layer_cost`:
-        ``tensors`` and ``out`` in the form heads moves them, ``shared``: index -> (groups, what))."""
+    def observe(self, segment, tensors, out, heads: int, shared: dict | None = None) -> None:
+        """What the wiring learns from the layer's segment (each kind's probe branch calls this once per run):
+        whether it pads neutrally, and for recurrent="auto" what this layer would send under each strategy
+        (:func:`~.cost.layer_cost`: ``tensors`` and ``out`` in the form heads moves them, ``shared``: index ->
+        (groups, what))."""
+        self.neutral = bool(getattr(segment, "neutral_padding", False))
         if self.auto > 1 and self.cost is None:
             self.cost = layer_cost(self.path, self.auto, segment, tensors, out, heads, shared)
         if self.record_only:
@@ -74,6 +80,8 @@ class LayerContext:
     # (``cost``, recorded by wire's probe; without it the state passing, as before)
     auto: bool = False
     cost: LayerCost | None = None
+    # the layer's segment pads its pieces neutrally (wire's probe: Probe.neutral); None: not probed, or no segment
+    neutral_padding: bool | None = None
 
     def __post_init__(self):
         if self.strategy not in ("auto", *STRATEGIES, *KERNEL_STRATEGIES):
@@ -104,7 +112,7 @@ class LayerContext:
             raise NotImplementedError(
                 f"{self.path}: load_balance='documents' is not wired for this recurrent layer's kernel yet; use "
                 "load_balance='auto'")
-        if batch.size == 1 and batch.origin is not None:   # a documents batch's whole documents: no collective
+        if batch.size == 1 and getattr(batch, "is_part", False):   # a documents batch's whole documents: no collective
             return None, 1, "contiguous", "sequential"
         if batch.size != size or (size > 1 and batch.rank != dist.get_rank(self.group)):
             raise RuntimeError(

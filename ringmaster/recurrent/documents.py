@@ -139,7 +139,12 @@ class PiecesSegment:
     must leave a document's start state exactly as it is.
 
     Zeros do for the kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1,
-    lightning, RG-LRU). The stabilised states pad with a neutral value per input instead: ``base.with_tensors(
+    lightning, RG-LRU). A lone piece the state enters and leaves fills its row, since padding after it would move
+    the state it passes on, unless the segment's padding leaves *any* state as it is (``base.neutral_padding``:
+    gated DeltaNet's ``g = beta = 0``, the Mamba step size 0, RG-LRU's ``a = 1``, mLSTM's gates; not lightning's
+    fixed decay nor RWKV's): then the batch may pad it to a power of two too (``ChunkPieces.neutral``: a documents
+    shard's split part, whose length is new per packing, when every layer's segment pads neutrally). The
+    stabilised states pad with a neutral value per input instead: ``base.with_tensors(
     gather)`` calls ``gather(t, fill)`` (mLSTM: input gate ``-1e30`` and forget gate ``1e4``, so ``e^i = 0``,
     ``log f = 0`` and ``(C, n, m)`` stay put whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no
     state" ``(0, 0, -1e38)`` representing zero, with a finite denominator and no weight at the first real token,
@@ -156,6 +161,12 @@ class PiecesSegment:
     tokens in Python specialises on the piece length: one graph per power-of-two length at most)."""
 
     def __init__(self, base, pieces):
+        if pieces.neutral and not getattr(base, "neutral_padding", False):
+            raise RuntimeError(
+                f"{type(base).__name__}: this batch's pieces are padded after a piece that passes its state on "
+                "(CPBatch(pow2_pieces=True), made because every layer rm.wire's probe ran pads neutrally), but this "
+                "call's padding would move the state (its kernel keywords differ from the probe's, or the batch is "
+                "another runtime's); exactness would break, so it stops: compile with a static load_balance")
         self.base = base
         (rows, *_), _, device = base.state_meta()
         n, L = self._sizes(pieces)

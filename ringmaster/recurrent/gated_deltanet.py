@@ -56,6 +56,11 @@ OPTIONAL = {"conv_update": "causal_conv1d_update", "state_update": "torch_recurr
 REQUIRED = tuple(KERNELS.values())
 
 
+# kernel keywords that transform g or beta in the kernel (flash-linear-attention's chunk_gated_delta_rule /
+# chunk_kda): zero padding is then no longer g = beta = 0 (GatedDeltaSegment.neutral_padding)
+GATE_IN_KERNEL = ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound")
+
+
 class GatedDeltaSegment:
     """One chunk of a ``chunk_gated_delta_rule`` call (``q, k [b, l, hk, dk]``, ``v [b, l, hv, dv]``,
     ``g, beta [b, l, hv]``)."""
@@ -63,6 +68,13 @@ class GatedDeltaSegment:
     def __init__(self, kernel: Callable, q, k, v, g, beta, kwargs: dict | None = None):
         self.kernel, self.q, self.k, self.v, self.g, self.beta = kernel, q, k, v, g, beta
         self.kwargs = dict(kwargs or {})
+
+    @property
+    def neutral_padding(self) -> bool:
+        """Zero padding leaves any state as it is (``g = 0``: no decay, ``beta = 0``: no update; documents.
+        PiecesSegment) where the kernel takes ``g`` and ``beta`` as they are: no keyword of :data:`GATE_IN_KERNEL`
+        set. (The call's other keywords, the model's own pass-through ones included, leave them alone.)"""
+        return not any(self.kwargs.get(name) not in (None, False) for name in GATE_IN_KERNEL)
 
     def _call(self, v, state_in):
         return self.kernel(self.q, self.k, v, g=self.g, beta=self.beta, initial_state=state_in,
@@ -134,7 +146,7 @@ def cp_chunk_gated_delta_rule(kernel: Callable, ctx: LayerContext, query, key, v
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         ctx.probe.shared_by(value.shape[2], query.shape[2], "query/key head")
         seg = GatedDeltaSegment(kernel, query, key, value, g, beta, kwargs=kwargs)
-        ctx.probe.costs(seg, [query, key, value, g, beta], value, value.shape[2],
+        ctx.probe.observe(seg, [query, key, value, g, beta], value, value.shape[2],
                         {0: (query.shape[2], "query/key head"), 1: (key.shape[2], "query/key head")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

@@ -143,7 +143,7 @@ def cp_lightning(ctx: LayerContext, batch, q, k, v, slope, block_size: int):
     """The attention core of this rank's shard (``[B, l, H, D]``) with the earlier shards' state."""
     if ctx.probe is not None:   # wire's probe: the core is reached, and its incoming state matters
         seg = LightningSegment(q, k, v, slope, block_size)
-        ctx.probe.costs(seg, [q, k, v], v, q.shape[2])
+        ctx.probe.observe(seg, [q, k, v], v, q.shape[2])
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, q_, k_, v_: cp_lightning(ctx, part, q_, k_, v_, slope, block_size),

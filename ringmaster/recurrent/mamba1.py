@@ -57,7 +57,7 @@ from .documents import by_parts, document_segments
 from .mixer import wire_conv_scan_mixer
 from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .kind import RecurrentKind
-from .step_size import mamba1_dt
+from .step_size import PAD_DT, mamba1_dt
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' Mamba1 mixers call (a family spec may rename them)
@@ -187,11 +187,19 @@ class Mamba1Segment:
                              cut(self.z), self.delta_bias, self.delta_softplus, self.kwargs)
 
     def with_tensors(self, fn):
-        """The same scan over ``fn`` of each per-token input (``[b, d, l]``; documents.PiecesSegment)."""
+        """The same scan over ``fn`` of each per-token input (``[b, d, l]``; documents.PiecesSegment), padded with
+        ``delta`` whose step size is 0 (:data:`~.step_size.PAD_DT` before the softplus) and zeros."""
         def each(t):
             return None if t is None else fn(t)
-        return Mamba1Segment(self.kernel, fn(self.u), fn(self.delta), self.A, fn(self.B), fn(self.C), self.D,
-                             each(self.z), self.delta_bias, self.delta_softplus, self.kwargs)
+        return Mamba1Segment(self.kernel, fn(self.u), fn(self.delta, PAD_DT if self.delta_softplus else 0.0), self.A,
+                             fn(self.B), fn(self.C), self.D, each(self.z), self.delta_bias, self.delta_softplus,
+                             self.kwargs)
+
+    @property
+    def neutral_padding(self) -> bool:
+        """The padding of :meth:`with_tensors` leaves any state as it is: a step size of 0 (``exp(0 * A) = 1``,
+        no input), unless a bias is added that no softplus takes back to 0."""
+        return self.delta_softplus or self.delta_bias is None
 
     def packed_final(self, packed):
         """The final state of a zero incoming state, from a packed map ``[b | decay]``."""
@@ -210,7 +218,7 @@ def cp_selective_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt, A,
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:   # wire's probe: this kernel is reached, and its incoming state matters
         seg = Mamba1Segment(kernel, hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, kwargs)
-        ctx.probe.costs(seg, _per_channel(hidden_states, dt, B, C, z), hidden_states.transpose(1, 2),
+        ctx.probe.observe(seg, _per_channel(hidden_states, dt, B, C, z), hidden_states.transpose(1, 2),
                         hidden_states.shape[1], {2: (1, "B"), 3: (1, "C")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

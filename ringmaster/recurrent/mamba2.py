@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .fla_cp import kernel_takes
-from .step_size import mamba2_dt
+from .step_size import PAD_DT, mamba2_dt
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments
@@ -107,10 +107,18 @@ class Mamba2Segment:
         return Mamba2Segment(self.kernel, cut(self.x), cut(self.dt), self.A, cut(self.B), cut(self.C),
                              self.chunk_size, self.D, self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
 
+    @property
+    def neutral_padding(self) -> bool:
+        """The padding of :meth:`with_tensors` leaves any state as it is: a step size of 0 (no decay, no input),
+        unless the kernel clamps it up (``dt_limit[0] > 0``) or adds a bias it does not pass through a softplus."""
+        return self.dt_limit[0] <= 0 and (self.dt_softplus or self.dt_bias is None)
+
     def with_tensors(self, fn):
-        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment)."""
-        return Mamba2Segment(self.kernel, fn(self.x), fn(self.dt), self.A, fn(self.B), fn(self.C), self.chunk_size,
-                             self.D, self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
+        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment), padded
+        with ``dt`` whose step size is 0 (:data:`~.step_size.PAD_DT` before the softplus) and zeros."""
+        return Mamba2Segment(self.kernel, fn(self.x), fn(self.dt, PAD_DT if self.dt_softplus else 0.0), self.A,
+                             fn(self.B), fn(self.C), self.chunk_size, self.D, self.dt_bias, self.dt_softplus,
+                             self.dt_limit, self.kwargs)
 
     def packed_final(self, packed):
         """The final state of a zero incoming state, from a packed map ``[b flattened | decay]``."""
@@ -134,7 +142,7 @@ def cp_mamba2_chunk_scan(kernel: Callable, ctx: LayerContext, hidden_states, dt,
         kwargs.pop("z", None)
         ctx.probe.shared_by(hidden_states.shape[2], B.shape[2], "B/C")
         seg = Mamba2Segment(kernel, hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, kwargs)
-        ctx.probe.costs(seg, [hidden_states, dt, B, C], hidden_states, hidden_states.shape[2],
+        ctx.probe.observe(seg, [hidden_states, dt, B, C], hidden_states, hidden_states.shape[2],
                         {2: (B.shape[2], "B/C"), 3: (C.shape[2], "B/C")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)[0]
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

@@ -86,6 +86,8 @@ class MlstmSegment:
     the state is the stabilised ``(C', n', m)`` packed on the last dim (:func:`pack`)."""
 
     seq_dim = 2
+    # the neutral gates of with_tensors leave any state (C, n, m) as it is (documents.PiecesSegment)
+    neutral_padding = True
 
     def __init__(self, kernel: Callable, q, k, v, igate, fgate, starts=None):
         self.kernel, self.q, self.k, self.v, self.igate, self.fgate = kernel, q, k, v, igate, fgate
@@ -164,7 +166,7 @@ def cp_mlstm(kernel: Callable, ctx: LayerContext, q, k, v, igate, fgate, batch=N
     batch = ctx.take_batch({}) if batch is None else batch
     if ctx.probe is not None:
         seg = MlstmSegment(kernel, q, k, v, igate, fgate)
-        ctx.probe.costs(seg, [t.transpose(1, 2) for t in (q, k, v, igate, fgate)], v.transpose(1, 2), q.shape[1])
+        ctx.probe.observe(seg, [t.transpose(1, 2) for t in (q, k, v, igate, fgate)], v.transpose(1, 2), q.shape[1])
         injected = ctx.probe.state("scan", *seg.state_meta())
         return probe_run(seg, injected, ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

@@ -47,6 +47,9 @@ KERNELS = {"conv": "conv_1d", "scan": "rg_lru"}
 class RglruSegment:
     """One chunk of ``_rnn_scan(hidden_states [b, l, w], recurrent_gate [b, l, w], reset [b, l, 1])``."""
 
+    # the padding of with_tensors leaves any state as it is (documents.PiecesSegment)
+    neutral_padding = True
+
     def __init__(self, kernel: Callable, x, a, reset):
         self.kernel, self.x, self.a, self.reset = kernel, x, a, reset
 
@@ -90,8 +93,9 @@ class RglruSegment:
         return RglruSegment(self.kernel, cut(self.x), cut(self.a), cut(self.reset))
 
     def with_tensors(self, fn):
-        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment)."""
-        return RglruSegment(self.kernel, fn(self.x), fn(self.a), fn(self.reset))
+        """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment), padded with
+        ``a = 1, x = 0`` (no reset): ``h = 1 * h + 0``, any state as it is (:attr:`neutral_padding`)."""
+        return RglruSegment(self.kernel, fn(self.x), fn(self.a, 1.0), fn(self.reset))
 
     def packed_final(self, packed):
         """The final state of a zero incoming state, from a packed map ``[b | decay]``."""
@@ -109,7 +113,7 @@ def cp_rnn_scan(kernel: Callable, ctx: LayerContext, hidden_states, recurrent_ga
     batch = ctx.take_batch(kwargs)
     if ctx.probe is not None:
         seg = RglruSegment(kernel, hidden_states, recurrent_gate, reset)
-        ctx.probe.costs(seg, [hidden_states, recurrent_gate, reset.to(hidden_states.dtype)], hidden_states,
+        ctx.probe.observe(seg, [hidden_states, recurrent_gate, reset.to(hidden_states.dtype)], hidden_states,
                         hidden_states.shape[-1], {2: (reset.shape[2], "reset flag")})
         return probe_run(seg, ctx.probe.state("scan", *seg.state_meta()), ctx.path)
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part

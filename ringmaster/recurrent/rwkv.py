@@ -151,7 +151,7 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
     batch = ctx.take_batch({}) if batch is None else batch
     if ctx.probe is not None:
         seg = WkvSegment(kernel, time_decay, time_first, key, value)
-        ctx.probe.costs(seg, [key, value], value, key.shape[-1])
+        ctx.probe.observe(seg, [key, value], value, key.shape[-1])
         injected = ctx.probe.state("scan", *seg.state_meta())
         if injected is not None:   # a valid stabilised state: positive num/den scale, finite max
             injected = torch.stack([injected[..., 0], injected[..., 1].abs() + 1, injected[..., 2]], dim=-1)

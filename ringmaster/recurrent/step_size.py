@@ -11,6 +11,11 @@ import torch
 import torch.nn.functional as F
 
 
+# a raw step size whose softplus is exactly 0 in every float dtype (exp(-1e4) underflows): padding tokens that leave
+# a Mamba state as it is (no decay, no input; recurrent.documents.PiecesSegment)
+PAD_DT = -1e4
+
+
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """The step size the Mamba2 kernels use: ``clamp(softplus(dt + dt_bias), *dt_limit)``."""

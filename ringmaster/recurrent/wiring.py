@@ -72,7 +72,17 @@ class RecurrentWiring:
     # the row lengths up to which some layer runs heads (LayerContext.heads_up_to): the shard step compares each
     # batch's row length with them once, on the host (CPBatch.heads_rows)
     heads_upto: tuple = ()
+    # path -> whether the layer's segment pads its pieces neutrally (LayerContext.neutral_padding), for the probed
+    # layers that run a segment (a conv-only layer runs none: it reads the pieces' count, not their length)
+    neutral: dict[str, bool] = field(default_factory=dict)
     _restores: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def pow2_pieces(self) -> bool:
+        """Every layer segment wire's probe saw pads its pieces neutrally: a documents shard's split part may run as
+        pieces a power of two long (``CPBatch(pow2_pieces=True)``), not one length per packing. (A segment handed
+        such pieces checks its own padding: ``recurrent.documents.PiecesSegment``.)"""
+        return bool(self.neutral) and all(self.neutral.values())
 
     def restore(self) -> None:
         for undo in reversed(self._restores):
@@ -149,6 +159,8 @@ def wire_recurrent_layers(model, group=None, layers=None, strategy: str | None =
             if probe:
                 probe_layer(module, ctx, _required(spec, kind), _probe_width(module, kind, hidden),
                             kwargs=get_kind(kind).probe_kwargs)
+            if ctx.neutral_padding is not None:
+                wiring.neutral[path] = ctx.neutral_padding
             if ctx.auto and ctx.size > 1 and ctx.cost is not None:   # a layer that passes state, probed
                 wiring.choices[path] = ctx.choice()
                 if ctx.heads_up_to and ctx.heads_up_to not in wiring.heads_upto:
@@ -192,8 +204,10 @@ def _probe(module, ctx: LayerContext, kernels: dict, hidden: int | None, length:
             with torch.no_grad():
                 out = module(x, **(kwargs(x) if kwargs is not None else {}))
         finally:
-            called, cost, ctx.probe = ctx.probe.called, ctx.probe.cost, None
+            called, cost, neutral, ctx.probe = ctx.probe.called, ctx.probe.cost, ctx.probe.neutral, None
         ctx.cost = ctx.cost or cost   # recurrent="auto": what this layer sends under each strategy (the first run's)
+        if ctx.neutral_padding is None:
+            ctx.neutral_padding = neutral
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out, called
 

@@ -257,18 +257,23 @@ class ChunkPieces:
     keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
     whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
     trivial: bool           # every row of every chunk of the rank whole: the kernels run the chunks as they are
+    # a piece the state passes on may have padding after it (a power-of-two length where the state enters and leaves:
+    # ``of(neutral=True)``): only kernels whose padding leaves any state as it is may run these pieces
+    neutral: bool
     # an empty [0, n, L]: n and L as sizes a compiled block may mark dynamic (read them from here in a block)
     sizes: torch.Tensor
 
     @classmethod
-    def of(cls, runs: "Runs", starts, m: int, device, padded: bool = False,
-           local: bool = False) -> "tuple[ChunkPieces, ...] | None":
+    def of(cls, runs: "Runs", starts, m: int, device, padded: bool = False, local: bool = False,
+           neutral: bool = False) -> "tuple[ChunkPieces, ...] | None":
         """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size for all of them
         (the most pieces of any row of any chunk, the longest piece): one value pair per batch and rank. None past
         :data:`PIECES_BUDGET`. ``padded``: never :attr:`trivial` (a part of a ``load_balance="documents"`` shard:
         whether its chunk happens to be one document is no case of its own beside its part's). ``local``: no state
-        enters or leaves the chunks (the whole documents' part), so the pieces' length is a power of two: a kernel
-        that branches on its length (a chunked scan's padding to its chunk size) sees few values."""
+        enters or leaves the chunks (the whole documents' part); ``neutral``: the kernels' padding leaves any state
+        as it is (every wired layer's segment has ``neutral_padding``: a documents shard's split part, whose length
+        is new per packing). Either way the pieces' length is a power of two, so a kernel that branches on it (a
+        chunked scan's padding to its chunk size, a loop over the tokens in Python) sees few values."""
         chunks = []
         for start in starts:
             pattern = runs.pattern(start, start + m)
@@ -277,8 +282,9 @@ class ChunkPieces:
         n = max(2, bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds)))
         longest = bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))
         # a lone piece the state enters and leaves fills its row (no padding after it moves the state it passes on);
-        # where no state leaves (``local``: a documents shard's whole documents), a power of two, whatever the length
-        L = max(2, longest) if local else max(min(2, m), min(m, longest))
+        # ``local`` or ``neutral`` (no state leaves, or the padding leaves it as it is): a power of two, whatever the
+        # length
+        L = max(2, longest) if local or neutral else max(min(2, m), min(m, longest))
         if n * L > PIECES_BUDGET * m:
             return None
         # the rank's chunks run as cut only when every row of every one is whole: one flag for all of them, so a
@@ -298,7 +304,7 @@ class ChunkPieces:
             # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
             out.append(cls(n, L, _dynamic(_on(device, torch.stack(index), torch.long), 1), _on(device, last, torch.long),
                            _on(device, keep, torch.bool), _on(device, whole, torch.bool), trivial,
-                           _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
+                           neutral and not local, _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
         return tuple(out)
 
 
@@ -308,8 +314,12 @@ class CPBatch:
     def __init__(self, rank: int, size: int, layout: str, seq_len: int, doc_ids: torch.Tensor | None = None,
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
                  origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
-                 recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False, heads_upto: tuple = ()):
+                 recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False, heads_upto: tuple = (),
+                 pow2_pieces: bool = False):
         self.rank, self.size, self.seq_len = rank, size, seq_len
+        # every wired recurrent layer pads its pieces neutrally (RecurrentWiring.pow2_pieces): a documents shard's split
+        # part runs as pieces a power of two long, so its length, new per packing, is no size a kernel loops over
+        self._pow2_pieces = pow2_pieces
         # recurrent="auto": for each row length up to which a layer runs heads, whether this batch's rows are that
         # short, decided here on the host (a compiled block reads the bool, never the length: heads_rows)
         self._heads_upto = tuple(heads_upto)
@@ -323,6 +333,9 @@ class CPBatch:
         self.layout = DOCUMENTS if assignment is not None else balancers.check_layout(layout)
         # a part of a documents batch: the row position of each token of its (sub-)row, host int64
         self.origin = origin
+        # a part of a documents batch, as a Python bool a compiled block may read (reading ``origin`` would make the
+        # host tensor, whose length is new per packing, an input the graph guards on)
+        self.is_part = origin is not None
         self.doc_ids = doc_ids
         # the host copy of the documents: built here, in the shard step (the only read of doc_ids' values)
         self.runs = runs if runs is not None or doc_ids is None else Runs.from_doc_ids(doc_ids)
@@ -364,8 +377,10 @@ class CPBatch:
             return None
         m = self.seq_len // parts
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
+        part = self.is_part   # a part of a load_balance="documents" shard
         return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
-                              m, device, padded=self.origin is not None, local=self.origin is not None and self.size == 1)
+                              m, device, padded=part, local=part and self.size == 1,
+                              neutral=part and self._pow2_pieces)
 
     def _row_pieces(self) -> "ChunkPieces | None":
         if self.recurrent_runs is None or self.assignment is not None or self.size == 1:
@@ -381,12 +396,15 @@ class CPBatch:
         return (0 < self.seq_len <= up_to) if rows is None else rows
 
     @classmethod
-    def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False, heads_upto: tuple = ()) -> "CPBatch":
+    def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False, heads_upto: tuple = (),
+                  pow2_pieces: bool = False) -> "CPBatch":
         """``row_pieces``: make :attr:`row_pieces` (the runtime runs ``recurrent="heads"``); ``heads_upto``: the row
-        lengths up to which the runtime's layers run heads (:meth:`heads_rows`)."""
+        lengths up to which the runtime's layers run heads (:meth:`heads_rows`); ``pow2_pieces``: every wired layer
+        pads its pieces neutrally (a documents shard's split part as pieces a power of two long)."""
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
                    meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"),
-                   recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces, heads_upto=heads_upto)
+                   recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces, heads_upto=heads_upto,
+                   pow2_pieces=pow2_pieces)
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
@@ -419,7 +437,8 @@ class CPBatch:
         if "split" not in self._cache:
             runs = Runs(a.split_len, (a.split_starts(),))
             part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
-                           origin=a.sub_row, row_pieces=self._row_pieces_wanted, heads_upto=self._heads_upto)
+                           origin=a.sub_row, row_pieces=self._row_pieces_wanted, heads_upto=self._heads_upto,
+                           pow2_pieces=self._pow2_pieces)
             part.rng_seed = self.rng_seed
             self._cache["split"] = part
         return self._cache["split"]
@@ -498,13 +517,14 @@ class CPBatch:
             return None
         key = ("dense", causal, window, str(device))
         if key not in self._cache:
-            pos = torch.arange(self.seq_len, device=device)
+            docs = self.docs_on(device)
+            # the ids' length, not the Python seq_len: a documents part's length is a size a compiled block keeps dynamic
+            pos = torch.arange(self.seq_len if docs is None else docs.shape[-1], device=device)
             d = pos[:, None] - pos[None, :]
             m = (d >= 0) if causal else torch.ones_like(d, dtype=torch.bool)
             if window is not None:
                 m = m & (d < window) if causal else m & (d.abs() < window)
             m = m[None, None]
-            docs = self.docs_on(device)
             if docs is not None:
                 m = m & (docs[:, None, :, None] == docs[:, None, None, :])
             self._cache[key] = m
