@@ -8,7 +8,7 @@ block compiled with ``torch.compile(block, fullgraph=True)`` before the first CP
 each a new random packing (1 to 6 documents; ``padded``: new left and right padding; ``documents``:
 ``load_balance="documents"`` on packed rows; ``dense``: new tokens), forward and backward
 (``ringmaster_tools.packings.over_packings``, dynamo's recompile limit raised so that a path which recompiles
-shows how often): graphs compiled after 1, 5 and all steps, graphs compiled after the fifth (with dynamo's
+shows how often): graphs compiled after 1, 5 and all steps (rank 0; `graphs_end_ranks`: every rank), graphs compiled after the fifth (with dynamo's
 default limit of 8 per block, more than 8 graphs fail under ``fullgraph=True``), the worst loss error of any step and the worst gradient error
 (first and last step) against the model without CP, the attention work issued (query-key pairs, forward) compiled
 vs eager on the packed steps after the first (whose one-time checks replay it eagerly), and the CPU step time compiled vs eager (median of the steps after the fifth;
@@ -70,7 +70,8 @@ def main() -> None:
                             if any(r["pairs"][i] for r in c)]
                     tc = statistics.median(max(r["seconds"][i] for r in c) for i in range(5, n)) if n > 5 else None
                     te = statistics.median(max(r["seconds"][i] for r in e) for i in range(5, n)) if n > 5 else None
-                    row.update(graphs_1=g[0], graphs_5=g[min(4, n - 1)], graphs_end=g[-1], steps=n,
+                    row.update(graphs_1=g[0], graphs_5=g[min(4, n - 1)], graphs_end=g[-1],
+                               graphs_end_ranks="/".join(str(r["graphs"][-1]) for r in c), steps=n,
                                after_warmup=g[-1] - g[min(4, n - 1)],
                                loss_err=max(max(r["loss"]) for r in c),
                                grad_err=max((max(r["grad"]) for r in c if r["grad"]), default=None),
