@@ -144,14 +144,14 @@ def costs_checked(ctx, model_type, P, **overrides):
     from ringmaster_tools.parity import tiny_model
 
     seen = []
-    original = context.Probe.costs
+    original = context.Probe.observe
 
     def checked(self, segment, *args, **kwargs):
         seen.append((self.path, tuple(segment.map_meta()), tuple(segment.local_map()[0].shape)))
         return original(self, segment, *args, **kwargs)
 
     model = tiny_model(model_type, **overrides)
-    with _patched(context.Probe, "costs", checked):
+    with _patched(context.Probe, "observe", checked):
         real = layer_costs(model, P)
     meta = copy.deepcopy(model).to("meta")
     on_meta = layer_costs(meta, P)
