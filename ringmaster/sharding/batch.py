@@ -247,7 +247,7 @@ def batch_kwarg(meta: Mapping[str, Any], runtime=None) -> CPBatch:
     seed is drawn from it by the first forward that trains (:mod:`.rng`), not here: a step that draws nothing
     leaves the random stream alone. ``runtime``: the one the batch is for (its ``recurrent="heads"`` asks for the
     whole rows' pieces, ``CPBatch.row_pieces``; with ``"auto"``, the row lengths up to which its layers run heads:
-    the batch makes the pieces when its rows are that short; and whether every wired kind pads its pieces neutrally,
+    the batch makes the pieces when its rows are that short; and whether every wired layer pads its pieces neutrally,
     so a documents shard's split part runs as pieces a power of two long: ``RecurrentWiring.pow2_pieces``)."""
     config = getattr(runtime, "config", None)
     wiring = getattr(runtime, "recurrent_wiring", None)
