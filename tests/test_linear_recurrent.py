@@ -263,16 +263,16 @@ def test_rglru_state_passing_exact_float64(split, strategy):
 PIECES_DOCS = [3, 2, 9, 1, 6, 11]
 
 
-def pieces_segments(make, tensors, dim, lens=PIECES_DOCS, chunk=8):
+def pieces_segments(make, tensors, dim, lens=PIECES_DOCS, chunk=8, **pieces):
     """``make(*chunk_tensors)`` per chunk of ``chunk`` tokens (``dim``: the token dim), each a
     :class:`~ringmaster.recurrent.documents.PiecesSegment` over the chunk's pieces of the packed row ``lens``
-    (two rows): the padded batch a compiled block runs, here eagerly."""
+    (two rows): the padded batch a compiled block runs, here eagerly. ``pieces``: ``ChunkPieces.of``'s options."""
     from ringmaster.recurrent.documents import PiecesSegment
     from ringmaster.sharding.documents import ChunkPieces
 
     docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None].expand(2, -1)
     b = list(range(0, sum(lens) + 1, chunk))
-    pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu")
+    pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", **pieces)
     assert pieces is not None and not pieces[0].trivial and pieces[0].L > 1
     return [PiecesSegment(make(*(t.narrow(dim, s, e - s) for t in tensors)), p) for s, e, p in zip(b, b[1:], pieces)]
 
@@ -360,18 +360,13 @@ def test_documents_parts_pieces_exact_float64(local):
     assert (err > 1e-3) if local else (err <= 1e-11), err
 
 
-def _split_part_segments(make, tensors, lens=(13, 11), chunk=12):
+def _split_part_segments(make, tensors):
     """A documents shard's split part as the compiled path runs it with every layer padding neutrally
-    (``ChunkPieces.of(neutral=True)``): two chunks of 12, the first one piece of a 13-token document that the state
-    enters and leaves, padded to 16 after it."""
-    from ringmaster.recurrent.documents import PiecesSegment
-    from ringmaster.sharding.documents import ChunkPieces
-
-    docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None].expand(tensors[0].shape[0], -1)
-    b = list(range(0, sum(lens) + 1, chunk))
-    pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", padded=True, neutral=True)
-    assert pieces[0].L == 16 > chunk and pieces[0].neutral, (pieces[0].L, pieces[0].neutral)
-    return [PiecesSegment(make(*(t[:, s:e] for t in tensors)), p) for s, e, p in zip(b, b[1:], pieces)]
+    (:func:`pieces_segments` with ``ChunkPieces.of(padded=True, neutral=True)``): two chunks of 12, the first one
+    piece of a 13-token document that the state enters and leaves, padded to 16 after it."""
+    segs = pieces_segments(make, tensors, 1, (13, 11), 12, padded=True, neutral=True)
+    assert segs[0].L == 16, segs[0].L
+    return segs
 
 
 @pytest.mark.parametrize("strategy", ["scan", "sequential"])
@@ -410,14 +405,14 @@ def test_split_part_power_of_two_pieces_exact_float64(kind, strategy):
         leaves = [x, a]
         with keep_fp64():
             ref = naive.rglru_recurrence(x, a, reset)[0]
-            y = _run(_split_part_segments(lambda *t: seg(kernel, *t), [x, a, reset], lens), strategy)
+            y = _run(_split_part_segments(lambda *t: seg(kernel, *t), [x, a, reset]), strategy)
     else:
         inputs = {k: v.requires_grad_(True) for k, v in _kda_inputs().items()}
         leaves = list(inputs.values())
         ref = torch.cat([naive.kda_recurrence(*(t[:, s:s + n] for t in inputs.values()))[0]
                          for s, n in zip((0, lens[0]), lens)], dim=1)
         y = _run(_split_part_segments(lambda *t: GatedDeltaSegment(naive.chunk_kda_ref, *t, kwargs=dict(
-            use_qk_l2norm_in_kernel=True)), leaves, lens), strategy)
+            use_qk_l2norm_in_kernel=True)), leaves), strategy)
     if kind == "rglru-zero-padded":
         assert _rel(y, ref) > 1e-3, _rel(y, ref)
     else:

@@ -57,7 +57,7 @@ from .documents import by_parts, document_segments
 from .mixer import wire_conv_scan_mixer
 from .heads import STRATEGY as HEADS, local_heads, run_heads
 from .kind import RecurrentKind
-from .step_size import PAD_DT, mamba1_dt
+from .step_size import mamba1_dt, pad_step, step_pads_neutrally
 from .scan import chunk_ids, hi, pass_state, probe_run, simulate_sequential, split_local, state_dtype
 
 # role -> the module-level name transformers' Mamba1 mixers call (a family spec may rename them)
@@ -188,18 +188,17 @@ class Mamba1Segment:
 
     def with_tensors(self, fn):
         """The same scan over ``fn`` of each per-token input (``[b, d, l]``; documents.PiecesSegment), padded with
-        ``delta`` whose step size is 0 (:data:`~.step_size.PAD_DT` before the softplus) and zeros."""
+        a step of 0 (:func:`~.step_size.pad_step`) and zeros."""
         def each(t):
             return None if t is None else fn(t)
-        return Mamba1Segment(self.kernel, fn(self.u), fn(self.delta, PAD_DT if self.delta_softplus else 0.0), self.A,
+        return Mamba1Segment(self.kernel, fn(self.u), fn(self.delta, pad_step(self.delta_softplus)), self.A,
                              fn(self.B), fn(self.C), self.D, each(self.z), self.delta_bias, self.delta_softplus,
                              self.kwargs)
 
     @property
     def neutral_padding(self) -> bool:
-        """The padding of :meth:`with_tensors` leaves any state as it is: a step size of 0 (``exp(0 * A) = 1``,
-        no input), unless a bias is added that no softplus takes back to 0."""
-        return self.delta_softplus or self.delta_bias is None
+        """The padding of :meth:`with_tensors` leaves any state as it is (:func:`~.step_size.step_pads_neutrally`)."""
+        return step_pads_neutrally(self.delta_softplus, self.delta_bias)
 
     def packed_final(self, packed):
         """The final state of a zero incoming state, from a packed map ``[b | decay]``."""

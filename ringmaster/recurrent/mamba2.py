@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .fla_cp import kernel_takes
-from .step_size import PAD_DT, mamba2_dt
+from .step_size import mamba2_dt, pad_step, step_pads_neutrally
 from .context import LayerContext, check_call_kwargs
 from ..sharding.documents import BATCH_KWARG
 from .documents import by_parts, document_segments
@@ -109,14 +109,13 @@ class Mamba2Segment:
 
     @property
     def neutral_padding(self) -> bool:
-        """The padding of :meth:`with_tensors` leaves any state as it is: a step size of 0 (no decay, no input),
-        unless the kernel clamps it up (``dt_limit[0] > 0``) or adds a bias it does not pass through a softplus."""
-        return self.dt_limit[0] <= 0 and (self.dt_softplus or self.dt_bias is None)
+        """The padding of :meth:`with_tensors` leaves any state as it is (:func:`~.step_size.step_pads_neutrally`)."""
+        return step_pads_neutrally(self.dt_softplus, self.dt_bias, self.dt_limit[0])
 
     def with_tensors(self, fn):
         """The same scan over ``fn`` of each per-token input (``[b, l, ...]``; documents.PiecesSegment), padded
-        with ``dt`` whose step size is 0 (:data:`~.step_size.PAD_DT` before the softplus) and zeros."""
-        return Mamba2Segment(self.kernel, fn(self.x), fn(self.dt, PAD_DT if self.dt_softplus else 0.0), self.A,
+        with a step of 0 (:func:`~.step_size.pad_step`) and zeros."""
+        return Mamba2Segment(self.kernel, fn(self.x), fn(self.dt, pad_step(self.dt_softplus)), self.A,
                              fn(self.B), fn(self.C), self.chunk_size, self.D, self.dt_bias, self.dt_softplus,
                              self.dt_limit, self.kwargs)
 

@@ -16,6 +16,19 @@ import torch.nn.functional as F
 PAD_DT = -1e4
 
 
+def pad_step(softplus: bool) -> float:
+    """The raw step size (Mamba2's ``dt``, Mamba1's ``delta``) the padding of a segment's pieces takes: a step of 0
+    (``exp(0 * A) = 1``, no input): :data:`PAD_DT` before a softplus, else 0."""
+    return PAD_DT if softplus else 0.0
+
+
+def step_pads_neutrally(softplus: bool, bias, low: float = 0.0) -> bool:
+    """Whether :func:`pad_step` gives a step of exactly 0, so the padding leaves any state as it is: not where a bias
+    is added that no softplus takes back to 0, nor where the kernel clamps the step up (``low > 0``: Mamba2's
+    ``dt_limit``)."""
+    return low <= 0 and (softplus or bias is None)
+
+
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """The step size the Mamba2 kernels use: ``clamp(softplus(dt + dt_bias), *dt_limit)``."""
