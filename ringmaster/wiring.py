@@ -135,11 +135,11 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
     if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(looped or padded)}) under load_balance='documents' keep compiling "
                      "graphs as new lengths of the split documents' part come: not every recurrent layer of this model "
-                     "pads its pieces neutrally (lightning's and RWKV's fixed decays move a state through any padding; "
-                     "so do a Mamba step size clamped above 0 and gates computed in the kernel), so the split part's "
+                     "pads its pieces neutrally (a Mamba step size clamped above 0, or gates computed in the kernel, "
+                     "move a state through any padding), so the split part's "
                      "lone piece fills its row, and a kernel that loops over the tokens in Python or branches on the "
-                     "length compiles a graph per new length (measured, Ulysses, two-block models, 30 packings: 18-20 "
-                     "graphs for lightning, 28-30 for RWKV). Raising recompile_limit only postpones the failure: "
+                     "length compiles a graph per new length (measured, Ulysses, two-block models, 30 packings, when "
+                     "lightning and RWKV did not pad neutrally: 18-20 graphs for lightning, 28-30 for RWKV). Raising recompile_limit only postpones the failure: "
                      "compile this model with a static load_balance ('none' or 'head_tail')")
     if cut:
         notes.append(f"recurrent layers ({', '.join(cut)}) on packed or padded rows: not run as padded pieces, the "

@@ -180,7 +180,7 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
 
 def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2,
                          zero_padding=False, seq_len=64, kind="packed", row_pieces_dropped=False,
-                         rglru_decaying_padding=False):
+                         rglru_decaying_padding=False, lightning_decaying_padding=False):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
     pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
     documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
@@ -188,8 +188,10 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
     the stabilised kinds pad their pieces with zeros (RWKV's key, mLSTM's gates), not with their neutral values;
     ``row_pieces_dropped``, recurrent="heads" without the whole rows' pieces (``CPBatch.row_pieces``): the
     documents cut in Python, per packing; ``rglru_decaying_padding``, RG-LRU's pieces padded with ``a = 0`` (a zero
-    state stays zero, any other is wiped) while the segment still claims ``neutral_padding``."""
-    from ringmaster.recurrent import documents, mlstm, rglru, rwkv
+    state stays zero, any other is wiped) while the segment still claims ``neutral_padding``;
+    ``lightning_decaying_padding``, lightning's padding marked ``live`` (its fixed decay applied to the padding too),
+    still claiming it."""
+    from ringmaster.recurrent import documents, lightning, mlstm, rglru, rwkv
     from ringmaster.sharding.documents import CPBatch
     from ringmaster_tools import packings
 
@@ -216,10 +218,16 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         def decaying(self, fn):   # a = 0 in the padding
             return type(self)(self.kernel, fn(self.x), fn(self.a), fn(self.reset))
         rglru.RglruSegment.with_tensors = decaying
+    lightning_pad = lightning.LightningSegment.with_tensors
+    if lightning_decaying_padding:
+        def every_token_live(self, fn):   # no live mask: the padding decays the state
+            return type(self)(fn(self.q), fn(self.k), fn(self.v), self.slope, self.block_size)
+        lightning.LightningSegment.with_tensors = every_token_live
     try:
         return packings.over_packings(ctx, model, backend, kind, steps, size=P, seq_len=seq_len)
     finally:
         documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes
         CPBatch._row_pieces = row_pieces
         rglru.RglruSegment.with_tensors = rglru_pad
+        lightning.LightningSegment.with_tensors = lightning_pad
         rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads

@@ -275,16 +275,19 @@ def test_wire_for_compile_names_what_does_not_compile():
 
 
 @pytest.mark.parametrize("model,neutral", [("rglru-hybrid", True), ("mamba2-hybrid", True), ("xlstm", True),
-                                           ("lightning-hybrid", False), ("rwkv", False)])
+                                           ("lightning-hybrid", True), ("rwkv", True), ("mamba2-clamped", False)])
 def test_wire_probe_tells_whether_every_layer_pads_neutrally(model, neutral):
     """wire's probe asks each layer's segment whether its pieces' padding leaves any state as it is
     (``neutral_padding``); only a model whose every layer does gets a documents split part's pieces a power of two
-    long (``RecurrentWiring.pow2_pieces``). Lightning's and RWKV's fixed decays move any state through padding."""
+    long (``RecurrentWiring.pow2_pieces``). Lightning's and RWKV's padding decays nothing (``live``); a Mamba2 whose
+    step size is clamped above 0 (``time_step_limit``) moves any state through its padding."""
     from ringmaster.recurrent.wiring import wire_recurrent_layers
     from ringmaster_tools import step_shape
 
     torch.manual_seed(0)
-    m = step_shape._model(model, **step_shape.TWO_BLOCKS[model])
+    extra = {"time_step_limit": (0.01, float("inf"))} if model == "mamba2-clamped" else {}
+    name = "mamba2-hybrid" if model == "mamba2-clamped" else model
+    m = step_shape._model(name, **step_shape.TWO_BLOCKS[name], **extra)
     wiring = wire_recurrent_layers(m)
     try:
         assert wiring.neutral and wiring.pow2_pieces is neutral, wiring.neutral
@@ -317,16 +320,17 @@ def test_documents_split_part_pieces_take_few_lengths(pow2):
     assert (len(lengths) <= 2 and all(L & (L - 1) == 0 for L in lengths)) if pow2 else len(lengths) > 10, lengths
 
 
-def test_documents_split_part_power_of_two_pieces_exact(pool):
-    """An RG-LRU hybrid (Ulysses, load_balance="documents"), compiled: the split part's lone pieces padded to a
-    power of two with ``a = 1, x = 0`` after them (rows of 32: the first packing's split share, 9 tokens of one
-    document per rank, runs as a piece of 16), exact, no graph break.
-    Mutation: RG-LRU's padding ``a = 0`` (still claiming neutral) wipes the state the lone piece hands on (measured:
-    loss 6.5e-5, worst parameter gradient 0.45)."""
-    for r in pool.run(jobs_compile.hybrid_over_packings, "rglru-hybrid", "ulysses-documents", 1, kind="documents",
-                      seq_len=32):
+@pytest.mark.parametrize("model", ["rglru-hybrid", "lightning-hybrid"])
+def test_documents_split_part_power_of_two_pieces_exact(pool, model):
+    """A hybrid (Ulysses, load_balance="documents"), compiled: the split part's lone pieces padded to a power of two
+    after them (rows of 32: the first packing's split share, 9 tokens of one document per rank, runs as a piece of
+    16), with RG-LRU's ``a = 1, x = 0`` and with lightning's padding marked not ``live``: exact, no graph break.
+    Mutations, each still claiming neutral: RG-LRU's padding ``a = 0`` wipes the state the lone piece hands on
+    (measured: loss 6.5e-5, worst parameter gradient 0.45); lightning's padding live decays it."""
+    mutation = {"rglru-hybrid": "rglru_decaying_padding", "lightning-hybrid": "lightning_decaying_padding"}[model]
+    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses-documents", 1, kind="documents", seq_len=32):
         assert r["breaks"] == 0, r
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
-    for r in pool.run(jobs_compile.hybrid_over_packings, "rglru-hybrid", "ulysses-documents", 1, kind="documents",
-                      seq_len=32, rglru_decaying_padding=True):
+    for r in pool.run(jobs_compile.hybrid_over_packings, model, "ulysses-documents", 1, kind="documents",
+                      seq_len=32, **{mutation: True}):
         assert max(r["loss"]) > 1e-4 or max(r["grad"]) > 1e-3, (r["loss"], r["grad"])

@@ -369,22 +369,39 @@ def _split_part_segments(make, tensors):
     return segs
 
 
+class _DecayingPadding:
+    """Mutation of a segment whose padding decays nothing (``live``): its padded pieces marked all live, so the
+    padding after the lone piece decays the state it hands on, still claiming neutral."""
+
+    def with_tensors(self, fn):
+        padded = super().with_tensors(fn)
+        padded.live = torch.ones_like(padded.live)
+        return padded
+
+
 @pytest.mark.parametrize("strategy", ["scan", "sequential"])
-@pytest.mark.parametrize("kind", ["rglru", "kda", "rglru-zero-padded"])
+@pytest.mark.parametrize("kind", ["rglru", "kda", "lightning", "rwkv", "rglru-zero-padded", "lightning-decaying",
+                                  "rwkv-decaying"])
 def test_split_part_power_of_two_pieces_exact_float64(kind, strategy):
     """A documents shard's split part as pieces a power of two long (its length is new per packing; a kernel that
     loops over the tokens in Python would compile a graph per length): the padding after a piece the state passes on
     must leave any state as it is (``neutral_padding``: RG-LRU pads ``a = 1, x = 0``, gated DeltaNet / KDA zeros, so
-    ``g = beta = 0``). Outputs and gradients as each document alone, float64. Mutation (``rglru-zero-padded``): RG-LRU
-    padded with ``a = 0`` (a zero state stays zero, so the padding before a document is fine, but the state the lone
-    piece hands on is wiped), still claiming neutral: the next chunk's tokens of the document go wrong."""
+    ``g = beta = 0``; lightning and RWKV mark the padding not ``live``, so it decays nothing). Outputs and gradients
+    as each document alone, float64. Mutations: RG-LRU padded with ``a = 0`` (``rglru-zero-padded``: a zero state
+    stays zero, so the padding before a document is fine, but the state the lone piece hands on is wiped), lightning
+    and RWKV with their padding decaying (``*-decaying``: a fixed decay per token, as before ``live``), each still
+    claiming neutral: the next chunk's tokens of the document go wrong."""
     from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
     from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+    from ringmaster.recurrent.lightning import LightningSegment
     from ringmaster.recurrent.rglru import RglruSegment
+    from ringmaster.recurrent.rwkv import WkvSegment
     from ringmaster_tools.parity import keep_fp64
 
     lens = (13, 11)
+    ends = [(0, lens[0]), (lens[0], sum(lens))]
     g = torch.Generator().manual_seed(0)
     if kind.startswith("rglru"):
         x = torch.randn(2, 24, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -406,26 +423,45 @@ def test_split_part_power_of_two_pieces_exact_float64(kind, strategy):
         with keep_fp64():
             ref = naive.rglru_recurrence(x, a, reset)[0]
             y = _run(_split_part_segments(lambda *t: seg(kernel, *t), [x, a, reset]), strategy)
+    elif kind.startswith("lightning"):
+        inputs, slope = _lightning_inputs()
+        leaves = list(inputs.values())
+        seg = type("Decaying", (_DecayingPadding, LightningSegment), {}) if kind.endswith("decaying") else LightningSegment
+        ref = torch.cat([naive.lightning_recurrence(*(t[:, s:e] for t in leaves), slope)[0] for s, e in ends], dim=1)
+        y = _run(_split_part_segments(lambda *t: seg(*t, slope[:, None, None], 5), leaves), strategy)
+    elif kind.startswith("rwkv"):
+        k, v = (torch.randn(2, 24, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        decay = torch.linspace(-6, 1, 5, dtype=torch.float64).requires_grad_(True)
+        first = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+        leaves = [k, v, decay, first]
+        seg = type("Decaying", (_DecayingPadding, WkvSegment), {}) if kind.endswith("decaying") else WkvSegment
+        with keep_fp64():
+            ref = torch.cat([naive.wkv_recurrence(decay, first, k[:, s:e], v[:, s:e])[0] for s, e in ends], dim=1)
+            y = _run(_split_part_segments(lambda kk, vv: seg(rwkv_linear_attention_cpu, decay, first, kk, vv),
+                                          [k, v]), strategy)
     else:
         inputs = {k: v.requires_grad_(True) for k, v in _kda_inputs().items()}
         leaves = list(inputs.values())
-        ref = torch.cat([naive.kda_recurrence(*(t[:, s:s + n] for t in inputs.values()))[0]
-                         for s, n in zip((0, lens[0]), lens)], dim=1)
+        ref = torch.cat([naive.kda_recurrence(*(t[:, s:e] for t in inputs.values()))[0] for s, e in ends], dim=1)
         y = _run(_split_part_segments(lambda *t: GatedDeltaSegment(naive.chunk_kda_ref, *t, kwargs=dict(
             use_qk_l2norm_in_kernel=True)), leaves), strategy)
-    if kind == "rglru-zero-padded":
+    if kind.endswith(("zero-padded", "decaying")):
         assert _rel(y, ref) > 1e-3, _rel(y, ref)
     else:
         _check_grads(y, ref, leaves, 1e-11)
 
 
 def test_split_part_power_of_two_pieces_refused_where_padding_moves_the_state():
-    """Lightning attention's decay is a constant per token, so no padding leaves its state as it is
-    (``neutral_padding`` False): handed pieces padded after a piece the state passes on, its segment refuses
-    (the batch of another runtime than the one that wired the model), rather than run them inexactly."""
-    from ringmaster.recurrent.lightning import LightningSegment
+    """KDA with its gates computed in the kernel (``use_gate_in_kernel``: a zero gate input is no longer a zero
+    decay), so its zero padding would move the state (``neutral_padding`` False): handed pieces padded after a piece
+    the state passes on, its segment refuses (the batch of another runtime than the one that wired the model),
+    rather than run them inexactly."""
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
 
-    inputs, slope = _lightning_inputs(b=1, l=24)
-    assert not getattr(LightningSegment(*inputs.values(), slope[:, None, None], 5), "neutral_padding", False)
+    inputs = _kda_inputs()
+
+    def make(*t):
+        return GatedDeltaSegment(naive.chunk_kda_ref, *t, kwargs=dict(use_gate_in_kernel=True))
+    assert not make(*inputs.values()).neutral_padding
     with pytest.raises(RuntimeError, match="pads neutrally"):
-        _split_part_segments(lambda *t: LightningSegment(*t, slope[:, None, None], 5), list(inputs.values()))
+        _split_part_segments(make, list(inputs.values()))

@@ -141,9 +141,10 @@ class PiecesSegment:
     Zeros do for the kinds whose zero inputs keep a zero state zero (gated DeltaNet and KDA, Mamba2, Mamba1,
     lightning, RG-LRU). A lone piece the state enters and leaves fills its row, since padding after it would move
     the state it passes on, unless the segment's padding leaves *any* state as it is (``base.neutral_padding``:
-    gated DeltaNet's ``g = beta = 0``, the Mamba step size 0, RG-LRU's ``a = 1``, mLSTM's gates; not lightning's
-    fixed decay nor RWKV's): then the batch may pad it to a power of two too (``ChunkPieces.neutral``: a documents
-    shard's split part, whose length is new per packing, when every layer's segment pads neutrally). The
+    gated DeltaNet's ``g = beta = 0``, the Mamba step size 0, RG-LRU's ``a = 1``, mLSTM's gates, lightning's and
+    RWKV's padding marked not ``live`` so their fixed decay skips it; not a Mamba step size clamped above 0 nor
+    gates computed in the kernel): then the batch may pad it to a power of two too (``ChunkPieces.neutral``: a
+    documents shard's split part, whose length is new per packing, when every layer's segment pads neutrally). The
     stabilised states pad with a neutral value per input instead: ``base.with_tensors(
     gather)`` calls ``gather(t, fill)`` (mLSTM: input gate ``-1e30`` and forget gate ``1e4``, so ``e^i = 0``,
     ``log f = 0`` and ``(C, n, m)`` stay put whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no

@@ -24,7 +24,10 @@ decoding) the class forward runs unchanged.
 
 Packed or padded rows: the state resets at every document start
 (:class:`~ringmaster.recurrent.documents.DocumentSegment`); padding is zeroed in q/k/v by the
-layer's own ``apply_mask_to_padding_states`` as without CP.
+layer's own ``apply_mask_to_padding_states`` as without CP. Inside a compiled block each chunk's documents run as
+one padded batch of pieces (:class:`~ringmaster.recurrent.documents.PiecesSegment`): the pieces' padding is marked
+not ``live`` (:func:`lightning_blocks`), so it decays nothing and any state crosses it as it is (a documents shard's
+split part may then be padded to a power of two after a piece the state passes on).
 """
 
 from __future__ import annotations
@@ -50,9 +53,14 @@ KERNELS = {"scan": "slope_rate"}
 OPTIONAL = {"padding": "apply_mask_to_padding_states"}
 
 
-def lightning_blocks(q, k, v, slope, block_size: int, initial_state=None):
+def lightning_blocks(q, k, v, slope, block_size: int, initial_state=None, live=None):
     """transformers' block loop with an incoming state. ``q, k, v [B, L, H, D]``, ``slope [H, 1, 1]``,
-    ``initial_state [B, H, D, D]`` (None: zeros). Returns ``(out [B, L, H, D], final state)``."""
+    ``initial_state [B, H, D, D]`` (None: zeros). Returns ``(out [B, L, H, D], final state)``.
+
+    ``live [B, L]`` (1: a token, 0: padding; None: every token): a padding token decays nothing, so the decay
+    between two tokens counts the tokens between them (``λ^{c_i - c_j}``, ``c`` the running count of ``live``)
+    and padding anywhere leaves any state as it is (its ``k, v`` are zeros: :attr:`LightningSegment.neutral_padding`).
+    Without it the loop is transformers' own, operation for operation (:func:`check_same_as_class_forward`)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                       # [B, H, L, D]
     B, H, L, D = q.shape
     state = (torch.zeros(B, H, D, v.shape[-1], dtype=v.dtype, device=v.device) if initial_state is None
@@ -64,35 +72,53 @@ def lightning_blocks(q, k, v, slope, block_size: int, initial_state=None):
         n = stop - start
         qb, kb, vb = q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
         idx = torch.arange(1, n + 1, device=v.device, dtype=v.dtype)
-        q_decay = torch.exp(-slope * idx[:, None])                          # [H, n, 1]
-        k_decay = torch.exp(-slope * (n - idx)[:, None])
-        diff = slope * (idx[:, None] - idx[None, :])[None]                   # [H, n, n]
-        diag = torch.exp(torch.where(diff >= 0, -diff, float("-inf")))
+        if live is None:
+            q_decay = torch.exp(-slope * idx[:, None])                      # [H, n, 1]
+            k_decay = torch.exp(-slope * (n - idx)[:, None])
+            diff = slope * (idx[:, None] - idx[None, :])[None]               # [H, n, n]
+            diag = torch.exp(torch.where(diff >= 0, -diff, float("-inf")))
+            block_decay = torch.exp(-slope * n)
+        else:   # the same with the running count of live tokens for the positions: [B, H, n, ...]
+            c = live[:, start:stop].to(v.dtype).cumsum(1)[:, None, :, None]    # [B, 1, n, 1]
+            total = c[:, :, -1:]                                               # [B, 1, 1, 1]
+            q_decay = torch.exp(-slope * c)
+            k_decay = torch.exp(-slope * (total - c))
+            diff = slope * (c - c.transpose(-1, -2))                           # [B, H, n, n]
+            causal = idx[:, None] >= idx[None, :]
+            diag = torch.exp(torch.where(causal, -diff, float("-inf")))
+            block_decay = torch.exp(-slope * total)
         intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diag, vb)
         inter = torch.matmul(qb * q_decay, state)
         outs.append(inter + intra)
-        state = state * torch.exp(-slope * n) + torch.matmul((kb * k_decay).transpose(-1, -2), vb)
+        state = state * block_decay + torch.matmul((kb * k_decay).transpose(-1, -2), vb)
     return torch.cat(outs, dim=2).transpose(1, 2), state
 
 
 class LightningSegment:
-    """One chunk of lightning attention (``q, k, v [B, l, H, D]``, ``slope [H, 1, 1]``)."""
+    """One chunk of lightning attention (``q, k, v [B, l, H, D]``, ``slope [H, 1, 1]``; ``live [B, l]``: which
+    tokens are not padding, None: all)."""
 
-    def __init__(self, q, k, v, slope, block_size: int):
-        self.q, self.k, self.v, self.slope, self.block_size = q, k, v, slope, block_size
+    # padding decays nothing (``live``: :func:`lightning_blocks`) and adds nothing (zero k, v): any state passes a
+    # padded piece as it is (documents.PiecesSegment)
+    neutral_padding = True
+
+    def __init__(self, q, k, v, slope, block_size: int, live=None):
+        self.q, self.k, self.v, self.slope, self.block_size, self.live = q, k, v, slope, block_size, live
 
     def state_meta(self):
         B, _, H, D = self.q.shape
         return (B, H, D, self.v.shape[-1]), state_dtype(self.q, self.v), self.v.device
 
     def run(self, state_in):
-        return lightning_blocks(self.q, self.k, self.v, self.slope, self.block_size, state_in)
+        return lightning_blocks(self.q, self.k, self.v, self.slope, self.block_size, state_in, self.live)
 
     def _log_decay(self, dtype):
-        """``-slope · (t+1)`` for every token of the chunk: ``[l, H]``."""
+        """``-slope · c_t`` for every token of the chunk, ``c_t`` the tokens up to ``t`` that are not padding:
+        ``[1, l, H]`` (``[B, l, H]`` with padding)."""
         l = self.q.shape[1]
-        t = torch.arange(1, l + 1, device=self.q.device, dtype=dtype)
-        return -self.slope.to(dtype).reshape(1, -1) * t[:, None]
+        t = (torch.arange(1, l + 1, device=self.q.device, dtype=dtype)[None] if self.live is None
+             else self.live.to(dtype).cumsum(1))
+        return -self.slope.to(dtype).reshape(1, 1, -1) * t[..., None]
 
     def map_meta(self):
         B, H, D, Dv = self.state_meta()[0]
@@ -101,7 +127,7 @@ class LightningSegment:
     def local_map(self):
         y0, final = self.run(None)
         final = hi(final)
-        decay = self._log_decay(final.dtype)[-1].exp()                       # λ^l per head: [H]
+        decay = self._log_decay(final.dtype)[:, -1].exp()                    # λ^l per head: [1 or B, H]
         B = final.shape[0]
         packed = torch.cat([final.flatten(2), decay.expand(B, -1)[..., None]], dim=-1)
         return packed, y0
@@ -115,19 +141,23 @@ class LightningSegment:
     def finish(self, y0, state_in):
         if state_in is None:
             return y0
-        decay = self._log_decay(state_in.dtype).exp()                        # [l, H]
-        corr = torch.einsum("blhd,bhde->blhe", hi(self.q).to(state_in.dtype), state_in) * decay[None, :, :, None]
+        decay = self._log_decay(state_in.dtype).exp()                        # [1 or B, l, H]
+        corr = torch.einsum("blhd,bhde->blhe", hi(self.q).to(state_in.dtype), state_in) * decay[..., None]
         return y0 + corr.to(y0.dtype)
 
     def sub(self, rows, start, stop):
         def cut(t):
+            if t is None:
+                return None
             t = t[:, start:stop]
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
-        return LightningSegment(cut(self.q), cut(self.k), cut(self.v), self.slope, self.block_size)
+        return LightningSegment(cut(self.q), cut(self.k), cut(self.v), self.slope, self.block_size, cut(self.live))
 
     def with_tensors(self, fn):
-        """The same attention over ``fn`` of each per-token input (``[B, l, ...]``; documents.PiecesSegment)."""
-        return LightningSegment(fn(self.q), fn(self.k), fn(self.v), self.slope, self.block_size)
+        """The same attention over ``fn`` of each per-token input (``[B, l, ...]``; documents.PiecesSegment), its
+        padding marked not ``live`` (zeros where ``fn`` pads)."""
+        live = self.live if self.live is not None else self.q.new_ones(self.q.shape[:2])
+        return LightningSegment(fn(self.q), fn(self.k), fn(self.v), self.slope, self.block_size, fn(live))
 
     def packed_final(self, packed):
         """The final state of a zero incoming state, from a packed map ``[b | decay]``."""

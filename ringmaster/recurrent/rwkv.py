@@ -31,7 +31,9 @@ cp_causal_conv1d`, the module's own shift run on ``[halo | shard]``). Packed or 
 shift reads zero at every document start and the WKV state restarts there (from "no state"). Inside a compiled
 block each chunk's documents run as one padded batch of pieces
 (:class:`~ringmaster.recurrent.documents.PiecesSegment`): a zero key would add ``e^0 v`` to the state, so a
-padding token's key is ``-1e30`` (:func:`pad_key`), neutral before a document's first token and behind its last.
+padding token's key is ``-1e30`` (:func:`pad_key`), neutral before a document's first token and behind its last,
+and its decay is skipped (:func:`wkv_live`, ringmaster's copy of transformers' torch loop with a decay per token,
+checked against it when wired), so any state crosses the padding as it is.
 
 The blocks are called without any kwargs: the step context reaches the layers through the model's
 step carrier (:mod:`ringmaster.sharding.carrier`), bound to each layer's ``LayerContext`` when wired.
@@ -72,12 +74,58 @@ def merge(a, b):
     return torch.stack([ea * a[..., 0] + eb * b[..., 0], ea * a[..., 1] + eb * b[..., 1], m], dim=-1)
 
 
+def wkv_live(time_decay, time_first, key, value, live, state=None):
+    """transformers' ``rwkv_linear_attention_cpu`` with the decay of token ``t`` scaled by ``live [b, l]`` (1: a
+    token, 0: padding): a padding token's key is :func:`pad_key`, so it adds nothing, and its decay is 0, so it leaves
+    any state ``(num, den, max)`` exactly as it is (``max(m + 0, -1e30) = m``, ``e^0 = 1``). With every token live it
+    is the same loop, operation for operation (``w · 1 = w``; :func:`check_same_as_torch_loop`). Returns
+    ``(output, [num, den, max])``."""
+    output = torch.zeros_like(key)
+    if state is None:
+        num = torch.zeros_like(key[:, 0], dtype=torch.float32)
+        den = torch.zeros_like(key[:, 0], dtype=torch.float32)
+        m = torch.zeros_like(key[:, 0], dtype=torch.float32) + _NEG
+    else:
+        num, den, m = state
+    w = -torch.exp(time_decay)
+    for t in range(key.shape[1]):
+        k, v = key[:, t].float(), value[:, t]
+        m_out = torch.maximum(m, k + time_first)
+        e1, e2 = torch.exp(m - m_out), torch.exp(k + time_first - m_out)
+        output[:, t] = ((e1 * num + e2 * v) / (e1 * den + e2)).to(output.dtype)
+        decayed = m + w * live[:, t, None]
+        m_state = torch.maximum(decayed, k)
+        e1, e2 = torch.exp(decayed - m_state), torch.exp(k - m_state)
+        num, den, m = e1 * num + e2 * v, e1 * den + e2, m_state
+    return output, [num, den, m]
+
+
+def check_same_as_torch_loop(kernel: Callable, path: str) -> None:
+    """:func:`wkv_live` with every token live must compute what the module's own torch loop computes (the padded
+    pieces of a compiled block run it), or the layer is refused before anything is wired."""
+    g = torch.Generator().manual_seed(5)
+    decay, first, key, value = (torch.randn(*shape, generator=g) for shape in ((3,), (3,), (2, 5, 3), (2, 5, 3)))
+    want, want_state = kernel(decay, first, key, value, return_state=True)
+    got, got_state = wkv_live(decay, first, key, value, torch.ones(2, 5))
+    if not all(torch.equal(a, b) for a, b in zip([want, *want_state], [got, *got_state])):
+        raise UnsupportedLayerError(
+            f"layer {path!r}: ringmaster's WKV loop (padded pieces in a compiled block) differs from the module's "
+            "rwkv_linear_attention_cpu on a random input; the installed transformers changed it, so CP would be "
+            "silently wrong. Use a CP size of 1 for this model")
+
+
 class WkvSegment:
     """One chunk of ``rwkv_linear_attention_cpu(time_decay [c], time_first [c], key, value [b, l, c])``;
-    the state ``[b, c, 3]`` is the stabilised ``(num, den, max)``."""
+    the state ``[b, c, 3]`` is the stabilised ``(num, den, max)``. ``live [b, l]``: which tokens are not padding
+    (None: all; then the module's own loop runs, else :func:`wkv_live`)."""
 
-    def __init__(self, kernel: Callable, time_decay, time_first, key, value):
+    # a padding token adds nothing (pad_key) and decays nothing (wkv_live): any state passes a padded piece as it is
+    # (documents.PiecesSegment)
+    neutral_padding = True
+
+    def __init__(self, kernel: Callable, time_decay, time_first, key, value, live=None):
         self.kernel, self.time_decay, self.time_first, self.key, self.value = kernel, time_decay, time_first, key, value
+        self.live = live
 
     def state_meta(self):
         b, _, c = self.key.shape
@@ -85,8 +133,11 @@ class WkvSegment:
 
     def run(self, state_in):
         state = None if state_in is None else list(state_in.unbind(-1))
-        out, final = self.kernel(self.time_decay, self.time_first, self.key, self.value, state=state,
-                                 return_state=True)
+        if self.live is None:
+            out, final = self.kernel(self.time_decay, self.time_first, self.key, self.value, state=state,
+                                     return_state=True)
+        else:
+            out, final = wkv_live(self.time_decay, self.time_first, self.key, self.value, self.live, state)
         return out, torch.stack([hi(f) for f in final], dim=-1)
 
     def map_meta(self):
@@ -95,7 +146,8 @@ class WkvSegment:
 
     def local_map(self):
         y0, final = self.run(None)
-        log_decay = -torch.exp(hi(self.time_decay).to(final.dtype)) * self.key.shape[1]     # w·L per channel
+        tokens = self.key.shape[1] if self.live is None else self.live.to(final.dtype).sum(1, keepdim=True)
+        log_decay = -torch.exp(hi(self.time_decay).to(final.dtype)) * tokens     # w·L per channel (L: not padding)
         return torch.cat([final, log_decay.expand(final.shape[0], -1)[..., None]], dim=-1), y0
 
     def combine(self, state, packed):
@@ -110,15 +162,19 @@ class WkvSegment:
 
     def sub(self, rows, start, stop):
         def cut(t):
+            if t is None:
+                return None
             t = t[:, start:stop]
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
-        return WkvSegment(self.kernel, self.time_decay, self.time_first, cut(self.key), cut(self.value))
+        return WkvSegment(self.kernel, self.time_decay, self.time_first, cut(self.key), cut(self.value),
+                          cut(self.live))
 
     def with_tensors(self, fn):
         """The same WKV over ``fn`` of the keys and values (``[b, l, c]``; documents.PiecesSegment), padding with
-        :func:`pad_key`."""
+        :func:`pad_key` and marked not ``live``."""
+        live = self.live if self.live is not None else self.key.new_ones(self.key.shape[:2], dtype=torch.float32)
         return WkvSegment(self.kernel, self.time_decay, self.time_first, fn(self.key, pad_key(self.key.dtype)),
-                          fn(self.value))
+                          fn(self.value), fn(live))
 
     def packed_final(self, packed):
         """The final state of a chunk's map ``[num, den, max | w·L]``."""
@@ -242,6 +298,7 @@ def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Cal
     if names["torch_scan"] not in namespace:
         raise UnsupportedLayerError(f"layer {ctx.path!r}: its module has no {names['torch_scan']!r} (the torch WKV "
                                     "loop ringmaster runs under CP); the installed transformers changed the layer")
+    check_same_as_torch_loop(namespace[names["torch_scan"]], ctx.path)
 
     def wkv(time_decay, time_first, key, value, state=None, return_state=False):
         batch = ctx.carrier.current
