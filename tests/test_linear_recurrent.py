@@ -327,12 +327,13 @@ def test_wkv_state_passing_exact_float64(keys, split, strategy):
 
 @pytest.mark.parametrize("local", [False, True])
 def test_documents_parts_pieces_exact_float64(local):
-    """A ``load_balance="documents"`` shard's parts as padded pieces (the compiled path), lightning attention: its
-    decay is a constant per token, so padding after a state moves it. The split part (two chunks of 12, the first
-    one piece of a 13-token document, which the state enters and leaves) is never ``trivial`` and its lone piece
-    fills its row exactly; the whole part's pieces (no state enters or leaves) pad to a power of two. Mutation
-    (``local=True`` on the split part): its lone piece padded to 16, the state it hands on decays through the
-    padding, and the next chunk's tokens of that document go wrong."""
+    """A ``load_balance="documents"`` shard's parts as padded pieces (the compiled path), for a kind whose padding
+    moves a state (lightning attention with its padding live: its constant decay per token applies to the padding
+    too; ``neutral_padding`` False). The split part (two chunks of 12, the first one piece of a 13-token document,
+    which the state enters and leaves) is never ``trivial`` and its lone piece fills its row exactly; the whole
+    part's pieces (no state enters or leaves) pad to a power of two. Mutation (``local=True`` on the split part):
+    its lone piece padded to 16, the state it hands on decays through the padding, and the next chunk's tokens of
+    that document go wrong."""
     from ringmaster.recurrent.documents import PiecesSegment
     from ringmaster.recurrent.lightning import LightningSegment
     from ringmaster.sharding.documents import ChunkPieces
@@ -351,8 +352,10 @@ def test_documents_parts_pieces_exact_float64(local):
         b = list(range(0, sum(lens) + 1, chunk))
         pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", padded=True, **kw)
         assert not pieces[0].trivial
-        return [PiecesSegment(LightningSegment(*(t[:, offset + s:offset + e] for t in inputs.values()),
-                                               slope[:, None, None], 5), p) for s, e, p in zip(b, b[1:], pieces)]
+        return [PiecesSegment(decaying(*(t[:, offset + s:offset + e] for t in inputs.values()),
+                                       slope[:, None, None], 5), p) for s, e, p in zip(b, b[1:], pieces)]
+
+    decaying = type("Decaying", (_DecayingPadding, LightningSegment), {"neutral_padding": False})
 
     split = _run(segments([13, 11], 0, 12, local=local), "scan")            # the split sub-row over two ranks
     whole = _run(segments([5, 1, 3], 24, 9, local=True), "sequential")    # a rank's whole documents
