@@ -128,7 +128,8 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "
                      "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
                      "two-block models, 50 packings, Ulysses and Ring: 7-8 graphs for a gated-DeltaNet hybrid, 9-11 "
-                     "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA), past dynamo's default limit "
+                     "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA, 10-12 lightning, 12-14 for "
+                     "two RWKV blocks), past dynamo's default limit "
                      "of 8 for some: raise torch._dynamo.config.recompile_limit (16), or use a static load_balance "
                      "for compiled hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
