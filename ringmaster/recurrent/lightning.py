@@ -79,7 +79,8 @@ def lightning_blocks(q, k, v, slope, block_size: int, initial_state=None, live=N
             diag = torch.exp(torch.where(diff >= 0, -diff, float("-inf")))
             block_decay = torch.exp(-slope * n)
         else:   # the same with the running count of live tokens for the positions: [B, H, n, ...]
-            c = live[:, start:stop].to(v.dtype).cumsum(1)[:, None, :, None]    # [B, 1, n, 1]
+            # counted in float32 (a bfloat16 sum of ones stops at 256), then rounded as transformers' arange
+            c = live[:, start:stop].float().cumsum(1).to(v.dtype)[:, None, :, None]   # [B, 1, n, 1]
             total = c[:, :, -1:]                                               # [B, 1, 1, 1]
             q_decay = torch.exp(-slope * c)
             k_decay = torch.exp(-slope * (total - c))
@@ -117,7 +118,7 @@ class LightningSegment:
         ``[1, l, H]`` (``[B, l, H]`` with padding)."""
         l = self.q.shape[1]
         t = (torch.arange(1, l + 1, device=self.q.device, dtype=dtype)[None] if self.live is None
-             else self.live.to(dtype).cumsum(1))
+             else self.live.float().cumsum(1).to(dtype))
         return -self.slope.to(dtype).reshape(1, 1, -1) * t[..., None]
 
     def map_meta(self):
