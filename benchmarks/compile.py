@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--batches", default="dense,packed,padded,documents")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--compiler", default="eager", help="torch.compile backend of the blocks")
+    parser.add_argument("--size", type=int, default=2, help="CP size of every backend but USP (2x2 at 4)")
+    parser.add_argument("--dynamic", action="store_true", help="compile the blocks with dynamic=True")
     args = parser.parse_args()
 
     from ringmaster_tools import packings
@@ -47,12 +49,12 @@ def main() -> None:
                         if backend not in ("ulysses", "ring-alltoall"):
                             continue
                         name = backend.split("-")[0] + "-documents"
-                    size = 4 if backend == "usp" else 2
+                    size = 4 if backend == "usp" else args.size
                     t0 = time.time()
                     row = {"model": model, "backend": name, "batch": batch, "P": size}
                     try:
                         c = pool.run(packings.over_packings, model, name, batch, args.steps, size=size,
-                                     compiler=args.compiler)
+                                     compiler=args.compiler, dynamic=True if args.dynamic else None)
                         e = pool.run(packings.over_packings, model, name, batch, args.steps, size=size, eager=True)
                     except Exception as exc:   # a rank raised: the row says where
                         row["error"] = str(exc).strip().splitlines()[-1][:100]

@@ -52,12 +52,12 @@ def graphs_now() -> int:
 
 def over_packings(ctx, model_name: str, backend: str, kind: str, steps: int = 50, size: int = 2,
                   compiler: str = "eager", backward: bool = True, seq_len: int = 64,
-                  eager: bool = False, overrides: dict | None = None, mutate=None) -> dict:
+                  eager: bool = False, overrides: dict | None = None, mutate=None, dynamic: bool | None = None) -> dict:
     """``steps`` CP steps over new packings of a two-block model (``step_shape.TWO_BLOCKS``) with every block compiled (``eager=True``: not compiled, the
     baseline); per step the graphs compiled so far and the loss error against the model without CP (the
     gradient error on the first and last step) and the attention work issued (``ringmaster.attention.work``: query-key
 pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model before compiling
-    (the tests' mutations)."""
+    (the tests' mutations). ``dynamic``: ``torch.compile``'s (None: its default, static first)."""
     import torch._dynamo
 
     import ringmaster as rm
@@ -84,7 +84,7 @@ pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model befo
     try:
         if not eager:
             for block in blocks:
-                block.compile(fullgraph=True, backend=compiler)
+                block.compile(fullgraph=True, backend=compiler, dynamic=dynamic)
         for step in range(steps):
             batch, ref_kind = make_step_batch(kind, ref.config.vocab_size, seq_len, step)
             check_grad = backward and step in (0, steps - 1)
