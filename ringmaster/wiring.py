@@ -129,9 +129,11 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
                      "two-block models, 50 packings, Ulysses and Ring: 7-8 graphs for a gated-DeltaNet hybrid, 9-11 "
                      "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA, 10-12 lightning, 12-14 for "
-                     "two RWKV blocks), past dynamo's default limit "
-                     "of 8 for some: raise torch._dynamo.config.recompile_limit (16), or use a static load_balance "
-                     "for compiled hybrids")
+                     "two RWKV blocks), past dynamo's default limit of 8 for some. Compile the blocks with "
+                     "torch.compile(block, fullgraph=True, dynamic=True): no static first graph, and no graph "
+                     "for each size that changes for the first time (measured, 30 packings, Ulysses: 4-5 graphs "
+                     "for a gated-DeltaNet hybrid, 6-7 Mamba2, 7 RG-LRU, 8 lightning); else raise "
+                     "torch._dynamo.config.recompile_limit (16), or use a static load_balance for compiled hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
     if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(looped or padded)}) under load_balance='documents' keep compiling "
