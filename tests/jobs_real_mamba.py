@@ -161,3 +161,61 @@ def mamba2_state_not_passed():
 
 
 MUTATIONS = {"mamba2_state_not_passed": mamba2_state_not_passed}
+
+
+def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
+    """A ``load_balance="documents"`` split part as the compiled path runs it (``PiecesSegment`` over
+    ``ChunkPieces.of(padded=True, neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
+    enters and leaves, padded to 16 after it with the step size ``PAD_DT``), on mamba-ssm's real Triton SSD scan
+    (interpreted, fp32), scan strategy; against each document alone on the fp64 reference kernel: the output and
+    every input's gradient. ``zero_dt``: the mutation, padding ``dt = 0`` (``softplus(0 + dt_bias) > 0``: the padding
+    decays the state the lone piece hands on), still claiming neutral. Rank 0 only (the others return {})."""
+    if ctx.rank != 0:
+        return {}
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    from standins.kernels import reference
+    from test_linear_recurrent import _run, pieces_segments
+
+    from ringmaster.recurrent.mamba2 import Mamba2Segment
+
+    class ZeroDt(Mamba2Segment):
+        def with_tensors(self, fn):
+            return ZeroDt(self.kernel, fn(self.x), fn(self.dt), self.A, fn(self.B), fn(self.C), self.chunk_size, self.D,
+                          self.dt_bias, self.dt_softplus, self.dt_limit, self.kwargs)
+
+    gen = torch.Generator().manual_seed(7)
+    b, h, p, g, n, L = 1, 2, 4, 1, 4, sum(lens)
+    vals = {"x": torch.randn(b, L, h, p, generator=gen), "dt": torch.randn(b, L, h, generator=gen) * 0.5,
+            "B": torch.randn(b, L, g, n, generator=gen), "C": torch.randn(b, L, g, n, generator=gen),
+            "A": -torch.rand(h, generator=gen) - 0.5, "D": torch.randn(h, generator=gen),
+            "dt_bias": torch.randn(h, generator=gen) * 0.1 + 0.5}
+    gy = torch.randn(b, L, h, p, generator=gen)
+    ends = torch.tensor(lens).cumsum(0).tolist()
+
+    def leaves(dtype):
+        return {k: v.detach().to(dtype, copy=True).requires_grad_() for k, v in vals.items()}
+
+    def grads(y, t):
+        (y * gy.to(y.dtype)).sum().backward()
+        return {k: v.grad for k, v in t.items()}
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+    r = leaves(torch.float64)
+    ref = torch.cat([reference.mamba_chunk_scan_combined(
+        *(r[k][:, s:e] for k in ("x", "dt")), r["A"], *(r[k][:, s:e] for k in ("B", "C")), 8, D=r["D"],
+        dt_bias=r["dt_bias"], dt_softplus=True) for s, e in zip([0, *ends], ends)], dim=1)
+    ref_grads = grads(ref, r)
+    out = {}
+    for name, seg in (("pad_dt", Mamba2Segment), ("zero_dt", ZeroDt)):
+        t = leaves(torch.float32)
+        segs = pieces_segments(lambda x, dt, B, C: seg(mamba_chunk_scan_combined, x, dt, t["A"], B, C, 8, t["D"],
+                                                       t["dt_bias"], True), [t[k] for k in ("x", "dt", "B", "C")],
+                               1, lens, chunk, padded=True, neutral=True)
+        y = _run(segs, "scan")
+        errs = {"y": rel(y, ref.detach())}
+        if name == "pad_dt":
+            errs.update({f"d{k}": rel(v, ref_grads[k]) for k, v in grads(y, t).items()})
+        out[name] = {"errs": errs, "L": segs[0].L}
+    return out

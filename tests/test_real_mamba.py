@@ -91,3 +91,15 @@ def test_causal_conv1d_reference_is_the_conv_run_here(mamba_pool):
     assert got["fallback_module"] == "transformers.models.mamba2.modeling_mamba2", got
     assert max(got["err_None"], got["err_silu"], got["err_initial_states_vs_halo"]) <= 1e-6, got
     assert got["causal_conv1d_fn"].startswith("TypeError"), got
+
+
+def test_documents_split_part_pieces_on_mamba_ssms_kernel(mamba_pool):
+    """The padded pieces a compiled documents split part runs (the lone piece the state enters and leaves padded to a
+    power of two with ``PAD_DT``: a step of exactly 0 in the kernel's own softplus) on mamba-ssm's Triton SSD scan:
+    output and every gradient as each document alone (fp64 reference). Mutation: the padding ``dt = 0`` moves the
+    state the piece hands on."""
+    got = mamba_pool.run(jm.split_part_pieces)[0]
+    print({k: {e: f"{v:.1e}" for e, v in r["errs"].items()} for k, r in got.items()})
+    assert got["pad_dt"]["L"] == 16, got
+    assert max(got["pad_dt"]["errs"].values()) <= KERNEL_TOL, got
+    assert got["zero_dt"]["errs"]["y"] > 1e-3, got
