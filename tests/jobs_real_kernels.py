@@ -115,6 +115,61 @@ def kernels_match_naive(ctx) -> dict:
     return out
 
 
+def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
+    """A ``load_balance="documents"`` split part as a compiled block runs it (``PiecesSegment`` over
+    ``ChunkPieces.of(padded=True, neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
+    enters and leaves, padded with zeros to 16 after it, so ``g = beta = 0``) on FLA's chunked gated delta rule and
+    KDA under the interpreter (fp32), scan strategy; against FLA's token-by-token references, each document alone
+    (fp64): the output and every input's gradient. ``decaying``: the mutation, gated DeltaNet padded with ``g = -1``
+    (the padding decays the state the lone piece hands on), still claiming neutral. Rank 0 only."""
+    ctx.mesh(2)   # the solo pool's other ranks leave
+    if ctx.rank != 0:
+        return {}
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.naive import naive_recurrent_kda
+    from test_linear_recurrent import _run, pieces_segments
+
+    from ringmaster.recurrent.gated_deltanet import GatedDeltaSegment
+
+    class Decaying(GatedDeltaSegment):
+        def with_tensors(self, fn):
+            return Decaying(self.kernel, fn(self.q), fn(self.k), fn(self.v), fn(self.g, -1.0), fn(self.beta),
+                            self.kwargs)
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+    gen = torch.Generator().manual_seed(3)
+    T, H, D = sum(lens), 2, 8
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    out = {}
+    for name, fast, naive, g_shape, seg in (
+            ("gdn", chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, (1, T, H), GatedDeltaSegment),
+            ("kda", chunk_kda, naive_recurrent_kda, (1, T, H, D), GatedDeltaSegment),
+            ("gdn-decaying", chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, (1, T, H), Decaying)):
+        q, v = (torch.randn(1, T, H, D, generator=gen) for _ in range(2))
+        k = torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1)
+        g = -torch.rand(*g_shape, generator=gen) * 0.3
+        beta = torch.rand(1, T, H, generator=gen)
+        do = torch.randn(1, T, H, D, generator=gen)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        segs = pieces_segments(lambda *t: seg(fast, *t), leaves, 1, lens, chunk, padded=True, neutral=True)
+        mutated = seg is Decaying   # the forward misses: no backward (the interpreter's time)
+        with torch.set_grad_enabled(not mutated):
+            o = _run(segs, "scan")
+            ref_leaves = [x.clone().double().requires_grad_() for x in (q, k, v, g, beta)]
+            ro = torch.cat([naive(*(x[:, a:b] for x in ref_leaves[:3]), beta=ref_leaves[4][:, a:b],
+                                  g=ref_leaves[3][:, a:b])[0] for a, b in zip([0, *ends], ends)], dim=1)
+        out[name] = {"o": rel(o, ro), "L": segs[0].L}
+        if not mutated:
+            (o * do).sum().backward()
+            (ro * do.double()).sum().backward()
+            out[name].update({f"d{n}": rel(x.grad, y.grad) for n, x, y in zip("qkvgb", leaves, ref_leaves)})
+    return out
+
+
 def _slim(r: dict) -> dict:
     keep = ("cp_size", "backend", "layout", "split_fraction", "loss_err", "logits_err", "grad_err", "worst_param",
             "grad_err_total", "recurrent_layers", "attention_layers", "n_grads", "n_params", "missing_grads")

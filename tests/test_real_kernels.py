@@ -103,6 +103,19 @@ def test_bridged_kernels_match_flas_naive_references(fla_pool):
         assert max(errs.values()) <= 1e-4, (kernel, errs)
 
 
+def test_documents_split_part_pieces_on_flas_kernels(fla_pool):
+    """The padded pieces a compiled documents split part runs (the lone piece the state enters and leaves padded to a
+    power of two with zeros: ``g = beta = 0``) on FLA's chunked gated delta rule and KDA: the output and every
+    input's gradient as each document alone (FLA's own naive references). Mutation: padding ``g = -1`` moves the
+    state the piece hands on."""
+    got = fla_pool.run(jr.split_part_pieces)[0]
+    print({k: {e: f"{v:.1e}" for e, v in r.items() if e != "L"} for k, r in got.items()})
+    for kernel in ("gdn", "kda"):
+        errs = {e: v for e, v in got[kernel].items() if e != "L"}
+        assert got[kernel]["L"] == 16 and max(errs.values()) <= 1e-4, (kernel, got[kernel])
+    assert got["gdn-decaying"]["o"] > 1e-3, got["gdn-decaying"]
+
+
 def test_fla_cp_is_refused_where_it_cannot_run(fla_pool):
     """Without FLA (this process hides it) the kernel is transformers' torch fallback: ``fla_cp`` would compute
     every rank alone, so it is refused naming why; a recurrent kind FLA's CP does not cover (Mamba2) too."""
