@@ -468,3 +468,25 @@ def test_split_part_power_of_two_pieces_refused_where_padding_moves_the_state():
     assert not make(*inputs.values()).neutral_padding
     with pytest.raises(RuntimeError, match="pads neutrally"):
         _split_part_segments(make, list(inputs.values()))
+
+
+def test_wkv_padding_skipped_only_where_ringmasters_loop_is_the_kernel():
+    """RWKV's padded pieces skip their padding's decay by running ringmaster's WKV loop (``wkv_live``) instead of the
+    module's: only where, on a random input, that loop computes the module's bit for bit (asked when wired). Another
+    loop (a remote-code edit: here its outputs scaled) keeps its padded pieces on itself, their padding decaying,
+    and says it does not pad neutrally (a documents split part's lone piece then fills its row), rather than run a
+    loop that is not the model's."""
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    from ringmaster.recurrent.rwkv import WkvSegment, same_as_torch_loop
+
+    def edited(*args, **kwargs):
+        out, state = rwkv_linear_attention_cpu(*args, **kwargs)
+        return out * 1.0001, state
+
+    assert same_as_torch_loop(rwkv_linear_attention_cpu) and not same_as_torch_loop(edited)
+    k = torch.randn(2, 6, 3)
+    for ok in (True, False):
+        seg = WkvSegment(rwkv_linear_attention_cpu, torch.zeros(3), torch.zeros(3), k, k, live_ok=ok)
+        padded = seg.with_tensors(lambda t, fill=0.0: torch.cat([t, torch.full_like(t[:, :2], fill)], dim=1))
+        assert seg.neutral_padding is ok and (padded.live is not None) is ok

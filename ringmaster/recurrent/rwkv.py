@@ -33,7 +33,7 @@ block each chunk's documents run as one padded batch of pieces
 (:class:`~ringmaster.recurrent.documents.PiecesSegment`): a zero key would add ``e^0 v`` to the state, so a
 padding token's key is ``-1e30`` (:func:`pad_key`), neutral before a document's first token and behind its last,
 and its decay is skipped (:func:`wkv_live`, ringmaster's copy of transformers' torch loop with a decay per token,
-checked against it when wired), so any state crosses the padding as it is.
+asked when wired whether it computes what that loop does), so any state crosses the padding as it is.
 
 The blocks are called without any kwargs: the step context reaches the layers through the model's
 step carrier (:mod:`ringmaster.sharding.carrier`), bound to each layer's ``LayerContext`` when wired.
@@ -78,7 +78,7 @@ def wkv_live(time_decay, time_first, key, value, live, state=None):
     """transformers' ``rwkv_linear_attention_cpu`` with the decay of token ``t`` scaled by ``live [b, l]`` (1: a
     token, 0: padding): a padding token's key is :func:`pad_key`, so it adds nothing, and its decay is 0, so it leaves
     any state ``(num, den, max)`` exactly as it is (``max(m + 0, -1e30) = m``, ``e^0 = 1``). With every token live it
-    is the same loop, operation for operation (``w · 1 = w``; :func:`check_same_as_torch_loop`). Returns
+    is the same loop, operation for operation (``w · 1 = w``; :func:`same_as_torch_loop`). Returns
     ``(output, [num, den, max])``."""
     output = torch.zeros_like(key)
     if state is None:
@@ -100,32 +100,33 @@ def wkv_live(time_decay, time_first, key, value, live, state=None):
     return output, [num, den, m]
 
 
-def check_same_as_torch_loop(kernel: Callable, path: str) -> None:
-    """:func:`wkv_live` with every token live must compute what the module's own torch loop computes (the padded
-    pieces of a compiled block run it), or the layer is refused before anything is wired."""
+def same_as_torch_loop(kernel: Callable) -> bool:
+    """Whether :func:`wkv_live` with every token live computes what ``kernel`` (the module's own torch loop) computes,
+    bit for bit, on a random input: only then may it run the padded pieces of a compiled block with their padding
+    skipped (:attr:`WkvSegment.neutral_padding`); else those pieces run ``kernel`` itself, their padding decaying as
+    any token, and a documents split part's lone piece fills its row (a graph per new length, not a wrong result)."""
     g = torch.Generator().manual_seed(5)
     decay, first, key, value = (torch.randn(*shape, generator=g) for shape in ((3,), (3,), (2, 5, 3), (2, 5, 3)))
     want, want_state = kernel(decay, first, key, value, return_state=True)
     got, got_state = wkv_live(decay, first, key, value, torch.ones(2, 5))
-    if not all(torch.equal(a, b) for a, b in zip([want, *want_state], [got, *got_state])):
-        raise UnsupportedLayerError(
-            f"layer {path!r}: ringmaster's WKV loop (padded pieces in a compiled block) differs from the module's "
-            "rwkv_linear_attention_cpu on a random input; the installed transformers changed it, so CP would be "
-            "silently wrong. Use a CP size of 1 for this model")
+    return all(torch.equal(a, b) for a, b in zip([want, *want_state], [got, *got_state]))
 
 
 class WkvSegment:
     """One chunk of ``rwkv_linear_attention_cpu(time_decay [c], time_first [c], key, value [b, l, c])``;
     the state ``[b, c, 3]`` is the stabilised ``(num, den, max)``. ``live [b, l]``: which tokens are not padding
-    (None: all; then the module's own loop runs, else :func:`wkv_live`)."""
+    (None: all; then the module's own loop runs, else :func:`wkv_live`); ``live_ok``: :func:`wkv_live` computes what
+    ``kernel`` does (:func:`same_as_torch_loop`, asked when wired), so padded pieces may skip their padding."""
 
-    # a padding token adds nothing (pad_key) and decays nothing (wkv_live): any state passes a padded piece as it is
-    # (documents.PiecesSegment)
-    neutral_padding = True
-
-    def __init__(self, kernel: Callable, time_decay, time_first, key, value, live=None):
+    def __init__(self, kernel: Callable, time_decay, time_first, key, value, live=None, live_ok: bool = True):
         self.kernel, self.time_decay, self.time_first, self.key, self.value = kernel, time_decay, time_first, key, value
-        self.live = live
+        self.live, self.live_ok = live, live_ok
+
+    @property
+    def neutral_padding(self) -> bool:
+        """A padding token adds nothing (:func:`pad_key`) and, run by :func:`wkv_live`, decays nothing: any state
+        passes a padded piece as it is (documents.PiecesSegment). Not where ``kernel`` is another loop."""
+        return self.live_ok
 
     def state_meta(self):
         b, _, c = self.key.shape
@@ -167,14 +168,14 @@ class WkvSegment:
             t = t[:, start:stop]
             return t if rows is None else t.index_select(0, torch.tensor(rows, device=t.device))
         return WkvSegment(self.kernel, self.time_decay, self.time_first, cut(self.key), cut(self.value),
-                          cut(self.live))
+                          cut(self.live), self.live_ok)
 
     def with_tensors(self, fn):
         """The same WKV over ``fn`` of the keys and values (``[b, l, c]``; documents.PiecesSegment), padding with
-        :func:`pad_key` and marked not ``live``."""
+        :func:`pad_key` and (``live_ok``) marked not ``live``."""
         live = self.live if self.live is not None else self.key.new_ones(self.key.shape[:2], dtype=torch.float32)
         return WkvSegment(self.kernel, self.time_decay, self.time_first, fn(self.key, pad_key(self.key.dtype)),
-                          fn(self.value), fn(live))
+                          fn(self.value), fn(live) if self.live_ok else None, self.live_ok)
 
     def packed_final(self, packed):
         """The final state of a chunk's map ``[num, den, max | w·L]``."""
@@ -201,12 +202,13 @@ def pad_key(dtype: torch.dtype) -> float:
 
 
 def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, value, state=None, return_state=False,
-           batch=None):
+           batch=None, live_ok: bool = True):
     """``rwkv_linear_attention`` for this rank's shard, with the earlier shards' state. ``batch``: the step's
-    ``CPBatch`` (None: the step carrier's; the blocks get no kwargs), or one part of a documents batch."""
+    ``CPBatch`` (None: the step carrier's; the blocks get no kwargs), or one part of a documents batch; ``live_ok``:
+    :func:`wkv_live` computes what ``kernel`` does (:attr:`WkvSegment.live_ok`)."""
     batch = ctx.take_batch({}) if batch is None else batch
     if ctx.probe is not None:
-        seg = WkvSegment(kernel, time_decay, time_first, key, value)
+        seg = WkvSegment(kernel, time_decay, time_first, key, value, live_ok=live_ok)
         ctx.probe.observe(seg, [key, value], value, key.shape[-1])
         injected = ctx.probe.state("scan", *seg.state_meta())
         if injected is not None:   # a valid stabilised state: positive num/den scale, finite max
@@ -214,7 +216,7 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
         return probe_run(seg, injected, ctx.path)[0], None
     if getattr(batch, "assignment", None) is not None:   # load_balance="documents": split part, then whole part
         return by_parts(batch, lambda part, k, v: cp_wkv(kernel, ctx, time_decay, time_first, k, v, state, return_state,
-                                                         batch=part), (key, value), (1, 1), 1)
+                                                         batch=part, live_ok=live_ok), (key, value), (1, 1), 1)
     group, size, layout, strategy = ctx.resolve(batch)
     if state is not None or return_state:
         raise RuntimeError(f"{ctx.path}: a cache (the WKV state) is not supported under CP or with packed rows; "
@@ -222,11 +224,13 @@ def cp_wkv(kernel: Callable, ctx: LayerContext, time_decay, time_first, key, val
     if strategy == HEADS and size > 1:   # whole rows for this rank's channels, and their decay / bonus
         decay, first = local_heads(time_decay, group), local_heads(time_first, group)
         return run_heads(ctx.path, group, layout, batch, [key, value],
-                         lambda k, v: WkvSegment(kernel, decay, first, k, v), key.shape[-1], "channels"), None
+                         lambda k, v: WkvSegment(kernel, decay, first, k, v, live_ok=live_ok), key.shape[-1],
+                         "channels"), None
     n = len(chunk_ids(layout, size, 0)) if size > 1 else 1
     rank = dist.get_rank(group) if size > 1 else 0
     parts = [split_local(t, n, dim=1) for t in (key, value)]
-    segments = document_segments([WkvSegment(kernel, time_decay, time_first, k, v) for k, v in zip(*parts)], batch,
+    segments = document_segments([WkvSegment(kernel, time_decay, time_first, k, v, live_ok=live_ok)
+                                  for k, v in zip(*parts)], batch,
                                  ctx.path, size, rank, layout, tuple(key.shape[:2]))
     outs = pass_state(segments, strategy, group, layout, ctx.path) if size > 1 else simulate_sequential(segments)
     ys = [o[0] if isinstance(o, tuple) else o for o in outs]
@@ -298,14 +302,15 @@ def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Cal
     if names["torch_scan"] not in namespace:
         raise UnsupportedLayerError(f"layer {ctx.path!r}: its module has no {names['torch_scan']!r} (the torch WKV "
                                     "loop ringmaster runs under CP); the installed transformers changed the layer")
-    check_same_as_torch_loop(namespace[names["torch_scan"]], ctx.path)
+    live_ok = same_as_torch_loop(namespace[names["torch_scan"]])
 
     def wkv(time_decay, time_first, key, value, state=None, return_state=False):
         batch = ctx.carrier.current
         if ctx.probe is None and ctx.size == 1 and getattr(batch, "doc_ids", None) is None:
             return namespace[names["scan"]](time_decay, time_first, key, value, state=state,
                                             return_state=return_state)
-        return cp_wkv(namespace[names["torch_scan"]], ctx, time_decay, time_first, key, value, state, return_state)
+        return cp_wkv(namespace[names["torch_scan"]], ctx, time_decay, time_first, key, value, state, return_state,
+                      live_ok=live_ok)
 
     undo_shift = rebind_attributes(module.time_shift, ctx.path + ".time_shift", {"forward": _shift(ctx, module.time_shift)})
     try:
