@@ -90,7 +90,7 @@ SPLIT_LENGTH_KINDS = ("lightning", "rglru", "rwkv", "mlstm")
 # recurrent kinds that are convolutions only: their document gaps are the pieces' dynamic count
 CONV_KINDS = ("short_conv", "dynamic_short_conv", "rwkv_channel_mix")
 COMPILE_VERIFIED_KINDS = ("gated_deltanet", "mamba2", "mamba1", "kda", "lightning", "rglru", "rwkv", "rwkv_channel_mix",
-                          "mlstm", "short_conv")
+                          "mlstm", "short_conv", "dynamic_short_conv")
 # ring block kernels and inner attention kernels dynamo traces (torch ops with meta kernels)
 COMPILE_VERIFIED_INNER = ("sdpa", "eager", "flex_attention")
 

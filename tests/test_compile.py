@@ -78,7 +78,8 @@ def test_mutation_first_cp_forward_eager_compiles_nothing_in_it(pool):
         assert steps[0]["graphs"] == 0, steps
 
 
-KIND_CASES = [(k, "auto") for k in ("mamba1", "lightning", "rglru", "rwkv", "mlstm", "short_conv")] + \
+KIND_CASES = [(k, "auto") for k in ("mamba1", "lightning", "rglru", "rwkv", "mlstm", "short_conv",
+                                    "dynamic_short_conv")] + \
     [(k, "heads") for k in ("mamba1", "lightning", "rglru", "rwkv", "mlstm")]
 
 
@@ -87,7 +88,8 @@ def test_every_recurrent_kind_compiles_fullgraph(pool, kind, recurrent):
     """A family of each recurrent kind (gated DeltaNet and Mamba2 above; KDA in ``benchmarks/compile.py
     --kinds``): its blocks compiled with fullgraph=True before the first CP step, no graph break, loss and every
     gradient as the model without CP (fp32; dynamo's graphs on its eager backend, AOTAutograd in the benchmark);
-    under the state passing and head-parallel (``recurrent="heads"``)."""
+    under the state passing and head-parallel (``recurrent="heads"``). Inkling2's dynamic short conv on the zoo's
+    tiny config, its experts on transformers' ``batched_mm`` (the eager expert loop is data-dependent)."""
     r = pool.run(jobs_compile.recurrent_kind_compiles, jobs_compile.KIND_FAMILIES[kind], compiler="eager",
                  recurrent=recurrent)[0]
     assert kind in r["kinds"] and r["breaks"] == 0 and 1 <= r["graphs"] <= 3 and not r["missing"], r
