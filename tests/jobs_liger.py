@@ -23,17 +23,19 @@ LAYOUTS = {
     "documents": dict(backend="ring", load_balance="documents", documents_threshold=16),
 }
 S = 64
+REFUSAL_S = 32   # loss_refusals' rows (refused at the first forward's check, before any backward)
+PACKED = {S: [S - 24, 8, 9, 7], REFUSAL_S: [REFUSAL_S - 12, 5, 7]}   # the first document crosses the shard edge
 
 
-def _batch(kind: str, vocab: int) -> tuple[dict, object]:
+def _batch(kind: str, vocab: int, seq_len: int = S) -> tuple[dict, object]:
     """The batch of ``kind`` and its reference forward: ``dense`` (a quarter of the labels ignored), ``sparse``
     (nine in ten ignored: shards with few or no targets), ``packed`` (documents, each its own reference)."""
     if kind == "dense":
-        return tiny_batch(vocab, S), _plain_forward
+        return tiny_batch(vocab, seq_len), _plain_forward
     if kind == "sparse":
-        return tiny_batch(vocab, S, ignore_frac=0.9, seed=3), _plain_forward
+        return tiny_batch(vocab, seq_len, ignore_frac=0.9, seed=3), _plain_forward
     if kind == "packed":
-        return packed_batch(vocab, [S - 24, 8, 9, 7]), per_document_forward
+        return packed_batch(vocab, PACKED[seq_len]), per_document_forward
     raise ValueError(kind)
 
 
@@ -157,7 +159,10 @@ def loss_refusals(ctx, layouts: list[str], P: int = 2, mutation: str | None = No
     try:
         base = _family_model("llama")
         for layout in layouts:
-            batch, forward = _batch("packed" if layout == "documents" else "dense", base.config.vocab_size)
+            # a refusal needs no reference and no particular length: rows of 32 tokens (Liger's RoPE kernel, a program
+            # per token under the interpreter, is most of the first forward's check); the mutation trains on 64
+            batch, forward = _batch("packed" if layout == "documents" else "dense", base.config.vocab_size,
+                                    S if mutation else REFUSAL_S)
             model = copy.deepcopy(base)
             cfg = rm.RingmasterConfig(size=P, **LAYOUTS[layout])
             with liger("llama", KERNELS, model=model, drop_num_items=True):

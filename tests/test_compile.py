@@ -212,9 +212,11 @@ def test_mutation_pieces_pass_the_state_through_a_cut(pool):
 
 def test_mutation_plan_in_the_graph_recompiles_per_packing(pool):
     """Mutation: the compiled Ulysses sdpa tiles plan in Python inside the block again (the step handle
-    unused): the document boundaries specialise the graph, new packings recompile until dynamo's limit."""
+    unused): the document boundaries specialise the graph, new packings recompile until dynamo's limit. Ten new
+    packings show it past the warm-up the test above allows (measured: 5 graphs after step 5, 7 after step 10, 9 by
+    step 16 and no more in 50: its graphs are what costs)."""
     try:
-        results = pool.run(jobs_compile.over_packings, "llama", "ulysses", "packed", 50, plan_in_python=True)
+        results = pool.run(jobs_compile.over_packings, "llama", "ulysses", "packed", 10, plan_in_python=True)
     except RankError as exc:
         assert "recompile" in str(exc).lower(), exc
         return
