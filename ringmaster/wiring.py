@@ -102,8 +102,9 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
     documents shard's split part runs as pieces a power of two long."""
     notes = []
     if cfg.ring_size > 1 and resolve_ring_impl(cfg.ring_impl, inner) is RingImpl.HF_KERNELS:
-        notes.append("ring_impl='hf_kernels': the hub flash kernels are not traced here (no fake implementation "
-                     "checked); use ring_impl='aten' for a compiled ring")
+        notes.append("ring_impl='hf_kernels': a compiled ring runs the hub flash kernel inside ringmaster's custom "
+                     "ops (torch.ops.ringmaster.ring_block / distflash_task), shown on the CPU stand-in only, not yet "
+                     "run on a GPU; ring_impl='aten' is the path measured compiled there")
     if inner not in COMPILE_VERIFIED_INNER:
         notes.append(f"inner attention {inner!r} is not shown to compile with fullgraph=True (checked: "
                      f"{', '.join(COMPILE_VERIFIED_INNER)})")

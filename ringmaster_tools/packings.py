@@ -52,12 +52,15 @@ def graphs_now() -> int:
 
 def over_packings(ctx, model_name: str, backend: str, kind: str, steps: int = 50, size: int = 2,
                   compiler: str = "eager", backward: bool = True, seq_len: int = 64,
-                  eager: bool = False, overrides: dict | None = None, mutate=None, dynamic: bool | None = None) -> dict:
+                  eager: bool = False, overrides: dict | None = None, mutate=None, dynamic: bool | None = None,
+                  prepare=None) -> dict:
     """``steps`` CP steps over new packings of a two-block model (``step_shape.TWO_BLOCKS``) with every block compiled (``eager=True``: not compiled, the
     baseline); per step the graphs compiled so far and the loss error against the model without CP (the
     gradient error on the first and last step) and the attention work issued (``ringmaster.attention.work``: query-key
 pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model before compiling
-    (the tests' mutations). ``dynamic``: ``torch.compile``'s (None: its default, static first)."""
+    (the tests' mutations). ``dynamic``: ``torch.compile``'s (None: its default, static first). ``prepare(model)``:
+    edit the CP model before it is wired (the reference without CP is left as built: e.g. name its attention a
+    flash kernel, which the ring's ``ring_impl="auto"`` then runs as the hub kernel)."""
     import torch._dynamo
 
     import ringmaster as rm
@@ -69,6 +72,8 @@ pairs handed to a kernel, forward). ``mutate(model)``: edit the wired model befo
     torch.manual_seed(0)
     ref = step_shape._model(model_name, **{**step_shape.TWO_BLOCKS[model_name], **(overrides or {})})
     model = copy.deepcopy(ref)
+    if prepare is not None:
+        prepare(model)
     runtime = rm.wire(model, step_shape._cfg(backend, size), device_mesh=mesh, compile=True)
     if mutate is not None:
         mutate(model)

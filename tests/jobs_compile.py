@@ -237,3 +237,36 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         rglru.RglruSegment.with_tensors = rglru_pad
         lightning.LightningSegment.with_tensors = lightning_pad
         rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads
+
+
+def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
+    """llama whose attention is named ``flash_attention_2`` (the ring's ``ring_impl="auto"`` runs the hub flash kernel:
+    here ringmaster's CPU stand-in, resolved through ``kernels``' LOCAL_KERNELS), its blocks compiled with
+    fullgraph=True, over ``steps`` new packings against the model without CP on sdpa; the ring's blocks run inside
+    ringmaster's ops (``ring_block``, ``distflash_task``), the hub kernel's varlen calls with them. ``calls``: the hub
+    block kernel's forward calls. ``old_path``: the mutation, the hub kernel traced in the block as before
+    (``hf.BY_OP`` without it): the traced plan reads the host runs of each packing."""
+    from jobs_ring import as_flash_model
+
+    from ringmaster.attention.ring import hf, hub
+    from ringmaster_tools import packings
+
+    calls, forward, by_op = [], hub.HfKernelsKernel.forward, hf.BY_OP
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    hub.HfKernelsKernel.forward = counted
+    if old_path:
+        hf.BY_OP = tuple(k for k in by_op if k is not hf.RingImpl.HF_KERNELS)
+    try:
+        r = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P,
+                                   prepare=lambda model: as_flash_model(model, "flash_attention_2"))
+    except Exception as e:   # the mutation: dynamo cannot trace the hub kernel's host-cut varlen calls
+        if not old_path:
+            raise
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        hub.HfKernelsKernel.forward, hf.BY_OP = forward, by_op
+    return {**r, "calls": len(calls)}

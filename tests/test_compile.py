@@ -249,6 +249,21 @@ def test_mutation_compiled_ring_without_host_runs_does_more_work(pool, backend):
         assert any(c > e for c, e in _packed_steps(r)), r
 
 
+@pytest.mark.parametrize("backend", ["ring-alltoall", "distflash"])
+def test_hub_flash_kernel_compiles_inside_the_ops(pool, backend):
+    """A flash model under the ring (``ring_impl="auto"``: the hub flash kernel, here ringmaster's CPU stand-in through
+    ``kernels``' LOCAL_KERNELS), blocks compiled with fullgraph=True before the first step, 6 new packings: no graph
+    break, at most 2 graphs, exact on every step, the hub kernel called (inside
+    ``torch.ops.ringmaster.ring_block`` / ``distflash_task``, dense rows too). Mutation (ring): the hub kernel traced
+    in the block as before, where dynamo cannot follow its host-cut varlen calls: fullgraph fails."""
+    for r in pool.run(jobs_compile.hub_flash_over_packings, backend, 6):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= 2 and r["calls"] > 0, r
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+    if backend == "ring-alltoall":
+        for r in pool.run(jobs_compile.hub_flash_over_packings, backend, 1, old_path=True):
+            assert "raised" in r, r
+
+
 def test_wire_for_compile_names_what_does_not_compile():
     """``rm.wire(compile=True)`` reports (and warns) the paths that do not compile or are not shown to."""
     import ringmaster as rm

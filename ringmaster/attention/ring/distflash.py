@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ...comm import anchor, complete, diagnosed, finish_exchange, start_exchange, timed_comm
-from ...config import RingImpl
 from ...sharding import balancers, handle
 from ...sharding.handle import StepHandle
 from .. import work
-from .kernels import get_kernel
+from .kernels import kernel_name, kernel_named
 from .masks import BlockMask, check_documents
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -120,15 +119,13 @@ def active_tasks(plan: DistFlashPlan) -> list[list[bool]]:
 
 
 def _disjoint(plan: DistFlashPlan, task) -> bool:
-    """Task ``task``'s queries and keys share no document (from the host runs: no device read)."""
+    """Task ``task``'s queries and keys share no document (from the host runs: no device read; a row without
+    documents: never)."""
+    if plan.runs is None:
+        return False
     c = plan.chunk
     a, b = task.rows(c)
     return plan.runs.disjoint(task.q * c + a, task.q * c + b, task.kv * c, task.kv * c + c)
-
-
-def _impl(kernel) -> str:
-    name = getattr(kernel, "name", None)
-    return str(getattr(name, "value", name))
 
 
 def _op_plan(step: StepHandle, size: int, rank: int, chunk: int, device) -> DistFlashPlan:
@@ -148,7 +145,7 @@ def _task_forward(q, k, v, step, size, rank, chunk, s, scale, impl):
         return (q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q)),
                 q.new_full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q)))
     work.issued(q, k)
-    o, lse = get_kernel(RingImpl(impl)).forward(q, k, v, scale, task_mask(plan, task))
+    o, lse = kernel_named(impl).forward(q, k, v, scale, task_mask(plan, task))
     return o.to(acc_dtype(q)), lse.to(acc_dtype(q))
 
 
@@ -157,7 +154,7 @@ def _task_backward(dout, q, k, v, out, lse, step, size, rank, chunk, s, scale, i
     task = _task(plan, s)
     if _disjoint(plan, task):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    g = get_kernel(RingImpl(impl)).backward(dout, q, k, v, out, lse, scale, task_mask(plan, task))
+    g = kernel_named(impl).backward(dout, q, k, v, out, lse, scale, task_mask(plan, task))
     return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype)
 
 
@@ -188,7 +185,7 @@ def _forward_task(plan: DistFlashPlan, kernel, s: int, task, q, k, v, scale):
     documents from the host runs); else the kernel under the task's mask (active_tasks skipped those already)."""
     if plan.handle is not None:
         return torch.ops.ringmaster.distflash_task(q, k, v, plan.handle, plan.size, plan.rank, plan.chunk, s,
-                                                   float(scale), _impl(kernel))
+                                                   float(scale), kernel_name(kernel))
     work.issued(q, k)
     return kernel.forward(q, k, v, scale, task_mask(plan, task))
 
@@ -196,7 +193,7 @@ def _forward_task(plan: DistFlashPlan, kernel, s: int, task, q, k, v, scale):
 def _backward_task(plan: DistFlashPlan, kernel, s: int, task, dout, q, k, v, out, lse, scale):
     if plan.handle is not None:
         return torch.ops.ringmaster.distflash_task_backward(dout, q, k, v, out, lse, plan.handle, plan.size,
-                                                            plan.rank, plan.chunk, s, float(scale), _impl(kernel))
+                                                            plan.rank, plan.chunk, s, float(scale), kernel_name(kernel))
     return kernel.backward(dout, q, k, v, out, lse, scale, task_mask(plan, task))
 
 

@@ -15,6 +15,20 @@ from .loop import RingPlan, ring_attention
 from .math_kernel import MathKernel
 
 _MATH = MathKernel()
+# the block kernels a compiled ring runs inside ringmaster's ops (ring_block, distflash_task), which plan the pairs
+# from the step handle's host runs, so the traced loop reads no per-packing value: the tile kernels on packed rows
+# (their dense blocks trace as they are); a hub flash kernel always, so its own Python (varlen calls cut on the
+# host, outputs that alias its buffers) never reaches dynamo, whether or not it has torch.library ops of its own
+BY_OP = (RingImpl.ATEN, RingImpl.MATH, RingImpl.HF_KERNELS)
+
+
+def _by_op(kernel, cpb, plain: bool = True) -> bool:
+    """Whether a compiled ring runs its blocks inside ringmaster's ops (:data:`BY_OP`); ``plain``: no ALiBi or
+    relative bias (the math kernel builds those in its tiles, traced)."""
+    if not (plain and torch.compiler.is_compiling() and handle.AVAILABLE):
+        return False
+    name = getattr(kernel, "name", None)
+    return name in BY_OP and (cpb.doc_ids is not None or name is RingImpl.HF_KERNELS)
 
 
 def module_sinks(module, kwargs):
@@ -88,8 +102,7 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
         # compiled: no per-packing value in the graph; every task's messages move, and a task of disjoint documents
         # is skipped inside torch.ops.ringmaster.distflash_task from the step handle (an aten or math kernel)
         static = torch.compiler.is_compiling()
-        by_op = static and handle.AVAILABLE and cpb.doc_ids is not None \
-            and getattr(binding.ring_kernel, "name", None) in (RingImpl.ATEN, RingImpl.MATH)
+        by_op = _by_op(binding.ring_kernel, cpb)
         plan = distflash.DistFlashPlan(size=dist.get_world_size(group), rank=dist.get_rank(group),
                                        chunk=query.shape[2], docs=cpb.docs_on(query.device),
                                        runs=_plan_runs(cpb, binding.ring_kernel, query.device, by_op),
@@ -104,10 +117,9 @@ def ring_core(binding: AttentionBinding, cpb, module, query, key, value, group, 
     chunk = query.shape[2] // balancers.chunks_per_rank(layout)
     # compiled: the traced loop does not read the host runs, so a new packing does not recompile the block; the
     # pairs are planned from them inside torch.ops.ringmaster.ring_block (the step handle), skipped as in eager
-    # mode, where the op runs the call (no ALiBi or relative bias, an aten or math block kernel)
+    # mode, where the op runs the call (no ALiBi or relative bias; an aten, math or hub flash block kernel)
     static = torch.compiler.is_compiling()
-    by_op = static and handle.AVAILABLE and cpb.doc_ids is not None and kwargs.get("alibi_slopes") is None \
-        and rel is None and getattr(kernel, "name", None) in (RingImpl.ATEN, RingImpl.MATH)
+    by_op = _by_op(kernel, cpb, kwargs.get("alibi_slopes") is None and rel is None)
     plan = RingPlan(layout=layout, size=dist.get_world_size(group), rank=dist.get_rank(group), chunk=chunk,
                     causal=causal, window=kwargs.get("sliding_window"), docs=cpb.docs_on(query.device),
                     alibi=kwargs.get("alibi_slopes"), runs=_plan_runs(cpb, kernel, query.device, by_op),

@@ -71,3 +71,19 @@ def get_kernel(impl: RingImpl, inner: str | None = None):
     if impl is RingImpl.HF_KERNELS:
         return HfKernelsKernel(inner)
     raise ValueError(f"resolve ring_impl={impl!r} first (strategies.ring.resolve_ring_impl)")
+
+
+def kernel_name(kernel) -> str:
+    """The block kernel as a custom op's string argument (:func:`kernel_named` builds it back inside the op):
+    its ``RingImpl`` value, with the model's flash attention for a hub kernel (``"hf_kernels|flash_attention_2"``)."""
+    name = getattr(kernel, "name", None)
+    name = str(getattr(name, "value", name))
+    inner = getattr(kernel, "inner", None) if name == RingImpl.HF_KERNELS.value else None
+    return f"{name}|{inner}" if inner else name
+
+
+def kernel_named(name: str):
+    """The block kernel :func:`kernel_name` named (a hub kernel's module is loaded once per process:
+    ``flash_kernels.load``)."""
+    impl, _, inner = name.partition("|")
+    return get_kernel(RingImpl(impl), inner or None)

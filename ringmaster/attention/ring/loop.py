@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ...comm import _all_gather, _reduce_scatter, complete, diagnosed, start_exchange, timed_comm
-from ...config import RingImpl
 from ...sharding import balancers, handle
 from ...sharding.handle import StepHandle
 from .. import work
-from .kernels import get_kernel
+from .kernels import kernel_name, kernel_named
 from .masks import BlockMask, check_documents
 from .merge import acc_dtype, merge, merge_sink, sink_grad
 
@@ -278,8 +277,7 @@ class _OpPairs:
 def _op_args(plan: RingPlan, kernel, scale, softcap) -> tuple:
     """The plan's per-model facts as the ops' arguments (the per-packing ones stay behind the handle)."""
     return (plan.layout, plan.size, plan.rank, plan.chunk, plan.causal, -1 if plan.window is None else plan.window,
-            float(scale), str(kernel.name.value if hasattr(kernel.name, "value") else kernel.name),
-            float(softcap or 0.0))
+            float(scale), kernel_name(kernel), float(softcap or 0.0))
 
 
 def _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, device):
@@ -295,7 +293,7 @@ def _host_pairs(step, layout, size, rank, chunk, causal, window, src, select, de
 
 
 def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale, impl, softcap, src, select):
-    kernel = get_kernel(RingImpl(impl))
+    kernel = kernel_named(impl)
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype(q), device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q), device=q.device)
     acc = {}
@@ -312,7 +310,7 @@ def _ring_block(q, k, v, step, layout, size, rank, chunk, causal, window, scale,
 
 def _ring_block_backward(dout, q, k, v, out, lse, step, layout, size, rank, chunk, causal, window, scale, impl,
                          softcap, src, select):
-    kernel = get_kernel(RingImpl(impl))
+    kernel = kernel_named(impl)
     acc = acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
