@@ -107,8 +107,7 @@ def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
     def every_task(q, k, v, step, size, rank, chunk, s, scale, impl):   # distflash: no task skipped in the op
         plan = distflash._op_plan(step, size, rank, chunk, q.device)
         work.issued(q, k)
-        o, lse = distflash.get_kernel(distflash.RingImpl(impl)).forward(q, k, v, scale,
-                                                                          distflash.task_mask(plan, distflash._task(plan, s)))
+        o, lse = distflash.kernel_named(impl).forward(q, k, v, scale, distflash.task_mask(plan, distflash._task(plan, s)))
         return o.to(distflash.acc_dtype(q)), lse.to(distflash.acc_dtype(q))
 
     def without_runs(step, layout, size, rank, chunk, causal, window, src, select, device):
