@@ -61,8 +61,14 @@ def _eager_flex(attn: str):
         return
     import torch.nn.attention.flex_attention as fa
 
-    with torch._dynamo.config.patch(disable=True), mock.patch.object(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True):
-        yield
+    try:
+        with torch._dynamo.config.patch(disable=True), mock.patch.object(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG",
+                                                                          True):
+            yield
+    finally:
+        # frames first met while dynamo was disabled stay marked as skipped in this worker: a later test's compiled
+        # flex_attention (fullgraph) would then find no compiled frame and fail, depending on the test order
+        torch._dynamo.reset()
 
 
 # Each S is measured REPEATS times and the smallest peak kept: a collective's input buffer is released when
