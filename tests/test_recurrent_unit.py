@@ -126,6 +126,36 @@ def test_conv_halo_single_process(split, kernel_size):
         assert jr.rel(out, full) < 1e-12
 
 
+def test_conv_halo_compiles_once_over_chunks_shorter_than_the_conv():
+    """The halo of a chunk (``_tail``, ``halos_from_tails``) as a compiled block sees it: the chunk lengths are dynamic
+    sizes, and a chunk shorter than the conv's reach takes the same graph as a longer one (before: ``max(0, L - w)``
+    and ``min(L, w)`` branched on the length, one more graph for a documents part of 2 tokens, late in training).
+    Every length exact against the full conv."""
+    import torch._dynamo
+    from ringmaster.recurrent.conv import _tail
+
+    inputs = jr.conv_inputs(k=4)
+    x, weight, bias = inputs["x"], inputs["weight"], inputs["bias"]
+    full = naive.causal_conv1d(x, weight, bias, "silu")
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def second_chunk(first, second):
+        halos = halos_from_tails([_tail(first, 3), _tail(second, 3)], [first.shape[-1], second.shape[-1]], 3)
+        return conv_with_halo(naive.causal_conv1d_ref, second, halos[1], weight, bias, "silu")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(second_chunk, backend=count, fullgraph=True, dynamic=True)
+    for cut in (9, 2, 7, 3, 2, 12):   # the first chunk longer and shorter than the conv's 3 inputs of halo
+        out = compiled(x[..., :cut], x[..., cut:])
+        assert jr.rel(out, full[..., cut:]) < 1e-12, cut
+    assert len(graphs) == 1, len(graphs)
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- real collectives
 
 POOL_CASES = [

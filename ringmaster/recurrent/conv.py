@@ -27,29 +27,32 @@ from .scan import chunk_ids, split_local, tie
 
 
 def _tail(x: torch.Tensor, width: int) -> torch.Tensor:
-    """The last ``width`` columns of ``x [..., L]``, left-padded with zeros when ``L < width``."""
-    t = x[..., max(0, x.shape[-1] - width):]
-    if t.shape[-1] < width:
-        t = torch.cat([t.new_zeros(*t.shape[:-1], width - t.shape[-1]), t], dim=-1)
-    return t
+    """The last ``width`` columns of ``x [..., L]``, left-padded with zeros when ``L < width``. Index arithmetic on
+    ``L``, no branch on it: a compiled block keeps one graph for a chunk shorter than the conv and a longer one."""
+    if x.shape[-1] == 0:   # static in any graph: dynamo specialises sizes 0 and 1
+        return x.new_zeros(*x.shape[:-1], width)
+    idx = torch.arange(-width, 0, device=x.device) + x.shape[-1]
+    return torch.where(idx >= 0, x.index_select(-1, idx.clamp(min=0)), 0)
 
 
 def halos_from_tails(tails: Sequence[torch.Tensor], lengths: Sequence[int], width: int) -> list[torch.Tensor]:
     """``tails[c]``: chunk c's zero-padded tail (sequence order), ``lengths[c]`` its length.
-    Returns the halo entering every chunk: the last ``width`` real inputs before it (zeros first)."""
-    halos = []
-    for c in range(len(tails)):
-        parts, have = [], 0
-        for j in range(c - 1, -1, -1):
-            if have >= width:
-                break
-            valid = min(lengths[j], width)
-            if valid:
-                parts.append(tails[j][..., width - valid:])
-                have += valid
-        ref = tails[c]
-        halo = torch.cat(parts[::-1], dim=-1) if parts else ref.new_zeros(*ref.shape[:-1], 0)
-        halos.append(_tail(halo, width))
+    Returns the halo entering every chunk: the last ``width`` real inputs before it (zeros first).
+
+    A tail's real columns are its last ``min(length, width)``; the halo takes the last ``width`` real columns of
+    the tails before it, placed by a count from the right (a scatter, the others into a dropped slot). The
+    lengths are sizes, maybe dynamic ones: nothing here branches on them, so a compiled block does not
+    specialise on a chunk shorter than the conv."""
+    ref = tails[0]
+    col = torch.arange(width, device=ref.device)
+    halos = [ref.new_zeros(*ref.shape[:-1], width)]
+    for c in range(1, len(tails)):
+        real = torch.cat([col + lengths[j] >= width for j in range(c)])                  # [c * width]
+        from_right = real.flip(0).long().cumsum(0).flip(0)                              # real columns at or after
+        slot = torch.where(real & (from_right <= width), width - from_right, width)     # width: dropped
+        cat = torch.cat(list(tails[:c]), dim=-1)
+        halo = cat.new_zeros(*cat.shape[:-1], width + 1).scatter(-1, slot.expand_as(cat), cat)
+        halos.append(halo[..., :width])
     return halos
 
 
@@ -105,7 +108,9 @@ def conv_with_documents(kernel: Callable, x: torch.Tensor, halo: torch.Tensor, d
     hdoc = docs.to(x.device)[:, hpos.clamp(min=0)]
     keep = (hdoc == d[:, :1]) & (hpos >= 0)                               # [b, width]
     halo = halo.to(x.dtype) * keep[:, None, :].to(x.dtype)
-    starts = torch.cat([d.new_zeros(b, 1), (d[:, 1:] != d[:, :-1]).long().cumsum(-1)], dim=-1)   # [b, m]
+    # [b, m]: document starts up to each column (diff with the first column prepended: no size m - 1, which a
+    # compiled block would specialise on at m = 2)
+    starts = (torch.diff(d, dim=-1, prepend=d[:, :1]) != 0).long().cumsum(-1)
     # the most document starts inside the chunk of any row: from the host runs (``runs``, made in the shard step)
     if gaps is None:
         if runs is None:
