@@ -22,7 +22,7 @@ from .architectures import (classify_layers, get_architecture, position_conventi
                             stateful_layers, text_config, unforked_dropout, unsupported_message)
 from .architectures.heads import common_split, head_splits
 from .architectures import mixing
-from .attention import bridge, layer_rules, local, relbias
+from .attention import bridge, flash_kernels, layer_rules, local, relbias
 from .attention.accounting import arm
 from .attention.ring import distflash
 from .attention.ring.kernels import check_dtype
@@ -105,7 +105,15 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append("ring_impl='hf_kernels': a compiled ring runs the hub flash kernel inside ringmaster's custom "
                      "ops (torch.ops.ringmaster.ring_block / distflash_task), shown on the CPU stand-in only, not yet "
                      "run on a GPU; ring_impl='aten' is the path measured compiled there")
-    if inner not in COMPILE_VERIFIED_INNER:
+    if cfg.ulysses_size > 1 and flash_kernels.is_flash(inner):
+        notes.append(f"inner attention {inner!r} under Ulysses is not shown to compile with fullgraph=True: ringmaster "
+                     "calls the kernel's varlen function in the block with the step's cu_seqlens and max_seqlen, so "
+                     "dynamo traces the kernel's Python (on the CPU stand-in it stops at a data-dependent guard on "
+                     "cu_seqlens, dense rows included), and a kernel whose varlen call is a torch.library op still "
+                     "takes max_seqlen as a per-packing int. Not run on a GPU. For compiled blocks use "
+                     "attn_implementation='sdpa' or 'flex_attention' under Ulysses, or backend='ring' with "
+                     "ring_impl='hf_kernels' (its blocks run inside ringmaster's ops)")
+    elif inner not in COMPILE_VERIFIED_INNER:
         notes.append(f"inner attention {inner!r} is not shown to compile with fullgraph=True (checked: "
                      f"{', '.join(COMPILE_VERIFIED_INNER)})")
     kinds = sorted(set(recurrent_kinds))

@@ -275,6 +275,9 @@ def test_wire_for_compile_names_what_does_not_compile():
     assert "hf_kernels" in text and "flash_attention_2" in text and "recurrent='scan'" in text and "rwkv" in text
     ok = rm.RingmasterConfig(size=2, backend="ulysses").resolve(num_kv_heads=2)
     assert compile_notes(ok, "sdpa", [], "scan") == []
+    # a flash kernel as Ulysses' inner attention: the reason (its varlen call traced, per-packing bounds) and the fix
+    flash = compile_notes(ok, "flash_attention_2", [], "scan")
+    assert len(flash) == 1 and "max_seqlen" in flash[0] and "ring_impl='hf_kernels'" in flash[0], flash
     hybrid = compile_notes(ok, "sdpa", ["gated_deltanet", "mamba2"], "scan")
     assert len(hybrid) == 1 and "padded pieces" in hybrid[0] and "dynamic sizes" in hybrid[0], hybrid
     stabilised = compile_notes(ok, "sdpa", ["mlstm", "rwkv", "rwkv_channel_mix"], "scan")
