@@ -2,6 +2,7 @@
 
     python benchmarks/compile.py [--models llama,gdn-hybrid,mamba2-hybrid] [--backends ulysses,...]
                                  [--batches dense,packed,padded,documents] [--steps 50] [--compiler eager]
+                                 [--size 2] [--dynamic] [--flash]
 
 Per (model, backend, batch), on every rank (two-block tiny models, fp32, S=64; P=2, USP 2x2 at P=4): every decoder
 block compiled with ``torch.compile(block, fullgraph=True)`` before the first CP step, then ``--steps`` steps,
@@ -18,8 +19,11 @@ vs eager on the packed steps after the first (whose one-time checks replay it ea
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from functools import partial
 
 BACKENDS = ("ulysses", "ring-alltoall", "ring-allgather", "distflash", "usp")
 
@@ -33,7 +37,19 @@ def main() -> None:
     parser.add_argument("--compiler", default="eager", help="torch.compile backend of the blocks")
     parser.add_argument("--size", type=int, default=2, help="CP size of every backend but USP (2x2 at 4)")
     parser.add_argument("--dynamic", action="store_true", help="compile the blocks with dynamic=True")
+    parser.add_argument("--flash", action="store_true",
+                        help="name the CP model's attention flash_attention_2: the hub flash kernel (the ring's "
+                             "blocks, Ulysses' inner attention), here ringmaster's CPU stand-in (tests/standins) "
+                             "through kernels' LOCAL_KERNELS; the reference without CP stays on sdpa")
     args = parser.parse_args()
+    prepare = None
+    if args.flash:   # before the pool starts: its ranks inherit LOCAL_KERNELS
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from jobs_ring import as_flash_model
+        from standins.flash_repos import local_kernels
+
+        os.environ["LOCAL_KERNELS"] = local_kernels(os.environ.get("LOCAL_KERNELS"))
+        prepare = partial(as_flash_model, name="flash_attention_2")
 
     from ringmaster_tools import packings
     from ringmaster_tools.pool import LocalPool, torch_kernels_only
@@ -54,8 +70,9 @@ def main() -> None:
                     row = {"model": model, "backend": name, "batch": batch, "P": size}
                     try:
                         c = pool.run(packings.over_packings, model, name, batch, args.steps, size=size,
-                                     compiler=args.compiler, dynamic=True if args.dynamic else None)
-                        e = pool.run(packings.over_packings, model, name, batch, args.steps, size=size, eager=True)
+                                     compiler=args.compiler, dynamic=True if args.dynamic else None, prepare=prepare)
+                        e = pool.run(packings.over_packings, model, name, batch, args.steps, size=size, eager=True,
+                                     prepare=prepare)
                     except Exception as exc:   # a rank raised: the row says where
                         row["error"] = str(exc).strip().splitlines()[-1][:100]
                         if pool.broken:

@@ -105,14 +105,14 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append("ring_impl='hf_kernels': a compiled ring runs the hub flash kernel inside ringmaster's custom "
                      "ops (torch.ops.ringmaster.ring_block / distflash_task), shown on the CPU stand-in only, not yet "
                      "run on a GPU; ring_impl='aten' is the path measured compiled there")
-    if cfg.ulysses_size > 1 and flash_kernels.is_flash(inner):
-        notes.append(f"inner attention {inner!r} under Ulysses is not shown to compile with fullgraph=True: ringmaster "
-                     "calls the kernel's varlen function in the block with the step's cu_seqlens and max_seqlen, so "
-                     "dynamo traces the kernel's Python (on the CPU stand-in it stops at a data-dependent guard on "
-                     "cu_seqlens, dense rows included), and a kernel whose varlen call is a torch.library op still "
-                     "takes max_seqlen as a per-packing int. Not run on a GPU. For compiled blocks use "
-                     "attn_implementation='sdpa' or 'flex_attention' under Ulysses, or backend='ring' with "
-                     "ring_impl='hf_kernels' (its blocks run inside ringmaster's ops)")
+    if cfg.ulysses_size > 1 and cfg.ring_size == 1 and flash_kernels.is_flash(inner):
+        notes.append(f"inner attention {inner!r} under Ulysses: a compiled block runs the kernel's low-level varlen "
+                     "functions inside ringmaster's op (torch.ops.ringmaster.flash_varlen, its boundaries read on the "
+                     "host from the step's handle), shown on the CPU stand-in only, not yet run on a GPU; with "
+                     "attention sinks or attention dropout the kernel's flash_attn_varlen_func is traced instead, "
+                     "which is not shown to compile (on the CPU stand-in fullgraph fails, and max_seqlen is a "
+                     "per-packing int): compile a model with sinks on sdpa or flex_attention, and set "
+                     "attention_dropout=0")
     elif inner not in COMPILE_VERIFIED_INNER:
         notes.append(f"inner attention {inner!r} is not shown to compile with fullgraph=True (checked: "
                      f"{', '.join(COMPILE_VERIFIED_INNER)})")

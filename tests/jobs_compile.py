@@ -239,26 +239,32 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
 
 
 def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
-    """llama whose attention is named ``flash_attention_2`` (the ring's ``ring_impl="auto"`` runs the hub flash kernel:
-    here ringmaster's CPU stand-in, resolved through ``kernels``' LOCAL_KERNELS), its blocks compiled with
-    fullgraph=True, over ``steps`` new packings against the model without CP on sdpa; the ring's blocks run inside
-    ringmaster's ops (``ring_block``, ``distflash_task``), the hub kernel's varlen calls with them. ``calls``: the hub
-    block kernel's forward calls. ``old_path``: the mutation, the hub kernel traced in the block as before
-    (``hf.BY_OP`` without it): the traced plan reads the host runs of each packing."""
+    """llama whose attention is named ``flash_attention_2`` (the ring's ``ring_impl="auto"`` runs the hub flash kernel,
+    Ulysses calls it as its inner attention: here ringmaster's CPU stand-in, resolved through ``kernels``'
+    LOCAL_KERNELS), its blocks compiled with fullgraph=True, over ``steps`` new packings against the model without CP
+    on sdpa; the ring's blocks run inside ringmaster's ops (``ring_block``, ``distflash_task``), Ulysses' varlen call
+    inside ``flash_varlen``, the hub kernel's calls with them. ``calls``: the hub block kernel's forward calls (the
+    ring) or the kernel's low-level varlen forward calls (Ulysses). ``old_path``: the mutation, the hub kernel traced
+    in the block as before (``hf.BY_OP`` without it; Ulysses: ``flash_op.compiles`` answering False): the traced
+    plan reads the host runs of each packing."""
     from jobs_ring import as_flash_model
 
+    from ringmaster.attention import flash_op
     from ringmaster.attention.ring import hf, hub
     from ringmaster_tools import packings
 
-    calls, forward, by_op = [], hub.HfKernelsKernel.forward, hf.BY_OP
+    ulysses = backend.startswith("ulysses")
+    owner, name = (hub._HubOps, "varlen_fwd") if ulysses else (hub.HfKernelsKernel, "forward")
+    calls, forward, by_op, compiles = [], getattr(owner, name), hf.BY_OP, flash_op.compiles
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return forward(self, *args, **kwargs)
 
-    hub.HfKernelsKernel.forward = counted
+    setattr(owner, name, counted)
     if old_path:
         hf.BY_OP = tuple(k for k in by_op if k is not hf.RingImpl.HF_KERNELS)
+        flash_op.compiles = lambda sinks, dropout: False
     try:
         r = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P,
                                    prepare=lambda model: as_flash_model(model, "flash_attention_2"))
@@ -267,5 +273,6 @@ def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
             raise
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     finally:
-        hub.HfKernelsKernel.forward, hf.BY_OP = forward, by_op
+        setattr(owner, name, forward)
+        hf.BY_OP, flash_op.compiles = by_op, compiles
     return {**r, "calls": len(calls)}

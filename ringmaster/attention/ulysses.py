@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all
-from . import flash_kernels
+from . import flash_kernels, flash_op
 from .binding import AttentionBinding
 from . import relbias, tiled
 from .token_sinks import KWARG as TOKEN_SINKS
@@ -270,7 +270,6 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
     q, k, v = seq_to_head([query, key, value], group)  # [B, h, S, D]
     B, hq, S, D = q.shape
     dv = v.shape[-1]
-    cu, longest = cpb.varlen_bounds(B, q.device)
     cast = flash_kernels.target_dtype(q, module)  # as transformers' flash path: fp32 in -> the model's dtype
 
     def packed(t, width=None):
@@ -280,6 +279,13 @@ def flash_ulysses(module, query, key, value, *, binding: AttentionBinding, cpb, 
         return t if cast is None else t.to(cast)
 
     local_sinks = None if sinks is None else local_heads(sinks, rank, hq)
-    out = kernel.varlen(packed(q), packed(k), packed(v, D), cu, longest, scale=float(scale), causal=causal,
-                        window=window, softcap=softcap, dropout=dropout, sinks=local_sinks)
+    if torch.compiler.is_compiling() and flash_op.compiles(local_sinks, dropout):
+        # in a compiled block: the kernel inside ringmaster's op, its boundaries read on the host from the step's
+        # opaque handle (no kernel Python traced, no per-packing int in the graph)
+        out = flash_op.flash_varlen(packed(q), packed(k), packed(v, D), cpb, B, kernel.name, window, causal, softcap,
+                                    float(scale))
+    else:
+        cu, longest = cpb.varlen_bounds(B, q.device)
+        out = kernel.varlen(packed(q), packed(k), packed(v, D), cu, longest, scale=float(scale), causal=causal,
+                            window=window, softcap=softcap, dropout=dropout, sinks=local_sinks)
     return head_to_seq(out[..., :dv].reshape(B, S, hq, dv), group), None

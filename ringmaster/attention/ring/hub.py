@@ -189,6 +189,12 @@ class _HubOps:
                               cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
+def hub_ops(inner: str, softcap=None) -> _HubOps:
+    """The low-level forward/backward functions (dense and varlen) of the flash kernel the model's attention ``inner``
+    names, calling it with ``softcap`` (Ulysses' compiled flash call, :mod:`ringmaster.attention.flash_op`)."""
+    return _HubOps(load_flash_kernel(inner), inner).capped(softcap)
+
+
 class HfKernelsKernel:
     """The block-kernel interface over a hub flash kernel, resolved from the model's attention
     (``flash_attention_2/3`` or a hub repo id) once, when the runtime binds it."""
