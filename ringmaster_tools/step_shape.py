@@ -34,6 +34,9 @@ MODELS = {
     # the stabilised states: padding made neutral through the gates (mLSTM) or the keys (RWKV's WKV)
     "xlstm": ("xlstm", dict(num_blocks=2)),
     "rwkv": ("rwkv", dict(num_hidden_layers=2)),
+    # a sliding window (12 of 64 tokens) and logit soft-capping (at 0.5: the tiny model's logits reach it), what a
+    # flash kernel takes as window_size / softcap
+    "gemma2-window-softcap": ("gemma2", dict(num_hidden_layers=2, sliding_window=12, attn_logit_softcapping=0.5)),
 }
 
 # two decoder blocks (one attention, one recurrent for the hybrids): the same code paths, half the compiles
@@ -43,7 +46,7 @@ TWO_BLOCKS = {
     "mamba2-hybrid": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "llama-flex": dict(num_hidden_layers=2),
     **{name: {} for name in ("mamba1", "kda-hybrid", "lightning-hybrid", "rglru-hybrid", "conv-hybrid", "xlstm",
-                             "rwkv")},
+                             "rwkv", "gemma2-window-softcap")},
 }
 
 # backend name -> RingmasterConfig fields (size added per run)

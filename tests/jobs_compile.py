@@ -238,7 +238,7 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         rwkv.PAD_KEY, mlstm.PAD_IGATE, mlstm.PAD_FGATE = pads
 
 
-def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
+def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False, model="llama"):
     """llama whose attention is named ``flash_attention_2`` (the ring's ``ring_impl="auto"`` runs the hub flash kernel,
     Ulysses calls it as its inner attention: here ringmaster's CPU stand-in, resolved through ``kernels``'
     LOCAL_KERNELS), its blocks compiled with fullgraph=True, over ``steps`` new packings against the model without CP
@@ -246,7 +246,8 @@ def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
     inside ``flash_varlen``, the hub kernel's calls with them. ``calls``: the hub block kernel's forward calls (the
     ring) or the kernel's low-level varlen forward calls (Ulysses). ``old_path``: the mutation, the hub kernel traced
     in the block as before (``hf.BY_OP`` without it; Ulysses: ``flash_op.compiles`` answering False): the traced
-    plan reads the host runs of each packing."""
+    plan reads the host runs of each packing. ``model``: a ``step_shape.MODELS`` name (``gemma2-window-softcap``:
+    the kernel's window_size and softcap)."""
     from jobs_ring import as_flash_model
 
     from ringmaster.attention import flash_op
@@ -266,8 +267,8 @@ def hub_flash_over_packings(ctx, backend, steps, P=2, old_path=False):
         hf.BY_OP = tuple(k for k in by_op if k is not hf.RingImpl.HF_KERNELS)
         flash_op.compiles = lambda sinks, dropout: False
     try:
-        r = packings.over_packings(ctx, "llama", backend, "packed", steps, size=P,
-                                   prepare=lambda model: as_flash_model(model, "flash_attention_2"))
+        r = packings.over_packings(ctx, model, backend, "packed", steps, size=P,
+                                   prepare=lambda cp_model: as_flash_model(cp_model, "flash_attention_2"))
     except Exception as e:   # the mutation: dynamo cannot trace the hub kernel's host-cut varlen calls
         if not old_path:
             raise

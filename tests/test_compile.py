@@ -265,6 +265,15 @@ def test_hub_flash_kernel_compiles_inside_the_ops(pool, backend):
             assert "raised" in r, r
 
 
+def test_ulysses_flash_op_takes_the_window_and_softcap(pool):
+    """Ulysses' compiled flash call on a gemma2 with a sliding window (12 of 64 tokens) and logit soft-capping:
+    the op hands the kernel its window_size and softcap, exact on every packing, no per-packing graph (its two
+    blocks are a sliding and a full layer)."""
+    for r in pool.run(jobs_compile.hub_flash_over_packings, "ulysses", 4, model="gemma2-window-softcap"):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= 2 and r["calls"] > 0, r
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
+
+
 def test_wire_for_compile_names_what_does_not_compile():
     """``rm.wire(compile=True)`` reports (and warns) the paths that do not compile or are not shown to."""
     import ringmaster as rm
