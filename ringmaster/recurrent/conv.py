@@ -39,21 +39,23 @@ def halos_from_tails(tails: Sequence[torch.Tensor], lengths: Sequence[int], widt
     """``tails[c]``: chunk c's zero-padded tail (sequence order), ``lengths[c]`` its length.
     Returns the halo entering every chunk: the last ``width`` real inputs before it (zeros first).
 
-    A tail's real columns are its last ``min(length, width)``; the halo takes the last ``width`` real columns of
-    the tails before it, placed by a count from the right (a scatter, the others into a dropped slot). The
-    lengths are sizes, maybe dynamic ones: nothing here branches on them, so a compiled block does not
-    specialise on a chunk shorter than the conv."""
-    ref = tails[0]
+    A tail's real columns are its last ``min(length, width)``. Over all tails side by side, ``count`` numbers the
+    real columns; the halo of chunk c takes, for each of its ``width`` slots, the real column whose number is the
+    count before chunk c less the slots to its right (a binary search of ``count``), zero where that number is
+    below 1. One gather for every chunk, whatever the CP size; the lengths are sizes, maybe dynamic ones, and
+    nothing branches on them, so a compiled block does not specialise on a chunk shorter than the conv."""
+    n, ref = len(tails), tails[0]
     col = torch.arange(width, device=ref.device)
-    halos = [ref.new_zeros(*ref.shape[:-1], width)]
-    for c in range(1, len(tails)):
-        real = torch.cat([col + lengths[j] >= width for j in range(c)])                  # [c * width]
-        from_right = real.flip(0).long().cumsum(0).flip(0)                              # real columns at or after
-        slot = torch.where(real & (from_right <= width), width - from_right, width)     # width: dropped
-        cat = torch.cat(list(tails[:c]), dim=-1)
-        halo = cat.new_zeros(*cat.shape[:-1], width + 1).scatter(-1, slot.expand_as(cat), cat)
-        halos.append(halo[..., :width])
-    return halos
+    real = torch.cat([col + lengths[j] >= width for j in range(n)])                     # [n * width]
+    count = real.long().cumsum(0)                                                       # real columns up to each
+    before = torch.cat([count.new_zeros(1), count[width - 1::width][:n - 1]])           # [n]: before each chunk
+    number = before[:, None] - (width - 1 - col)                                        # [n, width]
+    pos = torch.searchsorted(count, number.clamp(min=1))                                # its column
+    pos = pos.clamp(max=n * width - 1)
+    side = torch.cat(list(tails), dim=-1)                                               # [..., n * width]
+    halos = side.index_select(-1, pos.reshape(-1)).unflatten(-1, (n, width))
+    halos = torch.where(number >= 1, halos, 0)
+    return list(halos.unbind(-2))
 
 
 def exchange_halos(chunks: Sequence[torch.Tensor], width: int, group, layout: str,
