@@ -22,9 +22,12 @@ LAYOUTS = {
     "ring": dict(backend="ring"),
     "documents": dict(backend="ring", load_balance="documents", documents_threshold=16),
 }
-S = 64
-REFUSAL_S = 32   # loss_refusals' rows (refused at the first forward's check, before any backward)
-PACKED = {S: [S - 24, 8, 9, 7], REFUSAL_S: [REFUSAL_S - 12, 5, 7]}   # the first document crosses the shard edge
+# rows of 32 tokens (Liger's RoPE kernel runs a program per token under the interpreter): the parity runs and
+# loss_refusals' refusals (refused at the first forward's check, before any backward); its mutation trains on 64,
+# where a mean over the shard's labels differs from the mean over the batch's (on the 32-token row they coincide)
+S = 32
+MUTATION_S = 64
+PACKED = {S: [S - 12, 5, 7]}   # the first document crosses the shard edge
 
 
 def _batch(kind: str, vocab: int, seq_len: int = S) -> tuple[dict, object]:
@@ -159,10 +162,8 @@ def loss_refusals(ctx, layouts: list[str], P: int = 2, mutation: str | None = No
     try:
         base = _family_model("llama")
         for layout in layouts:
-            # a refusal needs no reference and no particular length: rows of 32 tokens (Liger's RoPE kernel, a program
-            # per token under the interpreter, is most of the first forward's check); the mutation trains on 64
             batch, forward = _batch("packed" if layout == "documents" else "dense", base.config.vocab_size,
-                                    S if mutation else REFUSAL_S)
+                                    MUTATION_S if mutation else S)
             model = copy.deepcopy(base)
             cfg = rm.RingmasterConfig(size=P, **LAYOUTS[layout])
             with liger("llama", KERNELS, model=model, drop_num_items=True):
