@@ -74,17 +74,7 @@ if handle.AVAILABLE:
     def _(dout, q, k, v, out, lse, step, rows, kernel, left, right, softcap, scale):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def _setup(ctx, inputs, output):
-        q, k, v, *args = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.args = tuple(args)
-
-    def _grad(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_flash_varlen_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args),
-                *([None] * len(ctx.args)))
-
-    _flash_varlen.register_autograd(_grad, setup_context=_setup)
+    handle.differentiable(_flash_varlen, _flash_varlen_backward)
 
 
 def flash_varlen(q, k, v, cpb, rows: int, kernel: str, window, causal: bool, softcap, scale: float) -> torch.Tensor:

@@ -287,17 +287,7 @@ if handle.AVAILABLE:
     def _(dout, q, k, v, out, lse, step, causal, window, scale, tile):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def _setup(ctx, inputs, output):
-        q, k, v, step, causal, window, scale, tile = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.args = (step, causal, window, scale, tile)
-
-    def _backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_sdpa_tiles_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args), None, None, None, None,
-                None)
-
-    _sdpa_tiles.register_autograd(_backward, setup_context=_setup)
+    handle.differentiable(_sdpa_tiles, _sdpa_tiles_backward)
 
 
 def compiled_tiles(module, q, k, v, cpb, causal: bool, window, kwargs: dict, tile: int | None = None):

@@ -35,3 +35,19 @@ if AVAILABLE:
         register_opaque_type(StepHandle, typ="reference")
     except (TypeError, ValueError, RuntimeError):   # an opaque-object API this code does not know
         AVAILABLE = False
+
+
+def differentiable(op, backward_op) -> None:
+    """Autograd for a custom attention op ``op(q, k, v, *args) -> (out, lse)`` whose backward is the custom op
+    ``backward_op(dout, q, k, v, out, lse, *args) -> (dq, dk, dv)``: saves the inputs and outputs, and gives the other
+    arguments (the step handle among them) no gradient. The lse's own gradient is never taken."""
+    def setup(ctx, inputs, output):
+        q, k, v, *args = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.args = tuple(args)
+
+    def grad(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*backward_op(dout.contiguous(), q, k, v, out, lse, *ctx.args), *([None] * len(ctx.args)))
+
+    op.register_autograd(grad, setup_context=setup)
