@@ -76,6 +76,9 @@ class FlashKernel:
     source: str                    # the package or hub repo the module came from
     module: ModuleType = field(repr=False)
     params: frozenset = field(default_factory=frozenset)
+    # what other code derives from this module once per loaded kernel (the ring's low-level interface, read from
+    # its functions' signatures: ring/hub.hub_ops), kept as long as the kernel is
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def sink_kwarg(self) -> str | None:

@@ -41,15 +41,15 @@ from .masks import as_block_mask
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def load_flash_kernel(inner: str):
-    """The kernel module for the model's flash attention ``inner`` (``flash_attention_2/3/4`` or a hub repo
-    id), through the resolver Ulysses uses (:func:`ringmaster.attention.flash_kernels.load`: the installed
+def load_flash_kernel(inner: str) -> flash_kernels.FlashKernel:
+    """The loaded kernel (its module: ``.module``) for the model's flash attention ``inner`` (``flash_attention_2/3/4``
+    or a hub repo id), through the resolver Ulysses uses (:func:`ringmaster.attention.flash_kernels.load`: the installed
     package's interface module, else ``kernels.get_kernel`` with ``LOCAL_KERNELS`` honoured), so both
     backends run the same kernel for the same model."""
     if not flash_kernels.is_flash(inner):
         raise ValueError(f"ring_impl='hf_kernels' needs a flash model (flash_attention_2/3/4 or a hub kernel repo), "
                          f"the model uses {inner!r}; use ring_impl='aten'")
-    return flash_kernels.load(inner).module
+    return flash_kernels.load(inner)
 
 
 _ALIASES = {"causal": ("causal", "is_causal"), "softmax_lse": ("softmax_lse", "lse")}
@@ -191,8 +191,13 @@ class _HubOps:
 
 def hub_ops(inner: str, softcap=None) -> _HubOps:
     """The low-level forward/backward functions (dense and varlen) of the flash kernel the model's attention ``inner``
-    names, calling it with ``softcap`` (Ulysses' compiled flash call, :mod:`ringmaster.attention.flash_op`)."""
-    return _HubOps(load_flash_kernel(inner), inner).capped(softcap)
+    names, calling it with ``softcap``: read from their signatures once per loaded kernel (the ops of a compiled
+    block ask for them on every call: the ring's blocks, Ulysses' varlen call in :mod:`ringmaster.attention.flash_op`)."""
+    kernel = load_flash_kernel(inner)
+    ops = kernel.memo.get("hub_ops")
+    if ops is None:
+        ops = kernel.memo["hub_ops"] = _HubOps(kernel.module, inner)
+    return ops.capped(softcap)
 
 
 class HfKernelsKernel:
@@ -204,7 +209,7 @@ class HfKernelsKernel:
     def __init__(self, inner: str | None = None, module=None):
         inner = inner or "flash_attention_2"
         self.inner = inner
-        self.ops = _HubOps(module if module is not None else load_flash_kernel(inner), inner)
+        self.ops = _HubOps(module, inner) if module is not None else hub_ops(inner)
 
     def check(self, q, v, softcap=None) -> None:
         """Refuse, before any collective, a softcap this kernel's functions cannot take."""
