@@ -26,6 +26,9 @@ import time
 from functools import partial
 
 BACKENDS = ("ulysses", "ring-alltoall", "ring-allgather", "distflash", "usp")
+# each backend's configuration under load_balance="documents" (ringmaster_tools.step_shape.BACKENDS)
+DOCUMENTS = {"ulysses": "ulysses-documents", "ring-alltoall": "ring-documents",
+             "ring-allgather": "ring-allgather-documents", "usp": "usp-documents"}
 
 
 def main() -> None:
@@ -61,10 +64,10 @@ def main() -> None:
             for backend in args.backends.split(","):
                 for batch in args.batches.split(","):
                     name = backend
-                    if batch == "documents":
-                        if backend not in ("ulysses", "ring-alltoall"):
+                    if batch == "documents":   # load_balance="documents" (distflash is a load balance of its own)
+                        if backend not in DOCUMENTS:
                             continue
-                        name = backend.split("-")[0] + "-documents"
+                        name = DOCUMENTS[backend]
                     size = 4 if backend == "usp" else args.size
                     t0 = time.time()
                     row = {"model": model, "backend": name, "batch": batch, "P": size}

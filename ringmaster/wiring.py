@@ -128,8 +128,8 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
                      "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
                      "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
-                     "not per packing (measured over 30 packings: 4-6 graphs for a hybrid, 4 for two mLSTM blocks, 8 "
-                     "for two RWKV blocks); a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) adds "
+                     "not per packing (measured over 50 packings on every backend: 5-7 graphs for a hybrid on packed "
+                     "rows, 3-4 on padded rows; over 30: 4 for two mLSTM blocks, 8 for two RWKV blocks); a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) adds "
                      "one per power-of-two piece length at most; a packing whose pieces would pad past 4x the chunk "
                      "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
@@ -138,11 +138,13 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
                      "two-block models, 50 packings, Ulysses and Ring: 7-8 graphs for a gated-DeltaNet hybrid, 9-11 "
                      "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA, 10-12 lightning, 12-14 for "
-                     "two RWKV blocks), past dynamo's default limit of 8 for some. Compile the blocks with "
+                     "two RWKV blocks; 50, at 4 ranks, USP 2x2: 9-15 for both hybrids, more ranks holding more "
+                     "combinations), past dynamo's default limit of 8 for some. Compile the blocks with "
                      "torch.compile(block, fullgraph=True, dynamic=True): no static first graph, and no graph "
                      "for each size that changes for the first time (measured, 30 packings, Ulysses: 4-5 graphs "
                      "for a gated-DeltaNet hybrid, 6-7 Mamba2, 7 RG-LRU, 8 lightning); else raise "
-                     "torch._dynamo.config.recompile_limit (16), or use a static load_balance for compiled hybrids")
+                     "torch._dynamo.config.recompile_limit (16; 32 at 4 ranks or more), or use a static "
+                     "load_balance for compiled hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
     if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(looped or padded)}) under load_balance='documents' keep compiling "

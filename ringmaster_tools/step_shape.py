@@ -60,6 +60,9 @@ BACKENDS = {
     # load_balance="documents" on the packed batch [20, 28, 16]: the two longer documents split, the 16 whole
     "ulysses-documents": dict(backend="ulysses", load_balance="documents", documents_threshold=16),
     "ring-documents": dict(backend="ring", rotate_method="alltoall", load_balance="documents", documents_threshold=16),
+    "ring-allgather-documents": dict(backend="ring", rotate_method="allgather", load_balance="documents",
+                                     documents_threshold=16),
+    "usp-documents": dict(backend="usp", ulysses_size=2, ring_size=2, load_balance="documents", documents_threshold=16),
     # recurrent="heads": the recurrent layers head-parallel (whole rows for H/P heads)
     "ulysses-heads": dict(backend="ulysses", recurrent="heads"),
     "ring-heads": dict(backend="ring", rotate_method="alltoall", load_balance="head_tail", recurrent="heads"),

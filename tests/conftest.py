@@ -1,4 +1,5 @@
-"""One pool of 4 CPU gloo ranks per test session: spawning per test is too slow on 2 cores.
+"""One pool of 4 CPU gloo ranks per test session (per pytest-xdist worker: the README's ``-n 2`` runs two, each
+with its own pool, and ``--dist loadfile`` keeps a file's tests on one): spawning per test is too slow on 2 cores.
 
 P=2 cases run on the first CP group of a ("dp", "cp") = (2, 2) mesh (the pool is solo: the other group leaves the job, so the group that runs it has both cores; modules that need every rank set ALL_GROUPS);
 P=4 cases on (1, 4).

@@ -147,7 +147,7 @@ def test_readme_command_extraction_can_fail():
 def test_quick_start_commands_are_what_ci_runs():
     """The quick start's two commands, exactly as .ci/run runs them after the developer install."""
     readme, ci = _read("README.md"), _read(".ci", "run").splitlines()
-    for command in ("ringmaster demo", "python -m pytest -q tests"):
+    for command in ("ringmaster demo", "python -m pytest -q -n 2 tests"):
         assert re.search(rf"^{re.escape(command)}\s+#", readme, re.MULTILINE), command
         assert command in ci, command
 
