@@ -79,7 +79,7 @@ class WireReport:
         return "\n".join(lines)
 
 
-# recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile.py,
+# recurrent kinds whose scan path is shown to compile with fullgraph=True (tests/test_compile_recurrent.py,
 # benchmarks/step_shape.py); the others run, exactly, but have not been traced
 # recurrent kinds whose compiled blocks run packed rows as padded pieces (recurrent.documents.PiecesSegment)
 PIECES_KINDS = ("gated_deltanet", "kda", "mamba2", "mamba1", "lightning", "rglru", "mlstm", "rwkv")

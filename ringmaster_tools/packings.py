@@ -1,6 +1,7 @@
 """Compiled training over many packings: graphs per block, recompiles and exactness on every step.
 
-Run on every rank of a CP group (a ``LocalPool`` job: ``benchmarks/compile.py``, ``tests/test_compile.py``).
+Run on every rank of a CP group (a ``LocalPool`` job: ``benchmarks/compile.py``, ``tests/test_compile.py``,
+``tests/test_compile_recurrent.py``).
 Every decoder block is compiled with ``torch.compile(block, fullgraph=True)`` before the first CP step; then
 ``steps`` batches, each a new random packing of the same length (documents of random lengths for ``packed``
 and ``documents``, random left/right padding for ``padded``, new tokens for ``dense``), run forward (and

@@ -8,6 +8,8 @@ a hung pool is killed and must be replaced.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import queue
 import socket
@@ -180,6 +182,16 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
     dist.destroy_process_group()
 
 
+def _remove_deepspeed_shm(port: int) -> None:
+    """Unlink the shared-memory all-reduce buffers DeepSpeed's CPU communication made for this pool's ranks
+    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 50 MB each): it maps them once per process and
+    never unlinks them, so every pool that ran DeepSpeed (tests/test_deepspeed.py) would leave them in /dev/shm,
+    holding memory until the machine restarts. Called once the ranks have exited."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class LocalPool:
     def __init__(self, world: int = 4, timeout: float = 300.0, grace: float = 15.0, backend: str = "gloo",
                  sys_path: tuple = (), solo: bool = False, init: Callable | None = None):
@@ -192,7 +204,7 @@ class LocalPool:
         smaller than the world runs on its first CP group only (:class:`RankContext`)."""
         self.world, self.timeout, self.grace = world, timeout, grace
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self.port = port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, backend,
@@ -244,6 +256,7 @@ class LocalPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        _remove_deepspeed_shm(self.port)
 
     def __enter__(self):
         return self

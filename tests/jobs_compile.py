@@ -1,4 +1,5 @@
-"""Rank-side jobs of tests/test_compile.py: decoder blocks compiled with ``fullgraph=True`` after ``rm.wire``."""
+"""Rank-side jobs of tests/test_compile.py and tests/test_compile_recurrent.py: decoder blocks compiled with
+``fullgraph=True`` after ``rm.wire``."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):
     return {"compiled": compiled["pairs"], "eager": eager["pairs"], "loss": max(compiled["loss"])}
 
 
-# a family per recurrent kind beyond gated DeltaNet and Mamba2 (tests/test_compile.py's hybrids)
+# a family per recurrent kind beyond gated DeltaNet and Mamba2 (tests/test_compile_recurrent.py)
 KIND_FAMILIES = {"mamba1": "falcon_mamba", "lightning": "minimax", "rglru": "recurrent_gemma", "rwkv": "rwkv",
                  "mlstm": "xlstm", "short_conv": "lfm2", "kda": "kimi_linear", "dynamic_short_conv": "inkling2_text"}
 

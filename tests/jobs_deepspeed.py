@@ -232,3 +232,17 @@ def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3
         ref_w, ref_losses, _ = run(False, os.path.join(tmp, "plain"))
         ds_w, losses, shards = run(True, os.path.join(tmp, "ds"))
     return {**training_errors(ds_w, losses, ref_w, ref_losses, tiny_model(model_type)), "shards": shards}
+
+
+def shm_buffers(ctx) -> list[str]:
+    """DeepSpeed's communication started on this pool's ranks (its CPU accelerator maps one shared-memory all-reduce
+    buffer per rank): the buffers in /dev/shm named for this pool's port."""
+    import glob
+
+    import deepspeed
+    import torch.distributed as dist
+
+    _launcher_env()
+    deepspeed.comm.init_distributed(dist_backend="gloo")
+    dist.barrier()
+    return sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"))
