@@ -129,8 +129,9 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
                      "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
                      "not per packing (measured over 50 packings on every backend: 5-7 graphs for a hybrid on packed "
-                     "rows, 3-4 on padded rows; over 30: 4 for two mLSTM blocks, 8 for two RWKV blocks); a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) adds "
-                     "one per power-of-two piece length at most; a packing whose pieces would pad past 4x the chunk "
+                     "rows, 3-4 on padded rows; over 30: 4 for two mLSTM blocks, 8 for two RWKV blocks); a kernel "
+                     "that loops over the tokens in Python (mlstm, rwkv, rglru) adds one per power-of-two piece "
+                     "length at most; a packing whose pieces would pad past 4x the chunk "
                      "is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "

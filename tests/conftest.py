@@ -75,13 +75,14 @@ def real_pool():
     pool.close(force=True)
 
 
-# The longest files first (seconds, the suite run serially on 2 cores: 173, 74, 66, 41, 39, 39, 31, 30, 27, 27, 25, 23).
+# The longest files first (seconds, the suite run serially on 2 cores: 173, 74, 66, 41, 39, 39, 31, 30, 27, 27, 25,
+# 23).
 # Under the README's `-n 2 --dist loadfile` a worker takes the next file when it is free, in this order: the long
 # files start first and the short ones fill the end, so no worker is left running a long file alone while the other
 # idles (measured before: the last 12% of the tests took a fifth of the run). The order within a file is kept.
-LONGEST_FIRST = ("test_compile_recurrent.py", "test_compile.py", "test_real_kernels.py", "test_heads.py", "test_liger.py",
-                 "test_memory.py", "test_linear_recurrent.py", "test_real_mamba.py", "test_bench.py", "test_recurrent_variants.py",
-                 "test_zoo.py", "test_mamba1.py")
+LONGEST_FIRST = ("test_compile_recurrent.py", "test_compile.py", "test_real_kernels.py", "test_heads.py",
+                 "test_liger.py", "test_memory.py", "test_linear_recurrent.py", "test_real_mamba.py", "test_bench.py",
+                 "test_recurrent_variants.py", "test_zoo.py", "test_mamba1.py")
 
 
 def pytest_collection_modifyitems(config, items):
