@@ -182,12 +182,17 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
     dist.destroy_process_group()
 
 
+def deepspeed_shm_buffers(port: int) -> list[str]:
+    """The shared-memory all-reduce buffers DeepSpeed's CPU communication made for the ranks of the pool on ``port``
+    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 50 MB each; ``_worker`` sets the address)."""
+    return sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
+
+
 def _remove_deepspeed_shm(port: int) -> None:
-    """Unlink the shared-memory all-reduce buffers DeepSpeed's CPU communication made for this pool's ranks
-    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 50 MB each): it maps them once per process and
-    never unlinks them, so every pool that ran DeepSpeed (tests/test_deepspeed.py) would leave them in /dev/shm,
-    holding memory until the machine restarts. Called once the ranks have exited."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+    """Unlink :func:`deepspeed_shm_buffers`: DeepSpeed maps them once per process and never unlinks them, so every
+    pool that ran DeepSpeed (tests/test_deepspeed.py) would leave them in /dev/shm, holding memory until the machine
+    restarts. Called once the ranks have exited."""
+    for path in deepspeed_shm_buffers(port):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -236,13 +236,13 @@ def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3
 
 def shm_buffers(ctx) -> list[str]:
     """DeepSpeed's communication started on this pool's ranks (its CPU accelerator maps one shared-memory all-reduce
-    buffer per rank): the buffers in /dev/shm named for this pool's port."""
-    import glob
-
+    buffer per rank): the buffers in /dev/shm named for this pool's port, as ``LocalPool.close`` finds them."""
     import deepspeed
     import torch.distributed as dist
+
+    from ringmaster_tools.pool import deepspeed_shm_buffers
 
     _launcher_env()
     deepspeed.comm.init_distributed(dist_backend="gloo")
     dist.barrier()
-    return sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"))
+    return deepspeed_shm_buffers(int(os.environ["MASTER_PORT"]))

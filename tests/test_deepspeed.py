@@ -84,9 +84,7 @@ def test_pool_removes_deepspeeds_shared_memory_buffers():
     it: every pool that ran DeepSpeed left two in /dev/shm, held until the machine restarts (6.8 GB in 138 of them
     here after a day of suite runs). ``LocalPool.close`` unlinks the ones named for its port once its ranks
     have exited."""
-    import glob
-
-    from ringmaster_tools.pool import LocalPool, torch_kernels_only
+    from ringmaster_tools.pool import LocalPool, deepspeed_shm_buffers, torch_kernels_only
 
     pool = LocalPool(2, timeout=240, grace=8, init=torch_kernels_only)
     try:
@@ -94,5 +92,5 @@ def test_pool_removes_deepspeeds_shared_memory_buffers():
     finally:
         pool.close(force=True)
     assert len(made) == 2 and all(p.endswith(("_0", "_1")) for p in made), made   # the names the cleanup matches
-    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{pool.port}_*")
+    left = deepspeed_shm_buffers(pool.port)
     assert not left, left
