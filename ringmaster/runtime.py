@@ -51,6 +51,9 @@ class Runtime:
     carriers: list = field(default_factory=list, repr=False)
     cost: Any = None                   # rm.wire's sharding.assignment.Cost for the model (load_balance="documents")
     mixing: Any = None                 # rm.wire's token-mixing check (architectures.mixing.MixingCheck)
+    # rm.wire(compile=True): a row of one document that numbers its positions (position_ids) keeps its document
+    # ids, so a compiled block sees a packed batch of one document as the packed case it already compiled
+    compiled: bool = False
     undo: list[Callable[[], None]] = field(default_factory=list, repr=False)   # what rm.wire changed
 
     @property

@@ -126,13 +126,13 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
     cut = [k for k in kinds if k not in PIECES_KINDS + CONV_KINDS]
     if padded:
         notes.append(f"recurrent layers ({', '.join(padded)}) on packed or padded rows run each chunk's documents "
-                     "as padded pieces whose count and length are dynamic sizes: a block compiles once per case (a "
-                     "row of one document, chunks the state crosses whole, pieces as long as the chunk or shorter), "
-                     "not per packing (measured over 50 packings on every backend: 5-7 graphs for a hybrid on packed "
-                     "rows, 3-4 on padded rows; over 30: 4 for two mLSTM blocks, 8 for two RWKV blocks); a kernel "
-                     "that loops over the tokens in Python (mlstm, rwkv, rglru) adds one per power-of-two piece "
-                     "length at most; a packing whose pieces would pad past 4x the chunk "
-                     "is cut in Python and recompiles")
+                     "as padded pieces whose count and length are dynamic sizes, a chunk of one document too, and a "
+                     "row of one document keeps its document ids: a block compiles once for all packings (measured "
+                     "over 50 packings on every backend: 2 graphs for a two-block hybrid, packed and padded, none "
+                     "after the first step), plus one per shape a kernel branches on: a kernel that pads to its "
+                     "chunk size when every piece fits one chunk (Mamba2's torch scan, once in 50 packings on Ring), "
+                     "a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) one per power-of-two piece "
+                     "length; a packing whose pieces would pad past 4x the chunk is cut in Python and recompiles")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "
@@ -343,6 +343,7 @@ def wire(model, cfg: RingmasterConfig | RingmasterPlan | None = None, device_mes
         rt = setup(cfg, num_kv_heads=num_kv, device_mesh=device_mesh, cp_dim=cp_dim, inner_attn=inner,
                    num_heads=num_heads)
         rt.multimodal = spec if spec.multimodal else None
+        rt.compiled = compile
         # load_balance="documents": the work model its assignment balances by (sharding.assignment.Cost)
         layers_total = getattr(tcfg, "num_hidden_layers", None) or max(len(layers.attention) + len(recurrent), 1)
         rt.cost = Cost.for_model(getattr(tcfg, "hidden_size", None), len(layers.attention) / layers_total)

@@ -207,8 +207,6 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         rwkv.PAD_KEY = mlstm.PAD_IGATE = mlstm.PAD_FGATE = 0.0
 
     def first_map(self):
-        if self.trivial:
-            return self.base.local_map()
         packed, aux = self.padded.local_map()
         return packed.view(self.rows, self.n, *packed.shape[1:])[:, 0], aux
 

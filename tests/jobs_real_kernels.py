@@ -117,7 +117,7 @@ def kernels_match_naive(ctx) -> dict:
 
 def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
     """A ``load_balance="documents"`` split part as a compiled block runs it (``PiecesSegment`` over
-    ``ChunkPieces.of(padded=True, neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
+    ``ChunkPieces.of(neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
     enters and leaves, padded with zeros to 16 after it, so ``g = beta = 0``) on FLA's chunked gated delta rule and
     KDA under the interpreter (fp32), scan strategy; against FLA's token-by-token references, each document alone
     (fp64): the output and every input's gradient. ``decaying``: the mutation, gated DeltaNet padded with ``g = -1``
@@ -155,7 +155,7 @@ def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
         beta = torch.rand(1, T, H, generator=gen)
         do = torch.randn(1, T, H, D, generator=gen)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        segs = pieces_segments(lambda *t: seg(fast, *t), leaves, 1, lens, chunk, padded=True, neutral=True)
+        segs = pieces_segments(lambda *t: seg(fast, *t), leaves, 1, lens, chunk, neutral=True)
         mutated = seg is Decaying   # the forward misses: no backward (the interpreter's time)
         with torch.set_grad_enabled(not mutated):
             o = _run(segs, "scan")

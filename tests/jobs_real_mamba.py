@@ -165,7 +165,7 @@ MUTATIONS = {"mamba2_state_not_passed": mamba2_state_not_passed}
 
 def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
     """A ``load_balance="documents"`` split part as the compiled path runs it (``PiecesSegment`` over
-    ``ChunkPieces.of(padded=True, neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
+    ``ChunkPieces.of(neutral=True)``: the first chunk's lone piece of a 13-token document, which the state
     enters and leaves, padded to 16 after it with the step size ``PAD_DT``), on mamba-ssm's real Triton SSD scan
     (interpreted, fp32), scan strategy; against each document alone on the fp64 reference kernel: the output and
     every input's gradient. ``zero_dt``: the mutation, padding ``dt = 0`` (``softplus(0 + dt_bias) > 0``: the padding
@@ -212,7 +212,7 @@ def split_part_pieces(ctx, lens=(13, 11), chunk=12) -> dict:
         t = leaves(torch.float32)
         segs = pieces_segments(lambda x, dt, B, C: seg(mamba_chunk_scan_combined, x, dt, t["A"], B, C, 8, t["D"],
                                                        t["dt_bias"], True), [t[k] for k in ("x", "dt", "B", "C")],
-                               1, lens, chunk, padded=True, neutral=True)
+                               1, lens, chunk, neutral=True)
         y = _run(segs, "scan")
         errs = {"y": rel(y, ref.detach())}
         if name == "pad_dt":

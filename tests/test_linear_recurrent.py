@@ -273,7 +273,7 @@ def pieces_segments(make, tensors, dim, lens=PIECES_DOCS, chunk=8, **pieces):
     docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None].expand(2, -1)
     b = list(range(0, sum(lens) + 1, chunk))
     pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", **pieces)
-    assert pieces is not None and not pieces[0].trivial and pieces[0].L > 1
+    assert pieces is not None and pieces[0].L > 1
     return [PiecesSegment(make(*(t.narrow(dim, s, e - s) for t in tensors)), p) for s, e, p in zip(b, b[1:], pieces)]
 
 
@@ -330,7 +330,7 @@ def test_documents_parts_pieces_exact_float64(local):
     """A ``load_balance="documents"`` shard's parts as padded pieces (the compiled path), for a kind whose padding
     moves a state (lightning attention with its padding live: its constant decay per token applies to the padding
     too; ``neutral_padding`` False). The split part (two chunks of 12, the first one piece of a 13-token document,
-    which the state enters and leaves) is never ``trivial`` and its lone piece fills its row exactly; the whole
+    which the state enters and leaves) is pieces and its lone piece fills its row exactly; the whole
     part's pieces (no state enters or leaves) pad to a power of two. Mutation (``local=True`` on the split part):
     its lone piece padded to 16, the state it hands on decays through the padding, and the next chunk's tokens of
     that document go wrong."""
@@ -350,8 +350,7 @@ def test_documents_parts_pieces_exact_float64(local):
     def segments(lens, offset, chunk, **kw):
         docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]
         b = list(range(0, sum(lens) + 1, chunk))
-        pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", padded=True, **kw)
-        assert not pieces[0].trivial
+        pieces = ChunkPieces.of(Runs.from_doc_ids(docs), b[:-1], chunk, "cpu", **kw)
         return [PiecesSegment(decaying(*(t[:, offset + s:offset + e] for t in inputs.values()),
                                        slope[:, None, None], 5), p) for s, e, p in zip(b, b[1:], pieces)]
 
@@ -365,9 +364,9 @@ def test_documents_parts_pieces_exact_float64(local):
 
 def _split_part_segments(make, tensors):
     """A documents shard's split part as the compiled path runs it with every layer padding neutrally
-    (:func:`pieces_segments` with ``ChunkPieces.of(padded=True, neutral=True)``): two chunks of 12, the first one
+    (:func:`pieces_segments` with ``ChunkPieces.of(neutral=True)``): two chunks of 12, the first one
     piece of a 13-token document that the state enters and leaves, padded to 16 after it."""
-    segs = pieces_segments(make, tensors, 1, (13, 11), 12, padded=True, neutral=True)
+    segs = pieces_segments(make, tensors, 1, (13, 11), 12, neutral=True)
     assert segs[0].L == 16, segs[0].L
     return segs
 

@@ -39,7 +39,7 @@ def context_parallel_region(batch: Mapping[str, Any], *, runtime=None, model=Non
         runtime = check_shard_target(model, runtime if runtime is not None else runtime_of(model), None, None)
     rt = runtime if runtime is not None else active()
     shard = shard_collated_batch(batch, rt.cp_rank, rt.cp_size, rt.shard_load_balance,
-                                 multimodal=rt.multimodal is not None, documents=policy_of(rt))
+                                 multimodal=rt.multimodal is not None, documents=policy_of(rt), keep_one=rt.compiled)
     meta = shard.pop(CP_SHARD_KEY)
     validate_batch(rt, meta, full_batch=batch)
     shard[BATCH_KWARG] = batch_kwarg(meta, rt)

@@ -176,7 +176,7 @@ class PiecesSegment:
             index = (index[:1] + (torch.arange(rows, device=device) * (n * L))[:, None])
             last = last[:1] + torch.arange(rows, device=device) * n
             keep, whole = keep[:1].expand(rows), whole[:1].expand(rows)
-        self.rows, self.n, self.L, self.trivial = rows, n, L, pieces.trivial
+        self.rows, self.n, self.L = rows, n, L
         self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
         self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's inputs and outputs
 
@@ -187,7 +187,7 @@ class PiecesSegment:
             return padded.view(rows * n, L, *t.shape[2:]).movedim(1, self.dim)
         # the padded rows that start a document: the first of a row when a document starts on the chunk's first token
         gather.starts = torch.cat([~keep[:, None], keep.new_ones(rows, n - 1)], dim=1).flatten()
-        self.padded = None if self.trivial else base.with_tensors(gather)
+        self.padded = base.with_tensors(gather)
 
     @staticmethod
     def _sizes(pieces) -> tuple:
@@ -222,8 +222,6 @@ class PiecesSegment:
         return torch.cat([first[:, None], rest], dim=1).flatten(0, 1)
 
     def local_map(self):
-        if self.trivial:
-            return self.base.local_map()
         packed, aux = self.padded.local_map()
         first = packed.view(self.rows, self.n, *packed.shape[1:])[:, 0]
         reset = self.base.state_map(self.base.packed_final(packed.index_select(0, self.last)))
@@ -231,13 +229,9 @@ class PiecesSegment:
         return chunk, aux
 
     def finish(self, aux, state_in):
-        if self.trivial:
-            return self.base.finish(aux, state_in)
         return self._back(_out(self.padded.finish(aux, self._states(state_in))))
 
     def run(self, state_in):
-        if self.trivial:
-            return self.base.run(state_in)
         y, finals = _first(self.padded.run(self._states(state_in)))
         return self._back(y), finals.index_select(0, self.last)
 

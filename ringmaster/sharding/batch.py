@@ -88,7 +88,7 @@ def refuse_bidirectional_spans(batch: Mapping[str, Any]) -> None:
 
 def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                          load_balance: str = "contiguous", multimodal: bool = False,
-                         documents: DocumentPolicy | None = None) -> dict[str, Any]:
+                         documents: DocumentPolicy | None = None, keep_one: bool = False) -> dict[str, Any]:
     """Return this rank's shard of a full collated batch (no collective runs here).
 
     Sequence tensors are cut along the sequence; ``labels`` are shifted first and the shard
@@ -111,6 +111,9 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     documents whole to single ranks and splits the long ones (:mod:`.assignment`): each rank's shard is its
     piece of the long documents followed by its whole documents, and ``_cp_shard`` carries the assignment.
     A batch whose documents all end up split (one long document) is cut as the policy's static layout cuts it.
+
+    ``keep_one`` (a compiled runtime, ``Runtime.compiled``): rows with position_ids that hold one document each stay a
+    packed batch of one document (:func:`~.documents.batch_documents`), the case a compiled block already has.
     """
     layout = balancers.check_layout(load_balance)
     if not (0 <= cp_rank < cp_size):
@@ -120,7 +123,7 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     seq_len = sequence_length(batch)
     policy = (documents or DocumentPolicy()) if layout == DOCUMENTS else None
     balancers.check_divisible(seq_len, cp_size, policy.split_layout if policy is not None else layout)
-    doc_ids = batch_documents(batch, seq_len)
+    doc_ids = batch_documents(batch, seq_len, keep_one=keep_one)
     if multimodal:
         refuse_bidirectional_spans(batch)
     runs = assignment = None
@@ -174,16 +177,15 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
     return out
 
 
-def padding_merged(doc_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor | None:
+def padding_merged(doc_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """``doc_ids [B, S]`` with every run of consecutive padding tokens (``pad``) one document, for the recurrent
-    layers (their outputs at padding are never used; a document after padding still starts from a zero state), or
-    None when no two padding tokens are neighbours. Attention keeps each padding token a document of its own (no
+    layers (their outputs at padding are never used; a document after padding still starts from a zero state). Attention keeps each padding token a document of its own (no
     query without a key); the recurrent layers then run a run of padding as one piece, not one per token (which
     would pass the pieces' budget, :data:`~.documents.PIECES_BUDGET`, and cut the chunk in Python)."""
     pad = pad.to(doc_ids.device)
     both = pad[:, 1:] & pad[:, :-1]
-    if not bool(both.any()):
-        return None
+    # always a tensor of its own (the same ids where no two padding tokens are neighbours): a compiled block guards on
+    # whether two of its inputs are one tensor, so an alias of doc_ids would be a case of its own; and no host read
     new = (doc_ids[:, 1:] != doc_ids[:, :-1]) & ~both
     return torch.cat([torch.zeros_like(doc_ids[:, :1]), new.long().cumsum(-1)], dim=-1)
 
@@ -356,7 +358,8 @@ class ContextParallelContextManager:
                 tensors = {k: v for k, v in kwargs.items()
                            if (k in SEQUENCE_KEYS or k in LOCAL_ONLY_KEYS) and v is not None}
                 shard = shard_collated_batch(tensors, self.cp_rank, self.cp_size, layout,
-                                             multimodal=runtime.multimodal is not None, documents=policy_of(runtime))
+                                             multimodal=runtime.multimodal is not None, documents=policy_of(runtime),
+                                             keep_one=runtime.compiled)
                 meta = shard.pop(CP_SHARD_KEY)
                 for key in tensors:
                     kwargs.pop(key)

@@ -75,8 +75,11 @@ def chunk_doc_ids(doc_ids: torch.Tensor | None, seq_len: int, chunk: int, device
     return new.long().cumsum(-1) - 1
 
 
-def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | None:
-    """The batch's ``doc_ids [B, S]``, or None when every row is one unpadded sequence."""
+def batch_documents(batch: Mapping[str, Any], seq_len: int, keep_one: bool = False) -> torch.Tensor | None:
+    """The batch's ``doc_ids [B, S]``, or None when every row is one unpadded sequence. ``keep_one``: rows that
+    number their positions (``position_ids``) and hold one document each keep their ids (zeros): a packed batch
+    whose rows happen to be one document each is then no case of its own (a compiled runtime's blocks would compile
+    the plain rows' graph for it); without position_ids a batch is plain rows either way."""
     cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
     pos = batch.get("position_ids")
     mask = batch.get("attention_mask")
@@ -85,7 +88,7 @@ def batch_documents(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor | No
         doc = doc_ids_from_cu_seqlens(cu, seq_len)
     elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] > 1:  # not a VLM's 3-row mrope
         doc = doc_ids_from_positions(pos)
-        if bool((doc[:, -1] == 0).all()):
+        if not keep_one and bool((doc[:, -1] == 0).all()):
             doc = None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool((mask != 0).all()):
         if mask.dtype != torch.bool and int(mask.max()) > 1:  # axolotl-style packed ids (1, 1, 2, 2, ...; 0 = pad)
@@ -256,7 +259,6 @@ class ChunkPieces:
     last: torch.Tensor      # [rows] int64: the padded row (r * n + i) of each row's last piece
     keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
     whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
-    trivial: bool           # every row of every chunk of the rank whole: the kernels run the chunks as they are
     # a piece the state passes on may have padding after it (a power-of-two length where the state enters and leaves:
     # ``of(neutral=True)``): only kernels whose padding leaves any state as it is may run these pieces
     neutral: bool
@@ -264,12 +266,13 @@ class ChunkPieces:
     sizes: torch.Tensor
 
     @classmethod
-    def of(cls, runs: "Runs", starts, m: int, device, padded: bool = False, local: bool = False,
+    def of(cls, runs: "Runs", starts, m: int, device, local: bool = False,
            neutral: bool = False) -> "tuple[ChunkPieces, ...] | None":
         """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size for all of them
         (the most pieces of any row of any chunk, the longest piece): one value pair per batch and rank. None past
-        :data:`PIECES_BUDGET`. ``padded``: never :attr:`trivial` (a part of a ``load_balance="documents"`` shard:
-        whether its chunk happens to be one document is no case of its own beside its part's). ``local``: no state
+        :data:`PIECES_BUDGET`. A chunk of one document that the state crosses is pieces too (its one piece, and at
+        least one of padding): whether this rank's chunks happen to hold no document start is no case of its own
+        for a compiled block (measured: a flag for it was one more graph per hybrid, late in a run). ``local``: no state
         enters or leaves the chunks (the whole documents' part); ``neutral``: the kernels' padding leaves any state
         as it is (every wired layer's segment has ``neutral_padding``: a documents shard's split part, whose length
         is new per packing). Either way the pieces' length is a power of two, so a kernel that branches on it (a
@@ -287,9 +290,6 @@ class ChunkPieces:
         L = max(2, longest) if local or neutral else max(min(2, m), min(m, longest))
         if n * L > PIECES_BUDGET * m:
             return None
-        # the rank's chunks run as cut only when every row of every one is whole: one flag for all of them, so a
-        # compiled block sees one case, not a combination per chunk (Ring's head_tail holds two)
-        trivial = not padded and all(len(b) == 2 and k for bounds, keep in chunks for b, k in zip(bounds, keep))
         out = []
         for bounds, keep in chunks:
             index, last = [], []
@@ -303,7 +303,7 @@ class ChunkPieces:
             whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
             # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
             out.append(cls(n, L, _dynamic(_on(device, torch.stack(index), torch.long), 1), _on(device, last, torch.long),
-                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), trivial,
+                           _on(device, keep, torch.bool), _on(device, whole, torch.bool),
                            neutral and not local, _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
         return tuple(out)
 
@@ -379,14 +379,14 @@ class CPBatch:
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
         part = self.is_part   # a part of a load_balance="documents" shard
         return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
-                              m, device, padded=part, local=part and self.size == 1,
+                              m, device, local=part and self.size == 1,
                               neutral=part and self._pow2_pieces)
 
     def _row_pieces(self) -> "ChunkPieces | None":
         if self.recurrent_runs is None or self.assignment is not None or self.size == 1:
             return None
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
-        pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, padded=True, local=True)
+        pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, local=True)
         return None if pieces is None else pieces[0]
 
     def heads_rows(self, up_to: int) -> bool:
