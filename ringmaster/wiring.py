@@ -141,7 +141,7 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "
                      "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
-                     "two-block models, 50 packings, Ulysses and Ring: 7-8 graphs for a gated-DeltaNet hybrid, 9-11 "
+                     "two-block models, 50 packings, Ulysses and Ring: 6-8 graphs for a gated-DeltaNet hybrid, 8-11 "
                      "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA, 10-12 lightning, 12-14 for "
                      "two RWKV blocks; 50, at 4 ranks, USP 2x2: 9-15 for both hybrids, more ranks holding more "
                      "combinations), past dynamo's default limit of 8 for some. Compile the blocks with "
