@@ -72,8 +72,8 @@ def main() -> None:
             return f"{statistics.median(worst[k]):.1f}"
 
         p95 = sorted(worst["pow2"])[int(0.95 * len(worst["pow2"]))]
-        print(f"| {seq_len} | {size} | {mean} | {statistics.mean(per_chunk):.1f} | {over}/{args.batches} | {med('pow2')} "
-              f"| {p95:.1f} | {med('n_exact')} | {med('exact')} | {med('own')} |")
+        print(f"| {seq_len} | {size} | {mean} | {statistics.mean(per_chunk):.1f} | {over}/{args.batches} "
+              f"| {med('pow2')} | {p95:.1f} | {med('n_exact')} | {med('exact')} | {med('own')} |")
 
 
 if __name__ == "__main__":

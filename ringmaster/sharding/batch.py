@@ -179,9 +179,10 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
 
 def padding_merged(doc_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """``doc_ids [B, S]`` with every run of consecutive padding tokens (``pad``) one document, for the recurrent
-    layers (their outputs at padding are never used; a document after padding still starts from a zero state). Attention keeps each padding token a document of its own (no
-    query without a key); the recurrent layers then run a run of padding as one piece, not one per token (which
-    would pass the pieces' budget, :data:`~.documents.PIECES_BUDGET`, and cut the chunk in Python)."""
+    layers (their outputs at padding are never used; a document after padding still starts from a zero state).
+    Attention keeps each padding token a document of its own (no query without a key); the recurrent layers then run
+    a run of padding as one piece, not one per token (which would pass the pieces' budget,
+    :data:`~.documents.PIECES_BUDGET`, and cut the chunk in Python)."""
     pad = pad.to(doc_ids.device)
     both = pad[:, 1:] & pad[:, :-1]
     # always a tensor of its own (the same ids where no two padding tokens are neighbours): a compiled block guards on
