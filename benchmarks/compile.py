@@ -6,7 +6,7 @@
 
 Per (model, backend, batch), on every rank (two-block tiny models, fp32, S=64; P=2, USP 2x2 at P=4): every decoder
 block compiled with ``torch.compile(block, fullgraph=True)`` before the first CP step, then ``--steps`` steps,
-each a new random packing (1 to 6 documents; ``padded``: new left and right padding; ``documents``:
+each a new random packing (1 to 6 documents; ``many``: 12 to 20; ``padded``: new left and right padding; ``documents``:
 ``load_balance="documents"`` on packed rows; ``dense``: new tokens), forward and backward
 (``ringmaster_tools.packings.over_packings``, dynamo's recompile limit raised so that a path which recompiles
 shows how often): graphs compiled after 1, 5 and all steps (rank 0; `graphs_end_ranks`: every rank), graphs compiled after the fifth (with dynamo's

@@ -8,9 +8,11 @@ instead, and that packing recompiles the block. The compile benchmark's packings
 documents in 64 tokens) never pass it. Here: rows of ``S`` tokens packed with documents of log-normal length (sigma
 1, at least 16 tokens, the last one cut at the row's end), cut into ``P`` contiguous chunks as the static layout
 does; per row, the worst rank's padded tokens over its chunk's (``n * L / m``), and the share of rows where some rank
-passes the budget (``ChunkPieces.of`` returns None). Beside it, what other paddings would cost: ``n`` exact (the
-number of pieces, at least 2) with ``L`` a power of two, both exact, and every piece padded to its own power of two.
-Prints a markdown table.
+passes the budget with one group (every piece padded to the longest) and with ``PIECE_GROUPS`` groups by length
+(``ChunkPieces.of(groups=...)`` returns None; the kernels that take the length as a size run the groups:
+``RecurrentWiring.piece_groups``). Beside it, what other paddings would cost: ``n`` exact (the number of pieces, at
+least 2) with ``L`` a power of two, both exact, and every piece padded to its own power of two. Prints a markdown
+table.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import statistics
 
 import torch
 
-from ringmaster.sharding.documents import PIECES_BUDGET, ChunkPieces, Runs, bucket
+from ringmaster.sharding.documents import PIECE_GROUPS, PIECES_BUDGET, ChunkPieces, Runs, bucket
 
 CASES = ((32768, 4, 1024), (131072, 8, 2048), (131072, 8, 8192), (1 << 20, 32, 4096))
 
@@ -43,17 +45,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    print(f"| S | P | mean document | pieces per chunk | past the budget ({PIECES_BUDGET}x) | n*L/m median | p95 "
-          "| n exact, L pow2 | n, L exact | each piece its own pow2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| S | P | mean document | pieces per chunk | past the budget ({PIECES_BUDGET}x), one group "
+          f"| {PIECE_GROUPS} groups | n*L/m median | p95 | n exact, L pow2 | n, L exact | each piece its own pow2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq_len, size, mean in CASES:
         m = seq_len // size
-        over, worst, per_chunk = 0, {"pow2": [], "n_exact": [], "exact": [], "own": []}, []
+        over, over_groups, worst, per_chunk = 0, 0, {"pow2": [], "n_exact": [], "exact": [], "own": []}, []
         for _ in range(args.batches):
             lens = packing(rng, seq_len, mean)
             docs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]
             runs = Runs.from_doc_ids(docs)
             over += any(ChunkPieces.of(runs, [r * m], m, "cpu") is None for r in range(size))
+            over_groups += any(ChunkPieces.of(runs, [r * m], m, "cpu", groups=PIECE_GROUPS) is None
+                               for r in range(size))
             row = {k: 0.0 for k in worst}
             for r in range(size):
                 (_, cuts), = runs.pattern(r * m, (r + 1) * m)
@@ -73,7 +77,8 @@ def main() -> None:
 
         p95 = sorted(worst["pow2"])[int(0.95 * len(worst["pow2"]))]
         print(f"| {seq_len} | {size} | {mean} | {statistics.mean(per_chunk):.1f} | {over}/{args.batches} "
-              f"| {med('pow2')} | {p95:.1f} | {med('n_exact')} | {med('exact')} | {med('own')} |")
+              f"| {over_groups}/{args.batches} | {med('pow2')} | {p95:.1f} | {med('n_exact')} | {med('exact')} "
+              f"| {med('own')} |")
 
 
 if __name__ == "__main__":

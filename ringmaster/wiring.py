@@ -132,11 +132,11 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "after the first step), plus one per shape a kernel branches on: a kernel that pads to its "
                      "chunk size when every piece fits one chunk (Mamba2's torch scan, once in 50 packings on Ring), "
                      "a kernel that loops over the tokens in Python (mlstm, rwkv, rglru) one per power-of-two piece "
-                     "length. A packing whose pieces would pad past 4x the chunk (the piece count times the longest "
-                     "piece) is cut in Python and recompiles: rows of many short documents beside a long one do "
-                     "(measured, log-normal documents, about 9 per chunk: 182-200 of 200 rows, "
-                     "benchmarks/pieces_budget.py), so such packings recompile the recurrent blocks until dynamo's "
-                     "limit; compiled hybrids stay compiled on packings of few documents per chunk")
+                     "length. Pieces that would pad past 4x the chunk in one batch (many short documents beside a "
+                     "long one: 182-200 of 200 realistic rows, benchmarks/pieces_budget.py) run in 4 groups by length "
+                     "where every kernel takes the length as a size (gated_deltanet, kda, mamba2, convolutions: one "
+                     "more case, none past the budget there); for the kernels that loop in Python such a packing is "
+                     "cut in Python and recompiles, and the shard step warns")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "

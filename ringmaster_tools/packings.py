@@ -4,7 +4,8 @@ Run on every rank of a CP group (a ``LocalPool`` job: ``benchmarks/compile.py``,
 ``tests/test_compile_recurrent.py``).
 Every decoder block is compiled with ``torch.compile(block, fullgraph=True)`` before the first CP step; then
 ``steps`` batches, each a new random packing of the same length (documents of random lengths for ``packed``
-and ``documents``, random left/right padding for ``padded``, new tokens for ``dense``), run forward (and
+and ``documents``, 12 to 20 for ``many``, random left/right padding for ``padded``,
+new tokens for ``dense``), run forward (and
 backward): the graphs dynamo has compiled after each step, the recompiles, and the loss of every step
 against the model without CP.
 """
@@ -20,10 +21,12 @@ import torch.distributed as dist
 from . import step_shape
 
 
-def random_packing(rng: torch.Generator, seq_len: int, quantum: int = 1, max_docs: int = 6) -> list[int]:
-    """Document lengths, multiples of ``quantum`` (at least ``quantum``), summing to ``seq_len``."""
+def random_packing(rng: torch.Generator, seq_len: int, quantum: int = 1, max_docs: int = 6,
+                   min_docs: int = 1) -> list[int]:
+    """Document lengths, multiples of ``quantum`` (at least ``quantum``), summing to ``seq_len``: ``min_docs`` to
+    ``max_docs`` documents (fewer where cut points coincide)."""
     units = seq_len // quantum
-    n = int(torch.randint(1, max_docs + 1, (1,), generator=rng))
+    n = int(torch.randint(min_docs, max_docs + 1, (1,), generator=rng))
     cuts = sorted(set(torch.randperm(units - 1, generator=rng)[:n - 1].add(1).tolist()))
     bounds = [0, *cuts, units]
     return [(b - a) * quantum for a, b in zip(bounds, bounds[1:])]
@@ -38,11 +41,13 @@ def make_step_batch(kind: str, vocab: int, seq_len: int, step: int) -> tuple[dic
         return tiny_batch(vocab, seq_len, seed=step + 1), "dense"
     if kind in ("packed", "documents"):
         return packed_batch(vocab, random_packing(rng, seq_len), seed=step + 1), "packed"
+    if kind == "many":   # 12 to 20 documents: many short ones beside longer ones, as real packed rows hold
+        return packed_batch(vocab, random_packing(rng, seq_len, max_docs=20, min_docs=12), seed=step + 1), "packed"
     if kind == "padded":
         left = int(torch.randint(0, seq_len // 4, (1,), generator=rng))
         real = int(torch.randint(seq_len // 4, seq_len - left, (1,), generator=rng))
         return padded_rows(vocab, seq_len, left=left, real=real), "padded"
-    raise ValueError(f"batch kind {kind!r}: dense, packed, padded or documents")
+    raise ValueError(f"batch kind {kind!r}: dense, packed, many, padded or documents")
 
 
 def graphs_now() -> int:

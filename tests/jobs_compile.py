@@ -207,13 +207,15 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
         rwkv.PAD_KEY = mlstm.PAD_IGATE = mlstm.PAD_FGATE = 0.0
 
     def first_map(self):
-        packed, aux = self.padded.local_map()
-        return packed.view(self.rows, self.n, *packed.shape[1:])[:, 0], aux
+        import torch
+
+        maps, aux = zip(*(padded.local_map() for padded in self.padded))
+        return torch.cat(maps, dim=0).index_select(0, self.first), aux
 
     if whole_map_always:
         documents.PiecesSegment.local_map = first_map
     if static_sizes:
-        documents.PiecesSegment._sizes = staticmethod(lambda pieces: (pieces.n, pieces.L))
+        documents.PiecesSegment._sizes = staticmethod(lambda pieces: pieces.shapes)
     row_pieces = CPBatch._row_pieces
     if row_pieces_dropped:
         CPBatch._row_pieces = lambda self: None

@@ -53,6 +53,17 @@ def test_hybrid_new_packings_compile_few_graphs(pool):
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= TOL, (r["loss"], r["grad"])
 
 
+def test_crowded_packings_run_in_groups_by_length(pool):
+    """Rows of 12 to 20 documents (S=128, P=2: many short ones beside longer ones, as real packed rows hold) through a
+    gated-DeltaNet hybrid: where one padded batch of pieces would pass the budget, the pieces run in groups by
+    length (``ChunkPieces.of(groups=PIECE_GROUPS)``, ``RecurrentWiring.piece_groups``), one more case a block
+    compiles once, not a chunk cut in Python per packing. 8 packings: 3-4 graphs, every step exact. Mutation: one
+    group (``piece_groups`` 1): the crowded chunks are cut in Python, a graph per packing (measured: 6 and 5)."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "gdn-hybrid", "ulysses", 8, kind="many", seq_len=128):
+        assert r["breaks"] == 0 and r["graphs"][-1] <= HYBRID_GRAPHS + 2, r["graphs"]
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= GDN_GRAD_TOL, (r["loss"], r["grad"])
+
+
 def test_heads_new_packings_compile_few_graphs(pool):
     """``recurrent="heads"`` (a Mamba2 hybrid, Ulysses): the recurrent layers run whole rows whose documents are the
     batch's whole-row pieces (``CPBatch.row_pieces``, dynamic sizes), so 6 new packings compile one graph per block
@@ -215,3 +226,30 @@ def test_the_shard_step_gives_a_compiled_block_one_case():
     assert meta["recurrent_doc_ids"] is not meta["doc_ids"] and torch.equal(meta["recurrent_doc_ids"], meta["doc_ids"])
     whole = ChunkPieces.of(Runs.from_doc_ids(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])), [0], 4, "cpu")[0]
     assert (whole.n, whole.L) == (2, 4) and whole.keep.all() and whole.whole.all(), whole
+
+
+def test_a_compiled_runtime_says_when_a_packing_passes_the_pieces_budget():
+    """A batch whose recurrent pieces would pad past ``PIECES_BUDGET`` (rank 1 of 2: the end of a 50-token document
+    and seven of 2 tokens, 8 pieces of up to 18 tokens: 8 x 32 = 256 padded tokens for a chunk of 32) is cut in
+    Python by a compiled block, which recompiles for it: a compiled runtime's shard step warns, naming the budget; an
+    eager runtime, rank 0's chunk (one piece), and a packing within the budget do not."""
+    import types
+    import warnings
+
+    from ringmaster.sharding.batch import BUDGET_WARNING, CP_SHARD_KEY, batch_kwarg, shard_collated_batch
+
+    def meta(lens, rank):
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        return shard_collated_batch({"input_ids": torch.zeros_like(pos), "position_ids": pos}, rank, 2)[CP_SHARD_KEY]
+
+    wiring = types.SimpleNamespace(heads_upto=(), pow2_pieces=False)
+    compiled = types.SimpleNamespace(compiled=True, config=None, recurrent_wiring=wiring)
+    past = [50] + [2] * 7
+    with pytest.warns(UserWarning, match="PIECES_BUDGET") as caught:
+        assert batch_kwarg(meta(past, 1), compiled).past_the_budget()
+    assert str(caught[0].message) == BUDGET_WARNING
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch_kwarg(meta(past, 1), types.SimpleNamespace(compiled=False, config=None, recurrent_wiring=wiring))
+        assert not batch_kwarg(meta(past, 0), compiled).past_the_budget()
+        assert not batch_kwarg(meta([40, 8, 8, 8], 1), compiled).past_the_budget()

@@ -282,23 +282,52 @@ def pieces_segments(make, tensors, dim, lens=PIECES_DOCS, chunk=8, **pieces):
 def test_wkv_pieces_exact_float64(keys, strategy):
     """Packed rows as padded pieces (the compiled path): a padding key of -1e30 keeps each document's "no state"
     through its leading padding, bit for bit; outputs and gradients as every document alone, float64."""
+    _wkv_pieces_check(keys, strategy, PIECES_DOCS, 8)
+
+
+def _wkv_pieces_check(keys, strategy, lens, chunk, **pieces):
+    """transformers' WKV loop over the packed rows ``lens`` (two rows) as padded pieces of chunks of ``chunk``
+    (``ChunkPieces.of``'s options ``pieces``): outputs and gradients as every document alone, float64."""
     from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
     from ringmaster.recurrent.rwkv import WkvSegment
     from ringmaster_tools.parity import keep_fp64
 
     g = torch.Generator().manual_seed(0)
-    L = sum(PIECES_DOCS)
+    L = sum(lens)
     k = (keys * torch.randn(2, L, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
     v = torch.randn(2, L, 5, generator=g, dtype=torch.float64, requires_grad=True)
     decay = torch.linspace(-6, 1, 5, dtype=torch.float64).requires_grad_(True)
     first = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
     with keep_fp64():
-        ends = torch.tensor(PIECES_DOCS).cumsum(0).tolist()
+        ends = torch.tensor(lens).cumsum(0).tolist()
         ref = torch.cat([naive.wkv_recurrence(decay, first, k[:, s:e], v[:, s:e])[0]
                          for s, e in zip([0, *ends], ends)], dim=1)
-        segs = pieces_segments(lambda kk, vv: WkvSegment(rwkv_linear_attention_cpu, decay, first, kk, vv), [k, v], 1)
+        segs = pieces_segments(lambda kk, vv: WkvSegment(rwkv_linear_attention_cpu, decay, first, kk, vv), [k, v], 1,
+                               lens, chunk, **pieces)
         _check_grads(_run(segs, strategy), ref, [k, v, decay, first], 1e-12)
+
+
+# many short documents beside a long one, over 2 chunks of 16: 5 pieces of up to 12 tokens in the first, past the
+# pieces' budget in one group (5 x 16 > 4 x 16), within it in groups by length (2 x 16 + 2 x 2 + 2 x 2 + 4 x 2)
+GROUPED_DOCS = [12, 1, 1, 1, 1, 9, 2, 3, 1, 1]
+
+
+@pytest.mark.parametrize("strategy", ["scan", "sequential"])
+def test_pieces_in_groups_by_length_exact_float64(strategy):
+    """Pieces that would pad past the budget in one batch (many short documents beside a long one) run in
+    ``PIECE_GROUPS`` padded batches by length (``ChunkPieces.of(groups=...)``): each group its own kernel call, a
+    row's first piece taking the incoming state in whichever group it is, its last piece's final state handed on.
+    Here transformers' stabilised WKV loop (a document's start state is its "no state", its padding a key of
+    -1e30): outputs and gradients as every document alone, float64. Mutation (by hand): every group's slot at the
+    row's first piece's index taking the incoming state (``_states`` ignoring which group holds it) fails it."""
+    from ringmaster.sharding.documents import PIECE_GROUPS, ChunkPieces
+
+    docs = torch.repeat_interleave(torch.arange(len(GROUPED_DOCS)), torch.tensor(GROUPED_DOCS))[None]
+    assert ChunkPieces.of(Runs.from_doc_ids(docs), [0, 16], 16, "cpu") is None   # one group: past the budget
+    grouped = ChunkPieces.of(Runs.from_doc_ids(docs), [0, 16], 16, "cpu", groups=PIECE_GROUPS)
+    assert [len(p.shapes) for p in grouped] == [PIECE_GROUPS] * 2, grouped
+    _wkv_pieces_check(30.0, strategy, GROUPED_DOCS, 16, groups=PIECE_GROUPS)
 
 
 @pytest.mark.parametrize("strategy", ["scan", "sequential"])

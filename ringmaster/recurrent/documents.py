@@ -133,8 +133,9 @@ class DocumentSegment:
 
 class PiecesSegment:
     """:class:`DocumentSegment` as data: the chunk's documents (:class:`~ringmaster.sharding.documents.ChunkPieces`,
-    made in the shard step) gathered into one padded batch of pieces and run by the unmodified kernel in one call
-    (``base.with_tensors`` and ``base.packed_final``). The first piece of a row is left-aligned (it may continue the
+    made in the shard step) gathered into padded batches of pieces, one per group of piece lengths, each run by the
+    unmodified kernel in one call (``base.with_tensors`` and ``base.packed_final``).
+    The first piece of a row is left-aligned (it may continue the
     incoming state; the padding after it reaches no output), every later piece right-aligned behind padding, which
     must leave a document's start state exactly as it is.
 
@@ -149,7 +150,7 @@ class PiecesSegment:
     gather)`` calls ``gather(t, fill)`` (mLSTM: input gate ``-1e30`` and forget gate ``1e4``, so ``e^i = 0``,
     ``log f = 0`` and ``(C, n, m)`` stay put whatever they are; RWKV: key ``-1e30``, which leaves the WKV's "no
     state" ``(0, 0, -1e38)`` representing zero, with a finite denominator and no weight at the first real token,
-    where a zero key would add ``e^0 v``). ``gather.starts`` (``[rows * n]`` bool: the padded row starts a
+    where a zero key would add ``e^0 v``). ``gather.starts`` (``[rows * S_g]`` bool: the padded slot starts a
     document) is there for a kind whose document start state is not the "no state" its maps are composed from
     (mLSTM: ``m = 0`` against ``-1e38``); ``base.start_state(state)``, when defined, is the state a document starts
     from (else zeros; RWKV: ``(0, 0, -1e38)``).
@@ -157,8 +158,9 @@ class PiecesSegment:
     The first piece of a row takes the incoming state (a document's start state when one starts on the chunk's
     first token), every later one a document's start state; the chunk's map is the first piece's when it is the
     row's only one and the state enters, else the reset map of the last piece's final state. Which tokens go where
-    are index tensors, and the padded sizes (pieces per row, piece length) are sizes the block takes as dynamic
-    (``ChunkPieces.sizes``): a compiled block does not recompile for a new packing (a kernel that loops over the
+    are index tensors, and the padded sizes (each group's slots per row and piece length) are sizes the block takes
+    as dynamic (``ChunkPieces.groups``): a compiled block does not recompile for a new packing
+    (a kernel that loops over the
     tokens in Python specialises on the piece length: one graph per power-of-two length at most)."""
 
     def __init__(self, base, pieces):
@@ -170,30 +172,56 @@ class PiecesSegment:
                 "another runtime's); exactness would break, so it stops: compile with a static load_balance")
         self.base = base
         (rows, *_), _, device = base.state_meta()
-        n, L = self._sizes(pieces)
-        index, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.last, pieces.keep, pieces.whole))
+        shapes = self._sizes(pieces)
+        index, group, first, last, keep, whole = (t.to(device) for t in (pieces.index, pieces.group, pieces.first,
+                                                                          pieces.last, pieces.keep, pieces.whole))
         if index.shape[0] != rows:   # one row of documents stands for every row of the batch
-            index = (index[:1] + (torch.arange(rows, device=device) * (n * L))[:, None])
-            last = last[:1] + torch.arange(rows, device=device) * n
+            index, group = index[:1].expand(rows, -1), group[:1].expand(rows, -1)
+            first, last = first[:1].expand(rows, -1), last[:1].expand(rows, -1)
             keep, whole = keep[:1].expand(rows), whole[:1].expand(rows)
-        self.rows, self.n, self.L = rows, n, L
-        self.flat, self.last, self.keep, self.whole = index.reshape(-1), last, keep, whole
+        self.rows, self.shapes, self.keep, self.whole = rows, shapes, keep, whole
+        self.L = shapes[0][1]    # the longest group's piece length
         self.dim = getattr(base, "seq_dim", 1)    # the token dim of the base's inputs and outputs
+        row = torch.arange(rows, device=device)
+        # per group: each token's place in the group's padded tokens [rows * S * L], the other groups' tokens on one
+        # spare place past the end (dropped); and each token's place in all groups' padded tokens, group after group
+        self.flats, flat, base_token, base_slot = [], torch.zeros_like(index), 0, 0
+        first_slot, last_slot = torch.zeros_like(first[:, 0]), torch.zeros_like(last[:, 0])
+        self.first_in = []   # per group: the slot of each row's first piece, and whether it is in this group
+        for g, (S, L) in enumerate(shapes):
+            mine = group == g
+            local = row[:, None] * (S * L) + index
+            self.flats.append(torch.where(mine, local, rows * S * L).reshape(-1))
+            flat = torch.where(mine, base_token + local, flat)
+            first_slot = torch.where(first[:, 0] == g, base_slot + row * S + first[:, 1], first_slot)
+            last_slot = torch.where(last[:, 0] == g, base_slot + row * S + last[:, 1], last_slot)
+            self.first_in.append((row * S + first[:, 1].clamp(max=S - 1), first[:, 0] == g))
+            base_token, base_slot = base_token + rows * S * L, base_slot + rows * S
+        self.flat, self.first, self.last = flat.reshape(-1), first_slot, last_slot
+        self.padded = [base.with_tensors(self._gather(g)) for g in range(len(shapes))]
 
-        def gather(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:   # token dim `dim` of m -> [rows * n, .., L, ..]
+    def _gather(self, g: int):
+        """``gather(t, fill)`` of group ``g``: the token dim ``dim`` of ``t`` [rows, .., m, ..] ->
+        [rows * S_g, .., L_g, ..], the padding ``fill``; ``gather.starts``: which of its slots start a document."""
+        S, L = self.shapes[g]
+        rows, flat = self.rows, self.flats[g]
+
+        def gather(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
             t = t.movedim(self.dim, 1)
-            shape = (rows * n * L, *t.shape[2:])
-            padded = (t.new_zeros(shape) if fill == 0 else t.new_full(shape, fill)).index_copy(0, self.flat, t.flatten(0, 1))
-            return padded.view(rows * n, L, *t.shape[2:]).movedim(1, self.dim)
-        # the padded rows that start a document: the first of a row when a document starts on the chunk's first token
-        gather.starts = torch.cat([~keep[:, None], keep.new_ones(rows, n - 1)], dim=1).flatten()
-        self.padded = base.with_tensors(gather)
+            shape = (rows * S * L + 1, *t.shape[2:])
+            padded = (t.new_zeros(shape) if fill == 0 else t.new_full(shape, fill)).index_copy(0, flat, t.flatten(0, 1))
+            return padded[:-1].view(rows * S, L, *t.shape[2:]).movedim(1, self.dim)
+        # the slots that start a document: all but a row's first piece where the state enters
+        slot, here = self.first_in[g]
+        gather.starts = torch.ones(rows * S, dtype=torch.bool, device=flat.device).index_copy(
+            0, slot, ~(here & self.keep))
+        return gather
 
     @staticmethod
     def _sizes(pieces) -> tuple:
-        """Pieces per row and piece length, read from ``pieces.sizes``' shape: sizes a compiled block takes as
-        dynamic (the Python ints ``pieces.n, pieces.L`` would specialise a graph on every new pair)."""
-        return tuple(pieces.sizes.shape[1:])
+        """Each group's slots per row and piece length, read from ``pieces.groups``' shapes: sizes a compiled block
+        takes as dynamic (the Python ints ``pieces.shapes`` would specialise a graph on every new set)."""
+        return tuple(tuple(t.shape[1:]) for t in pieces.groups)
 
     def state_meta(self):
         return self.base.state_meta()
@@ -201,39 +229,40 @@ class PiecesSegment:
     def combine(self, state, packed):
         return self.base.combine(state, packed)
 
-    def _back(self, y: torch.Tensor) -> torch.Tensor:   # [rows * n, ..., L, ...] -> [rows, ..., m, ...]
-        y = y.movedim(self.dim, 1)
-        return y.flatten(0, 1).index_select(0, self.flat).view(self.rows, -1, *y.shape[2:]).movedim(1, self.dim)
+    def _back(self, ys) -> torch.Tensor:   # per group [rows * S, ..., L, ...] -> [rows, ..., m, ...]
+        ys = [y.movedim(self.dim, 1) for y in ys]
+        flat = torch.cat([y.flatten(0, 1) for y in ys], dim=0)
+        return flat.index_select(0, self.flat).view(self.rows, -1, *ys[0].shape[2:]).movedim(1, self.dim)
 
-    def _states(self, state_in):
-        """The incoming state of every padded row: the first piece's (a document's start state where ``keep`` is
-        False), a document's start state after (zeros, or ``base.start_state``)."""
+    def _states(self, state_in) -> list:
+        """The incoming state of every slot of every group: a row's first piece's (a document's start state where
+        ``keep`` is False), a document's start state elsewhere (zeros, or ``base.start_state``)."""
         if state_in is None:
-            return None
-        keep = self.keep.view(-1, *[1] * (state_in.dim() - 1))
+            return [None] * len(self.shapes)
         start_state = getattr(self.base, "start_state", None)
-        if start_state is None:     # a document starts from zeros
-            first = state_in * keep.to(state_in.dtype)
-            rest = first.new_zeros(self.rows, self.n - 1, *first.shape[1:])
-        else:
-            start = start_state(state_in)
-            first = torch.where(keep, state_in, start)
-            rest = start[:, None].expand(self.rows, self.n - 1, *start.shape[1:])
-        return torch.cat([first[:, None], rest], dim=1).flatten(0, 1)
+        start = torch.zeros_like(state_in) if start_state is None else start_state(state_in)
+        keep = self.keep.view(-1, *[1] * (state_in.dim() - 1))
+        out = []
+        for (S, _), (slot, here) in zip(self.shapes, self.first_in):
+            states = start[:, None].expand(self.rows, S, *start.shape[1:]).flatten(0, 1)
+            enters = keep & here.view(-1, *[1] * (state_in.dim() - 1))
+            out.append(states.index_copy(0, slot, torch.where(enters, state_in, states.index_select(0, slot))))
+        return out
 
     def local_map(self):
-        packed, aux = self.padded.local_map()
-        first = packed.view(self.rows, self.n, *packed.shape[1:])[:, 0]
+        maps, aux = zip(*(padded.local_map() for padded in self.padded))
+        packed = torch.cat(maps, dim=0)
+        first = packed.index_select(0, self.first)
         reset = self.base.state_map(self.base.packed_final(packed.index_select(0, self.last)))
         chunk = torch.where(self.whole.view(-1, *[1] * (first.dim() - 1)), first, reset.to(first.dtype))
         return chunk, aux
 
     def finish(self, aux, state_in):
-        return self._back(_out(self.padded.finish(aux, self._states(state_in))))
+        return self._back([_out(padded.finish(a, s)) for padded, a, s in zip(self.padded, aux, self._states(state_in))])
 
     def run(self, state_in):
-        y, finals = _first(self.padded.run(self._states(state_in)))
-        return self._back(y), finals.index_select(0, self.last)
+        ys, finals = zip(*(_first(padded.run(s)) for padded, s in zip(self.padded, self._states(state_in))))
+        return self._back(ys), torch.cat(finals, dim=0).index_select(0, self.last)
 
 
 def document_segments(segments: Sequence, batch, path: str, size: int, rank: int, layout: str,

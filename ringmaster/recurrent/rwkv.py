@@ -290,7 +290,7 @@ def _meet_pieces(batch) -> None:
     (``time_shift``, a ``ZeroPad2d`` whose forward ringmaster shadows) static, so the pieces' dynamic count and
     length (``ChunkPieces.sizes``) would specialise the block on every new pair."""
     for p in getattr(batch, "pieces", None) or ():
-        p.sizes, p.index, p.last, p.keep, p.whole    # noqa: B018 (the read is the point)
+        p.sizes, p.groups, p.index, p.group, p.first, p.last, p.keep, p.whole    # noqa: B018 (the read is the point)
 
 
 def wire_rwkv_layer(module, ctx: LayerContext, names: dict | None = None) -> Callable[[], None]:

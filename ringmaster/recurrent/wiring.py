@@ -14,6 +14,7 @@ from ..architectures import classify_layers, get_architecture, text_config
 from ..errors import UnsupportedLayerError
 from ..runtime import active
 from ..sharding.carrier import attach
+from ..sharding.documents import PIECE_GROUPS
 from .context import LayerContext, Probe
 from .cost import CostRecorded, LayerCost
 from .fla_mamba import check_fla_mixer, fla_view, wire_fla_mixer
@@ -63,6 +64,11 @@ def check_recurrent_layers(model, layers: Sequence[tuple[str, Any, str]] | None 
     return list(layers)
 
 
+# the kinds whose kernels (transformers' torch chunked scans, FLA's and mamba-ssm's kernels, convolutions) take the
+# pieces' length as a size, not a Python loop count: their compiled blocks run the pieces in groups by length
+GROUPED_KINDS = ("gated_deltanet", "kda", "mamba2", "short_conv", "dynamic_short_conv", "rwkv_channel_mix")
+
+
 @dataclass
 class RecurrentWiring:
     layers: list[str] = field(default_factory=list)
@@ -83,6 +89,14 @@ class RecurrentWiring:
         pieces a power of two long (``CPBatch(pow2_pieces=True)``), not one length per packing. (A segment handed
         such pieces checks its own padding: ``recurrent.documents.PiecesSegment``.)"""
         return bool(self.neutral) and all(self.neutral.values())
+
+    @property
+    def piece_groups(self) -> int:
+        """How many groups by length a compiled block's padded pieces come in (``CPBatch(piece_groups=...)``):
+        :data:`~ringmaster.sharding.documents.PIECE_GROUPS` where every wired kind's kernel takes the piece length as
+        a size (:data:`GROUPED_KINDS`), so realistic packings stay within the pieces' budget; one where some kernel
+        loops over the tokens in Python, which would specialise on every group's length (a graph per combination)."""
+        return PIECE_GROUPS if self.kinds and all(k in GROUPED_KINDS for k in self.kinds) else 1
 
     def restore(self) -> None:
         for undo in reversed(self._restores):

@@ -6,6 +6,7 @@ token, which lives on the next rank, is not lost.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -254,9 +255,22 @@ def batch_kwarg(meta: Mapping[str, Any], runtime=None) -> CPBatch:
     so a documents shard's split part runs as pieces a power of two long: ``RecurrentWiring.pow2_pieces``)."""
     config = getattr(runtime, "config", None)
     wiring = getattr(runtime, "recurrent_wiring", None)
-    return CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads",
-                             heads_upto=getattr(wiring, "heads_upto", ()),
-                             pow2_pieces=getattr(wiring, "pow2_pieces", False))
+    cpb = CPBatch.from_meta(meta, row_pieces=getattr(config, "recurrent", None) == "heads",
+                            heads_upto=getattr(wiring, "heads_upto", ()),
+                            pow2_pieces=getattr(wiring, "pow2_pieces", False),
+                            piece_groups=getattr(wiring, "piece_groups", 1))
+    if getattr(runtime, "compiled", False) and wiring is not None and cpb.past_the_budget():
+        warnings.warn(BUDGET_WARNING, stacklevel=2)   # one message: Python shows it once per place
+    return cpb
+
+
+# what a compiled runtime's shard step says when a batch's recurrent pieces pass their budget (CPBatch.past_the_budget)
+BUDGET_WARNING = (
+    "ringmaster: this batch's documents would pad the recurrent layers' pieces past PIECES_BUDGET (4) times a chunk "
+    "(many short documents beside a long one), in groups by length too where the kernels allow them (a kernel that "
+    "loops over the tokens in Python keeps one group), so the compiled blocks cut that chunk in Python and recompile "
+    "for this packing; packings like it recompile until dynamo's recompile_limit (benchmarks/pieces_budget.py). Pack "
+    "fewer documents per row, or leave those recurrent blocks uncompiled (docs/api.md, 'What recompiles')")
 
 
 def apply_positions(runtime: Runtime | None, kwargs: dict[str, Any]) -> None:

@@ -240,72 +240,129 @@ def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# where one padded batch would pass the budget, the pieces come in this many groups by length (a piece longer than
+# half the longest in the first, then each next group half as long, the rest in the last), each group its own padded
+# batch and kernel call: padding every piece to the longest costs the piece count times it (8-16x a chunk's tokens
+# on realistic packings, past the budget on 182-200 of 200 rows: ``benchmarks/pieces_budget.py``); in four groups
+# none passes it there
+PIECE_GROUPS = 4
+
+
 @dataclass(frozen=True)
 class ChunkPieces:
     """One chunk of this rank's shard (``m`` tokens) cut at its document starts, as data.
 
-    The pieces of every row go into a padded batch of ``rows * n`` pieces of ``L`` tokens (``n``, ``L``: powers
-    of two, the same for all of a rank's chunks; a compiled block reads them from ``sizes``, marked dynamic, so a
-    new pair is no new graph): the first piece of a row
-    left-aligned in its slot (it may continue the incoming state; padding after it reaches no output), every
-    later piece right-aligned (zero inputs before it keep a zero state zero). Built on the host in the shard step
-    from the host runs; the recurrent kernels gather their inputs by ``index`` and run once over the padded
-    pieces, with no per-packing Python value (``recurrent.documents.PiecesSegment``); the conv inserts ``n - 1``
-    gaps."""
+    The pieces go into one padded batch, or, where that would pass :data:`PIECES_BUDGET` and the kernels take the
+    length as a size (``of(groups=PIECE_GROUPS)``), into :data:`PIECE_GROUPS` padded batches by length: a piece
+    longer than half the longest piece (of any row of any of the rank's chunks) in group 0, longer than a quarter in
+    group 1, and so on, the rest in the last group. Group ``g`` gives every row ``S_g`` slots of ``L_g`` tokens
+    (``L_g`` a power of two, the same for
+    all of a rank's chunks; at least 2 each, so no size is 0 or 1: an empty group is two slots of padding); a compiled
+    block reads the sizes from ``groups``, marked dynamic, so a new packing is no new graph. The first piece of a row
+    is left-aligned in its slot (it may continue the incoming state; padding after it reaches no output), every later
+    piece right-aligned (zero inputs before it keep a zero state zero). Built on the host in the shard step from the
+    host runs; the recurrent kernels gather their inputs by ``index`` and ``group`` and run once per group, with no
+    per-packing Python value (``recurrent.documents.PiecesSegment``); the conv inserts ``n - 1`` gaps."""
 
-    n: int
-    L: int
-    index: torch.Tensor     # [rows, m] int64: flat position of each token in the [rows * n * L] padded pieces
-    last: torch.Tensor      # [rows] int64: the padded row (r * n + i) of each row's last piece
+    n: int                  # the most pieces of any row (a power of two, at least 2): the conv's gaps
+    L: int                  # group 0's piece length (the longest)
+    shapes: tuple           # per group (slots per row, piece length), host ints
+    index: torch.Tensor     # [rows, m] int64: each token's position in its row's slots of its group (slot * L_g + i)
+    group: torch.Tensor     # [rows, m] int64: each token's group
+    first: torch.Tensor     # [rows, 2] int64: the group and slot of each row's first piece
+    last: torch.Tensor      # [rows, 2] int64: the group and slot of each row's last piece
     keep: torch.Tensor      # [rows] bool: no document starts on the chunk's first token (the state enters)
     whole: torch.Tensor     # [rows] bool: one piece that the state enters (the chunk's map is that piece's)
     # a piece the state passes on may have padding after it (a power-of-two length where the state enters and leaves:
     # ``of(neutral=True)``): only kernels whose padding leaves any state as it is may run these pieces
     neutral: bool
-    # an empty [0, n, L]: n and L as sizes a compiled block may mark dynamic (read them from here in a block)
+    # an empty [0, n, L]: the piece count as a size a compiled block may mark dynamic (the conv's gaps)
     sizes: torch.Tensor
+    # per group an empty [0, S_g, L_g]: its slots per row and piece length as sizes a compiled block marks dynamic
+    groups: tuple
 
     @classmethod
-    def of(cls, runs: "Runs", starts, m: int, device, local: bool = False,
-           neutral: bool = False) -> "tuple[ChunkPieces, ...] | None":
-        """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size for all of them
-        (the most pieces of any row of any chunk, the longest piece): one value pair per batch and rank. None past
-        :data:`PIECES_BUDGET`. A chunk of one document that the state crosses is pieces too (its one piece, and at
-        least one of padding): whether this rank's chunks happen to hold no document start is no case of its own
-        for a compiled block (measured: a flag for it was one more graph per hybrid, late in a run). ``local``: no state
-        enters or leaves the chunks (the whole documents' part); ``neutral``: the kernels' padding leaves any state
-        as it is (every wired layer's segment has ``neutral_padding``: a documents shard's split part, whose length
-        is new per packing). Either way the pieces' length is a power of two, so a kernel that branches on it (a
-        chunked scan's padding to its chunk size, a loop over the tokens in Python) sees few values."""
+    def of(cls, runs: "Runs", starts, m: int, device, local: bool = False, neutral: bool = False,
+           groups: int = 1) -> "tuple[ChunkPieces, ...] | None":
+        """The pieces of the chunks at global ``starts`` (``m`` tokens each), one padded size per group for all of
+        them: one set of sizes per batch and rank. None past :data:`PIECES_BUDGET` (the padded slots of a row, all
+        groups, against ``m``). A chunk of one document that the state crosses is pieces too (its one piece, and
+        padding): whether this rank's chunks happen to hold no document start is no case of its own for a compiled
+        block (measured: a flag for it was one more graph per hybrid, late in a run). ``local``: no state enters or
+        leaves the chunks (the whole documents' part); ``neutral``: the kernels' padding leaves any state as it is
+        (every wired layer's segment has ``neutral_padding``: a documents shard's split part, whose length is new per
+        packing). Either way the pieces' lengths are powers of two, so a kernel that branches on them (a chunked
+        scan's padding to its chunk size, a loop over the tokens in Python) sees few values. ``groups``: how many
+        groups by length the pieces may come in where one would pass the budget (:data:`PIECE_GROUPS` for kernels that
+        take the length as a size, ``RecurrentWiring.piece_groups``; 1: those past the budget are None)."""
         chunks = []
         for start in starts:
             pattern = runs.pattern(start, start + m)
             chunks.append(([[0, *cuts, m] for _, cuts in pattern], [not reset for reset, _ in pattern]))
-        # at least 2 each: dynamo specialises a size of 1, so a chunk of one piece would be a graph of its own
-        n = max(2, bucket(max(len(b) - 1 for bounds, _ in chunks for b in bounds)))
-        longest = bucket(max(e - s for bounds, _ in chunks for b in bounds for s, e in zip(b, b[1:])))
-        # a lone piece the state enters and leaves fills its row (no padding after it moves the state it passes on);
-        # ``local`` or ``neutral`` (no state leaves, or the padding leaves it as it is): a power of two, whatever the
-        # length
-        L = max(2, longest) if local or neutral else max(min(2, m), min(m, longest))
-        if n * L > PIECES_BUDGET * m:
+        lengths = [[[e - s for s, e in zip(b, b[1:])] for b in bounds] for bounds, _ in chunks]
+        # one group while it fits the budget (few documents per chunk: one kernel call, as before the groups); the
+        # groups where it does not (each group count a case a compiled block compiles once)
+        layout = _group_layout(lengths, 1, m, local or neutral)
+        if layout is None and groups > 1:
+            layout = _group_layout(lengths, groups, m, local or neutral)
+        if layout is None:
             return None
+        groups, grouped, slots, sizes = layout
+        # at least 2: dynamo specialises a size of 1
+        n = max(2, bucket(max(len(row) for chunk in lengths for row in chunk)))
         out = []
-        for bounds, keep in chunks:
-            index, last = [], []
-            for r, b in enumerate(bounds):
-                lengths = torch.tensor([e - s for s, e in zip(b, b[1:])])
-                piece = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)          # [m]
-                offset = torch.arange(m) - torch.tensor(b[:-1]).repeat_interleave(lengths)        # within the piece
-                shift = torch.where(piece > 0, L - lengths[piece], torch.zeros_like(piece))       # later ones right
-                index.append((r * n + piece) * L + offset + shift)
-                last.append(r * n + lengths.numel() - 1)
-            whole = [len(b) == 2 and k for b, k in zip(bounds, keep)]
+        for (bounds, keep), chunk, chunk_groups in zip(chunks, lengths, grouped):
+            index, group, first, last = [], [], [], []
+            for row, row_groups in zip(chunk, chunk_groups):
+                seen = [0] * groups
+                places = []
+                for i, (x, g) in enumerate(zip(row, row_groups)):
+                    slot, seen[g] = seen[g], seen[g] + 1
+                    places.append((g, slot))
+                    shift = 0 if i == 0 else sizes[g] - x            # the first piece left, every later one right
+                    index.append(torch.arange(x) + slot * sizes[g] + shift)
+                    group.append(torch.full((x,), g))
+                first.append(places[0])
+                last.append(places[-1])
+            rows = len(chunk)
+            whole = [len(row) == 1 and k for row, k in zip(chunk, keep)]
             # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
-            out.append(cls(n, L, _dynamic(_on(device, torch.stack(index), torch.long), 1), _on(device, last, torch.long),
-                           _on(device, keep, torch.bool), _on(device, whole, torch.bool),
-                           neutral and not local, _dynamic(_dynamic(torch.empty(0, n, L, device=device), 1), 2)))
+            out.append(cls(n, sizes[0], tuple(zip(slots, sizes)),
+                           _dynamic(_on(device, torch.cat(index).view(rows, m), torch.long), 1),
+                           _dynamic(_on(device, torch.cat(group).view(rows, m), torch.long), 1),
+                           _on(device, first, torch.long), _on(device, last, torch.long),
+                           _on(device, keep, torch.bool), _on(device, whole, torch.bool), neutral and not local,
+                           _dynamic(_dynamic(torch.empty(0, n, sizes[0], device=device), 1), 2),
+                           tuple(_dynamic(_dynamic(torch.empty(0, sl, L, device=device), 1), 2)
+                                 for sl, L in zip(slots, sizes))))
         return tuple(out)
+
+
+def _group_layout(lengths, groups: int, m: int, pow2: bool):
+    """``(groups, each piece's group, slots per row of each group, piece length of each group)`` for the pieces'
+    ``lengths`` (per chunk, per row) in ``groups`` groups by length, or None past :data:`PIECES_BUDGET`. ``pow2``: a
+    power of two, whatever the length (``local`` or ``neutral``); else a lone piece the state enters and leaves fills
+    its slot (no padding after it moves the state it passes on). An empty group is two slots of two tokens."""
+    top = bucket(max(x for chunk in lengths for row in chunk for x in row))
+
+    def group_of(x: int) -> int:
+        g = 0
+        while g < groups - 1 and x <= top >> (g + 1):
+            g += 1
+        return g
+
+    grouped = [[[group_of(x) for x in row] for row in chunk] for chunk in lengths]
+    slots, longest = [2] * groups, [0] * groups   # at least 2: dynamo specialises a size of 1
+    for chunk, chunk_groups in zip(lengths, grouped):
+        for row, row_groups in zip(chunk, chunk_groups):
+            for g in range(groups):
+                slots[g] = max(slots[g], row_groups.count(g))
+            for x, g in zip(row, row_groups):
+                longest[g] = max(longest[g], x)
+    sizes = [2 if not x else max(2, bucket(x)) if pow2 else max(min(2, m), min(m, bucket(x))) for x in longest]
+    if sum(sl * L for sl, L in zip(slots, sizes)) > PIECES_BUDGET * m:
+        return None
+    return groups, grouped, slots, sizes
 
 
 class CPBatch:
@@ -315,11 +372,13 @@ class CPBatch:
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
                  origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
                  recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False, heads_upto: tuple = (),
-                 pow2_pieces: bool = False):
+                 pow2_pieces: bool = False, piece_groups: int = 1):
         self.rank, self.size, self.seq_len = rank, size, seq_len
         # every wired recurrent layer pads its pieces neutrally (RecurrentWiring.pow2_pieces): a documents shard's split
         # part runs as pieces a power of two long, so its length, new per packing, is no size a kernel loops over
         self._pow2_pieces = pow2_pieces
+        # how many groups by length the recurrent pieces come in (RecurrentWiring.piece_groups: ChunkPieces.of)
+        self._piece_groups = piece_groups
         # recurrent="auto": for each row length up to which a layer runs heads, whether this batch's rows are that
         # short, decided here on the host (a compiled block reads the bool, never the length: heads_rows)
         self._heads_upto = tuple(heads_upto)
@@ -380,14 +439,27 @@ class CPBatch:
         part = self.is_part   # a part of a load_balance="documents" shard
         return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
                               m, device, local=part and self.size == 1,
-                              neutral=part and self._pow2_pieces)
+                              neutral=part and self._pow2_pieces, groups=self._piece_groups)
 
     def _row_pieces(self) -> "ChunkPieces | None":
         if self.recurrent_runs is None or self.assignment is not None or self.size == 1:
             return None
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
-        pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, local=True)
+        pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, local=True, groups=self._piece_groups)
         return None if pieces is None else pieces[0]
+
+    def past_the_budget(self) -> bool:
+        """Whether some recurrent chunk of this batch (or of a ``load_balance="documents"`` part) holds documents but
+        has no pieces: they would pad past :data:`PIECES_BUDGET` times its tokens, so a compiled block cuts it in
+        Python, and this packing recompiles it (decided here, on the host, from what the shard step built)."""
+        if self.parts is not None:
+            return any(part is not None and part.past_the_budget() for part in self.parts)
+        if self.recurrent_runs is None:
+            return False
+        parts = self.size * balancers.chunks_per_rank(self.layout)
+        chunk_cut = self.pieces is None and self.seq_len % parts == 0
+        wanted = self._row_pieces_wanted or any(self._heads_rows.values())
+        return chunk_cut or (wanted and self.size > 1 and self.row_pieces is None)
 
     def heads_rows(self, up_to: int) -> bool:
         """Whether this batch's rows are at most ``up_to`` tokens long (``recurrent="auto"``: a layer runs heads on
@@ -397,14 +469,14 @@ class CPBatch:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any], row_pieces: bool = False, heads_upto: tuple = (),
-                  pow2_pieces: bool = False) -> "CPBatch":
+                  pow2_pieces: bool = False, piece_groups: int = 1) -> "CPBatch":
         """``row_pieces``: make :attr:`row_pieces` (the runtime runs ``recurrent="heads"``); ``heads_upto``: the row
         lengths up to which the runtime's layers run heads (:meth:`heads_rows`); ``pow2_pieces``: every wired layer
         pads its pieces neutrally (a documents shard's split part as pieces a power of two long)."""
         return cls(meta["rank"], meta["size"], meta["layout"], meta["seq_len"], meta.get("doc_ids"), meta.get("rows"),
                    meta.get("runs"), meta.get("assignment"), token_mask=meta.get("token_mask"),
                    recurrent_doc_ids=meta.get("recurrent_doc_ids"), row_pieces=row_pieces, heads_upto=heads_upto,
-                   pow2_pieces=pow2_pieces)
+                   pow2_pieces=pow2_pieces, piece_groups=piece_groups)
 
     # -- load_balance="documents" (sharding.assignment) ------------------------------------------------
     @property
@@ -438,7 +510,7 @@ class CPBatch:
             runs = Runs(a.split_len, (a.split_starts(),))
             part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
                            origin=a.sub_row, row_pieces=self._row_pieces_wanted, heads_upto=self._heads_upto,
-                           pow2_pieces=self._pow2_pieces)
+                           pow2_pieces=self._pow2_pieces, piece_groups=self._piece_groups)
             part.rng_seed = self.rng_seed
             self._cache["split"] = part
         return self._cache["split"]
@@ -452,7 +524,7 @@ class CPBatch:
         if "whole" not in self._cache:
             runs = Runs(a.whole_len(self.rank), (a.whole_starts(self.rank),))
             part = CPBatch(0, 1, "contiguous", runs.seq_len, self._part_ids(runs), runs=runs,
-                           origin=a.local_index(self.rank)[a.split_share:])
+                           origin=a.local_index(self.rank)[a.split_share:], piece_groups=self._piece_groups)
             part.rng_seed = self.rng_seed
             self._cache["whole"] = part
         return self._cache["whole"]
