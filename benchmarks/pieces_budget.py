@@ -2,12 +2,13 @@
 
     python benchmarks/pieces_budget.py [--batches 200] [--seed 0]
 
-A compiled block runs each chunk's documents as one padded batch of pieces (``ChunkPieces``: ``n`` pieces per row,
-``L`` tokens each, powers of two); past ``PIECES_BUDGET`` times the chunk's tokens the chunk is cut in Python
+A compiled block runs each chunk's documents as one padded batch of pieces (``ChunkPieces``: a slot per piece and
+row, ``L`` tokens each, a power of two); past ``PIECES_BUDGET`` times the chunk's tokens the chunk is cut in Python
 instead, and that packing recompiles the block. The compile benchmark's packings (``benchmarks/compile.py``: 1 to 6
 documents in 64 tokens) never pass it. Here: rows of ``S`` tokens packed with documents of log-normal length (sigma
 1, at least 16 tokens, the last one cut at the row's end), cut into ``P`` contiguous chunks as the static layout
-does; per row, the worst rank's padded tokens over its chunk's (``n * L / m``), and the share of rows where some rank
+does; per row, the worst rank's padded tokens over its chunk's (``n * L / m`` with ``n`` and ``L`` powers of two,
+as one group padded before the groups), and the share of rows where some rank
 passes the budget with one group (every piece padded to the longest) and with ``PIECE_GROUPS`` groups by length
 (``ChunkPieces.of(groups=...)`` returns None; the kernels that take the length as a size run the groups:
 ``RecurrentWiring.piece_groups``). Beside it, what other paddings would cost: ``n`` exact (the number of pieces, at
@@ -46,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     print(f"| S | P | mean document | pieces per chunk | past the budget ({PIECES_BUDGET}x), one group "
-          f"| {PIECE_GROUPS} groups | n*L/m median | p95 | n exact, L pow2 | n, L exact | each piece its own pow2 |")
+          f"| {PIECE_GROUPS} groups | n*L/m (both pow2) median | p95 | n exact, L pow2 | n, L exact | each piece its own pow2 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq_len, size, mean in CASES:
         m = seq_len // size

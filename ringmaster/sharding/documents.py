@@ -265,7 +265,6 @@ class ChunkPieces:
     per-packing Python value (``recurrent.documents.PiecesSegment``); the conv inserts ``n - 1`` gaps."""
 
     n: int                  # the most pieces of any row (a power of two, at least 2): the conv's gaps
-    L: int                  # group 0's piece length (the longest)
     shapes: tuple           # per group (slots per row, piece length), host ints
     index: torch.Tensor     # [rows, m] int64: each token's position in its row's slots of its group (slot * L_g + i)
     group: torch.Tensor     # [rows, m] int64: each token's group
@@ -280,6 +279,11 @@ class ChunkPieces:
     sizes: torch.Tensor
     # per group an empty [0, S_g, L_g]: its slots per row and piece length as sizes a compiled block marks dynamic
     groups: tuple
+
+    @property
+    def L(self) -> int:
+        """Group 0's piece length (the longest)."""
+        return self.shapes[0][1]
 
     @classmethod
     def of(cls, runs: "Runs", starts, m: int, device, local: bool = False, neutral: bool = False,
@@ -327,7 +331,7 @@ class ChunkPieces:
             rows = len(chunk)
             whole = [len(row) == 1 and k for row, k in zip(chunk, keep)]
             # the chunk's length (a documents part's varies per packing) as a size a compiled block may mark dynamic
-            out.append(cls(n, sizes[0], tuple(zip(slots, sizes)),
+            out.append(cls(n, tuple(zip(slots, sizes)),
                            _dynamic(_on(device, torch.cat(index).view(rows, m), torch.long), 1),
                            _dynamic(_on(device, torch.cat(group).view(rows, m), torch.long), 1),
                            _on(device, first, torch.long), _on(device, last, torch.long),
@@ -414,6 +418,9 @@ class CPBatch:
         self._cache: dict = {}
         # what compiled blocks hand to ringmaster's custom ops instead of reading the host facts (.handle)
         self.handle = StepHandle(self)
+        # whether ChunkPieces.of found some chunk (or the whole rows) past PIECES_BUDGET: a compiled block cuts it in
+        # Python (set by _chunk_pieces / _row_pieces; read by past_the_budget)
+        self._past_budget = False
         # this rank's chunks cut at their document starts, as data for the recurrent kernels (made here, in the
         # shard step: a compiled block reads no per-packing Python value); None without documents
         self.pieces = self._chunk_pieces() if pieces else None
@@ -437,29 +444,25 @@ class CPBatch:
         m = self.seq_len // parts
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
         part = self.is_part   # a part of a load_balance="documents" shard
-        return ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
-                              m, device, local=part and self.size == 1,
-                              neutral=part and self._pow2_pieces, groups=self._piece_groups)
+        pieces = ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
+                                m, device, local=part and self.size == 1,
+                                neutral=part and self._pow2_pieces, groups=self._piece_groups)
+        self._past_budget |= pieces is None
+        return pieces
 
     def _row_pieces(self) -> "ChunkPieces | None":
         if self.recurrent_runs is None or self.assignment is not None or self.size == 1:
             return None
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
         pieces = ChunkPieces.of(self.recurrent_runs, [0], self.seq_len, device, local=True, groups=self._piece_groups)
+        self._past_budget |= pieces is None
         return None if pieces is None else pieces[0]
 
     def past_the_budget(self) -> bool:
         """Whether some recurrent chunk of this batch (or of a ``load_balance="documents"`` part) holds documents but
         has no pieces: they would pad past :data:`PIECES_BUDGET` times its tokens, so a compiled block cuts it in
         Python, and this packing recompiles it (decided here, on the host, from what the shard step built)."""
-        if self.parts is not None:
-            return any(part is not None and part.past_the_budget() for part in self.parts)
-        if self.recurrent_runs is None:
-            return False
-        parts = self.size * balancers.chunks_per_rank(self.layout)
-        chunk_cut = self.pieces is None and self.seq_len % parts == 0
-        wanted = self._row_pieces_wanted or any(self._heads_rows.values())
-        return chunk_cut or (wanted and self.size > 1 and self.row_pieces is None)
+        return self._past_budget or any(part is not None and part.past_the_budget() for part in self.parts or ())
 
     def heads_rows(self, up_to: int) -> bool:
         """Whether this batch's rows are at most ``up_to`` tokens long (``recurrent="auto"``: a layer runs heads on
