@@ -47,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     print(f"| S | P | mean document | pieces per chunk | past the budget ({PIECES_BUDGET}x), one group "
-          f"| {PIECE_GROUPS} groups | n*L/m (both pow2) median | p95 | n exact, L pow2 | n, L exact | each piece its own pow2 |")
+          f"| {PIECE_GROUPS} groups | n*L/m (both pow2) median | p95 | n exact, L pow2 | n, L exact "
+          "| each piece its own pow2 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq_len, size, mean in CASES:
         m = seq_len // size

@@ -444,8 +444,8 @@ class CPBatch:
         m = self.seq_len // parts
         device = self.doc_ids.device if self.doc_ids is not None else torch.device("cpu")
         part = self.is_part   # a part of a load_balance="documents" shard
-        pieces = ChunkPieces.of(self.recurrent_runs, [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)],
-                                m, device, local=part and self.size == 1,
+        starts = [c * m for c in balancers.shard_chunks(self.layout, self.size, self.rank)]
+        pieces = ChunkPieces.of(self.recurrent_runs, starts, m, device, local=part and self.size == 1,
                                 neutral=part and self._pow2_pieces, groups=self._piece_groups)
         self._past_budget |= pieces is None
         return pieces
