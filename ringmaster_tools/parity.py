@@ -424,7 +424,7 @@ def per_document_forward(model, batch):
 def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device_mesh=None,
             attn_implementation: str = "sdpa", seed: int = 0, via: str = "region", prepare=None,
             batch=None, reference_forward=None, build=None, fp64: bool = False, reference=None,
-            **overrides) -> dict[str, Any]:
+            compiled: bool = False, **overrides) -> dict[str, Any]:
     """Run the reference and the CP model on this rank; return errors and what CP cost.
 
     ``via="region"`` shards with ``context_parallel_region`` (raw PyTorch); ``via="hooks"``
@@ -443,12 +443,14 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
     ``fp64=True``: the model is built in float64 (``dtype=torch.float64`` to ``build``) and the
     reference and the CP model both run under :func:`keep_fp64`, so the per-parameter errors
     measure CP, not fp32 cancellation.
+    ``compiled=True``: the CP model wired as for torch.compile (``rm.wire(compile=True)``: what a compiled runtime's
+    batches carry, e.g. the documents parts' spare tokens), run eagerly.
     """
     if fp64:
         with keep_fp64():
             return compare(model_type, cfg, seq_len, batch_size, device_mesh, attn_implementation, seed, via,
-                           prepare, batch, reference_forward, build, reference=reference, dtype=torch.float64,
-                           **overrides)
+                           prepare, batch, reference_forward, build, reference=reference, compiled=compiled,
+                           dtype=torch.float64, **overrides)
     import ringmaster as rm
     from ringmaster.adapters.raw import context_parallel_region
 
@@ -469,7 +471,7 @@ def compare(model_type: str, cfg, seq_len: int = 64, batch_size: int = 1, device
             ref_out.loss.backward()
         ref_saved = ref_mem.peak_saved_bytes
 
-    runtime = rm.wire(model, cfg, device_mesh=device_mesh)
+    runtime = rm.wire(model, cfg, device_mesh=device_mesh, compile=compiled)
     group = runtime.cp_group
     P = runtime.cp_size
     try:

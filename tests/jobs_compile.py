@@ -78,21 +78,26 @@ def first_forward_compiled(ctx, layers=10, eager_first=False, P=2):
     return steps
 
 
-def over_packings(ctx, model, backend, kind, steps=50, plan_in_python=False, P=2, compiler="eager"):
+def over_packings(ctx, model, backend, kind, steps=50, plan_in_python=False, P=2, compiler="eager", dynamic=None,
+                  no_spare=False):
     """``steps`` new random packings through compiled blocks (``ringmaster_tools.packings``). ``plan_in_python``:
     the mutation, the compiled Ulysses sdpa tiles plan in the traced block again (the step handle unused), so
     each new packing's document boundaries become Python constants of the graph. ``compiler``: the blocks'
     torch.compile backend (``eager``: dynamo's graphs alone; ``aot_eager_decomp_partition``: the custom ops'
-    backward traced by AOTAutograd too)."""
+    backward traced by AOTAutograd too); ``dynamic``: its ``dynamic``. ``no_spare``: the mutation, a compiled
+    runtime's documents batches without the whole part's spare tokens (``assignment.SPARE`` 0): a rank with no whole
+    document runs no whole part, a case of its own."""
     from ringmaster.attention import tiled
+    from ringmaster.sharding import assignment
     from ringmaster_tools import packings
 
-    original = tiled.handle.AVAILABLE
+    original, spare = tiled.handle.AVAILABLE, assignment.SPARE
     tiled.handle.AVAILABLE = not plan_in_python and original
+    assignment.SPARE = 0 if no_spare else spare
     try:
-        return packings.over_packings(ctx, model, backend, kind, steps, size=P, compiler=compiler)
+        return packings.over_packings(ctx, model, backend, kind, steps, size=P, compiler=compiler, dynamic=dynamic)
     finally:
-        tiled.handle.AVAILABLE = original
+        tiled.handle.AVAILABLE, assignment.SPARE = original, spare
 
 
 def work_compiled_vs_eager(ctx, backend, steps=6, skip_in_op=True, P=2):

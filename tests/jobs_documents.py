@@ -8,10 +8,12 @@ import ringmaster as rm
 
 
 def documents_parity(ctx, P, model_type, backend, doc_lens, threshold=None, cfg_kwargs=None, fp64=False,
-                     via="region", mutation=None, overrides=None, checkpointing=False):
+                     via="region", mutation=None, overrides=None, checkpointing=False, compiled=False):
     """A packed row under ``load_balance="documents"`` against every document run alone (token-weighted):
     loss, gathered logits, every gradient. ``mutation``: a name from :data:`MUTATIONS`, applied while the CP
-    model runs; ``checkpointing``: every decoder layer recomputed in backward (HF gradient checkpointing)."""
+    model runs; ``checkpointing``: every decoder layer recomputed in backward (HF gradient checkpointing);
+    ``compiled``: wired as for torch.compile, run eagerly (a compiled runtime's parts: the whole part's spare tokens,
+    something split where anything can be)."""
     from ringmaster_tools.parity import compare, packed_batch, per_document_forward
 
     cfg = rm.RingmasterConfig(size=P, backend=backend, load_balance="documents", documents_threshold=threshold,
@@ -20,7 +22,7 @@ def documents_parity(ctx, P, model_type, backend, doc_lens, threshold=None, cfg_
     with (MUTATIONS[mutation]() if mutation else contextlib.nullcontext()):
         return compare(model_type, cfg, device_mesh=ctx.mesh(P), prepare=_prepare(model_type, checkpointing),
                        batch=lambda m: packed_batch(m.config.vocab_size, list(doc_lens)),
-                       reference_forward=per_document_forward, fp64=fp64, via=via, **extra)
+                       reference_forward=per_document_forward, fp64=fp64, via=via, compiled=compiled, **extra)
 
 
 ATTN = {"rwkv": "eager", "xlstm": "eager"}   # attention-free families: transformers refuses sdpa for them

@@ -169,6 +169,47 @@ def test_recurrent_documents_parity_fp64(pool, model_type, P, backend, mix):
     _check(results, fp64=True)
 
 
+# a compiled runtime's parts (rm.wire(compile=True), run eagerly: what its batches carry is what a compiled block
+# runs): every rank's whole part runs spare tokens past its documents, a spare-only whole part where a rank holds no
+# whole document (all-long), and with the threshold chosen per batch something is split where an eager runtime splits
+# nothing (all-short: the longest document alone; rwkv's token shift, Mamba1's conv halo through the parts)
+COMPILED = [("qwen3_5_text", "uneven", THRESHOLD), ("rwkv", "all-long", THRESHOLD), ("falcon_mamba", "all-short", None)]
+
+
+@pytest.mark.parametrize("model_type,mix,threshold", COMPILED, ids=[f"{m}-{x}" for m, x, _ in COMPILED])
+def test_compiled_runtime_parts_exact_fp64(pool, model_type, mix, threshold):
+    results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES[mix], threshold, fp64=True,
+                       compiled=True)
+    assert all(r["split_fraction"] > 0.0 for r in results), [r["split_fraction"] for r in results]
+    _check(results, fp64=True)
+
+
+def test_a_compiled_runtime_keeps_the_parts_cases():
+    """Host only: a compiled runtime's assignment splits something where anything can be split, with a share of at
+    least 2 tokens (an eager runtime splits nothing on these rows), and every rank has a whole part, its spare tokens
+    a document of their own past the whole documents; an eager runtime's parts are as before."""
+    from ringmaster.sharding.assignment import SPARE
+    from ringmaster.sharding.documents import CPBatch
+
+    for lens in (MIXES["all-short"], [8] * 8, MIXES["uneven"]):
+        S, runs = sum(lens), Runs(sum(lens), (tuple(s for s, _ in _docs(lens)),))
+        eager = plan_documents(runs, S, 2, "contiguous", None)
+        compiled = plan_documents(runs, S, 2, "contiguous", None, compiled=True)
+        assert eager.split_len == 0 and eager.spare == 0, eager.describe()
+        assert compiled.split_share >= 2 and compiled.spare == SPARE, compiled.describe()
+    lens = MIXES["all-long"]   # every document split: no rank holds a whole one
+    runs = Runs(sum(lens), (tuple(s for s, _ in _docs(lens)),))
+    for compiled in (False, True):
+        a = plan_documents(runs, sum(lens), 2, "contiguous", THRESHOLD, compiled=compiled)
+        batch = CPBatch(1, 2, "documents", sum(lens), torch.zeros(1, sum(lens), dtype=torch.long), runs=runs,
+                        assignment=a)
+        whole = batch.parts[1]
+        assert (whole is None) != compiled
+        assert batch.whole_marker.shape[1] == (SPARE if compiled else 0)
+        if compiled:
+            assert whole.runs.row(0) == (0,) and whole.seq_len == SPARE and whole.origin.tolist() == [0] * SPARE
+
+
 def _fails(results, fp64=False):
     try:
         _check(results, fp64)

@@ -27,6 +27,9 @@ import torch
 from . import balancers
 
 DOCUMENTS = "documents"
+# the tokens a compiled runtime's whole part runs past its documents (Assignment.spare): two, so that a part is never
+# 0 or 1 token long, sizes dynamo specialises
+SPARE = 2
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class DocumentPolicy:
     threshold: int | None = None
     cost: Cost = field(default_factory=Cost)
     heads_split: bool = True   # the split documents' attention is shared by heads (Ulysses), else by position
+    # a compiled runtime's (Runtime.compiled): every batch keeps the same cases (Assignment.compiled)
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,17 @@ class Assignment:
     whole: tuple[tuple[tuple[int, int], ...], ...]      # per rank: its whole documents, in row order
     cost: Cost = field(default_factory=Cost)
     heads_split: bool = True                            # Ulysses: the split attention shared by heads
+    # for a compiled runtime: every batch has the same cases, so a compiled block sees new data, not a new case:
+    # something is split where anything can be, the split share at least 2 tokens where it can be
+    # (choose_threshold), and every rank runs a whole part, with SPARE tokens of their own past its documents
+    # (CPBatch.whole_part): a rank with no whole document, or one of one token, is no case of its own
+    compiled: bool = False
+
+    @property
+    def spare(self) -> int:
+        """Tokens of their own (one document, zeros in, dropped out) every rank's whole part runs past its
+        documents: :data:`SPARE` for a compiled runtime, else none."""
+        return SPARE if self.compiled else 0
 
     @property
     def split_len(self) -> int:
@@ -201,16 +217,19 @@ def _fix_residue(short: list[tuple[int, int]], need: int, m: int) -> list[tuple[
 
 
 def assign(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str, threshold: int,
-           cost: Cost | None = None, heads_split: bool = True) -> Assignment:
-    """The assignment of one row's documents ``[(start, stop), ...]`` (in row order, covering the row)."""
+           cost: Cost | None = None, heads_split: bool = True, compiled: bool = False,
+           split: tuple[tuple[int, int], ...] | None = None) -> Assignment:
+    """The assignment of one row's documents ``[(start, stop), ...]`` (in row order, covering the row);
+    ``compiled``: :attr:`Assignment.compiled`; ``split``: the documents to split instead of those longer than
+    ``threshold`` (then only reported)."""
     cost = cost or Cost()
     split_layout = balancers.check_layout(split_layout)
     if threshold < 1:
         raise ValueError(f"documents_threshold={threshold} must be >= 1 (a document longer than it is split over "
                          "the group)")
     m = size * balancers.chunks_per_rank(split_layout)
-    long = [d for d in docs if d[1] - d[0] > threshold]
-    short = [d for d in docs if d[1] - d[0] <= threshold]
+    long = [d for d in docs if (d[1] - d[0] > threshold if split is None else d in split)]
+    short = [d for d in docs if d not in long]
     need = -sum(e - s for s, e in long) % m
     extra = _fix_residue(short, need, m)
     if extra is None:   # nothing short adds up: every document is split (a static layout)
@@ -227,7 +246,7 @@ def assign(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: s
         loads[r] += cost.doc(d[1] - d[0])
         mine[r].append(d)
     return Assignment(seq_len, size, split_layout, threshold, tuple(long), tuple(tuple(sorted(w)) for w in mine), cost,
-                      heads_split)
+                      heads_split, compiled)
 
 
 def predicted_time(a: Assignment) -> float:
@@ -249,24 +268,33 @@ def candidate_thresholds(docs: list[tuple[int, int]], seq_len: int, size: int) -
 
 
 def choose_threshold(docs: list[tuple[int, int]], seq_len: int, size: int, split_layout: str,
-                     cost: Cost | None = None, heads_split: bool = True) -> Assignment:
+                     cost: Cost | None = None, heads_split: bool = True, compiled: bool = False) -> Assignment:
     """The assignment whose :func:`predicted_time` is smallest over the candidate thresholds: every
     distinct document length at least ``seq_len / (8 size)`` (smaller ones are never worth splitting), and
-    the row length (nothing split). Ties: the larger threshold (less communication)."""
+    the row length (nothing split). Ties: the larger threshold (less communication). ``compiled``
+    (:attr:`Assignment.compiled`): the fastest of those whose split share is at least 2 tokens, where one is
+    (the everything-split candidate is, on any row of 2 tokens per rank), the longest document alone split a
+    candidate too: nothing split, or a split share of one token, would be a case of its own for a compiled block."""
     cost = cost or Cost()
     best = None
-    for t in candidate_thresholds(docs, seq_len, size):
-        a = assign(docs, seq_len, size, split_layout, t, cost, heads_split)
-        key = predicted_time(a)
-        if best is None or key < best[0] - 1e-9:
+    candidates = [assign(docs, seq_len, size, split_layout, t, cost, heads_split, compiled)
+                  for t in candidate_thresholds(docs, seq_len, size)]
+    if compiled:
+        longest = max(docs, key=lambda d: (d[1] - d[0], -d[0]))
+        candidates.append(assign(docs, seq_len, size, split_layout, max(longest[1] - longest[0] - 1, 1), cost,
+                                 heads_split, compiled, split=(longest,)))
+    for a in candidates:
+        key = (compiled and a.split_share < 2, predicted_time(a))
+        if best is None or key[0] < best[0][0] or (key[0] == best[0][0] and key[1] < best[0][1] - 1e-9):
             best = (key, a)
     return best[1]
 
 
 def plan_documents(runs, seq_len: int, size: int, split_layout: str, threshold: int | None,
-                   cost: Cost | None = None, heads_split: bool = True) -> Assignment:
+                   cost: Cost | None = None, heads_split: bool = True, compiled: bool = False) -> Assignment:
     """The batch's assignment from its host document runs (:class:`~.documents.Runs`; None: one document),
-    with a fixed ``threshold`` or, for ``None``, the one :func:`choose_threshold` predicts fastest."""
+    with a fixed ``threshold`` or, for ``None``, the one :func:`choose_threshold` predicts fastest; ``compiled``:
+    :attr:`Assignment.compiled`."""
     if runs is not None and not runs.uniform:
         raise ValueError(
             "load_balance='documents' assigns documents per row, and this batch's rows hold different documents; "
@@ -274,16 +302,17 @@ def plan_documents(runs, seq_len: int, size: int, split_layout: str, threshold: 
             "micro_batch_size: 1) or use load_balance='auto'")
     docs = [(0, seq_len)] if runs is None else runs.bounds(0)
     if threshold is None:
-        return choose_threshold(docs, seq_len, size, split_layout, cost, heads_split)
-    return assign(docs, seq_len, size, split_layout, threshold, cost, heads_split)
+        return choose_threshold(docs, seq_len, size, split_layout, cost, heads_split, compiled)
+    return assign(docs, seq_len, size, split_layout, threshold, cost, heads_split, compiled)
 
 
 def policy_of(runtime) -> DocumentPolicy | None:
     """The policy ``runtime``'s batches are cut by under ``load_balance="documents"`` (None otherwise): the
     split documents in Ring's ``head_tail`` layout for pure Ring, else ``contiguous``; the config's threshold;
-    the model's cost figures (``runtime.cost``, set by ``rm.wire``)."""
+    the model's cost figures (``runtime.cost``, set by ``rm.wire``); whether the runtime is compiled."""
     if runtime is None or runtime.shard_load_balance != DOCUMENTS:
         return None
     plan = runtime.config
     split = "head_tail" if plan.ulysses_size == 1 and plan.ring_size > 1 else "contiguous"
-    return DocumentPolicy(split, plan.documents_threshold, runtime.cost or Cost(), heads_split=plan.ring_size == 1)
+    return DocumentPolicy(split, plan.documents_threshold, runtime.cost or Cost(), heads_split=plan.ring_size == 1,
+                          compiled=runtime.compiled)

@@ -134,7 +134,7 @@ def shard_collated_batch(batch: Mapping[str, Any], cp_rank: int, cp_size: int,
                                       "language model, so use load_balance='auto' for this model")
         runs = Runs.from_doc_ids(doc_ids) if doc_ids is not None else None   # the one host read of the documents
         assignment = plan_documents(runs, seq_len, cp_size, policy.split_layout, policy.threshold, policy.cost,
-                                    policy.heads_split)
+                                    policy.heads_split, policy.compiled)
     index = None if assignment is None else assignment.local_index(cp_rank)
 
     rows = None if multimodal else row_inputs(batch, seq_len)   # for absolute position rules (positions.py)

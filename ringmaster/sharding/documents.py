@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from . import balancers
-from .assignment import DOCUMENTS
+from .assignment import DOCUMENTS, SPARE
 from .handle import StepHandle
 
 BATCH_KWARG = "ringmaster_batch"
@@ -376,7 +376,7 @@ class CPBatch:
                  rows: Mapping[str, Any] | None = None, runs: Runs | None = None, assignment=None,
                  origin: torch.Tensor | None = None, pieces: bool = True, token_mask: torch.Tensor | None = None,
                  recurrent_doc_ids: torch.Tensor | None = None, row_pieces: bool = False, heads_upto: tuple = (),
-                 pow2_pieces: bool = False, piece_groups: int = 1):
+                 pow2_pieces: bool = False, piece_groups: int = 1, heads_len: int | None = None):
         self.rank, self.size, self.seq_len = rank, size, seq_len
         # every wired recurrent layer pads its pieces neutrally (RecurrentWiring.pow2_pieces): a documents shard's split
         # part runs as pieces a power of two long, so its length, new per packing, is no size a kernel loops over
@@ -385,14 +385,20 @@ class CPBatch:
         self._piece_groups = piece_groups
         # recurrent="auto": for each row length up to which a layer runs heads, whether this batch's rows are that
         # short, decided here on the host (a compiled block reads the bool, never the length: heads_rows)
+        # (``heads_len``: the length it compares instead of seq_len: a compiled runtime's split part compares its row's,
+        # the same every batch, so the choice is no case of its own: split_part)
         self._heads_upto = tuple(heads_upto)
-        self._heads_rows = {t: 0 < seq_len <= t for t in self._heads_upto}
+        self._heads_rows = {t: 0 < (seq_len if heads_len is None else heads_len) <= t for t in self._heads_upto}
         # this rank's shard of the batch's own attention_mask [B, local] (None without one): the token weights of a
         # per-sequence statistic (the MoE router loss, sharding.router); attention never reads it (doc_ids do)
         self.token_mask = token_mask
         # load_balance="documents": the batch's Assignment (sharding.assignment); its layers run two parts,
         # split_part() over the group and whole_part() locally. None: a static layout
         self.assignment = assignment
+        # whether a documents batch's whole part runs SPARE tokens of their own past its documents (Assignment.spare: a
+        # compiled runtime's): by_parts pads the whole part's inputs with them (a bool, and the module's constant: an
+        # int attribute would be a size of its own to dynamo, taken for the whole part's when they are equal)
+        self.spare = assignment is not None and assignment.spare > 0
         self.layout = DOCUMENTS if assignment is not None else balancers.check_layout(layout)
         # a part of a documents batch: the row position of each token of its (sub-)row, host int64
         self.origin = origin
@@ -429,11 +435,14 @@ class CPBatch:
         # starts, as data, for the kernels that run whole rows for their heads (recurrent.heads); None otherwise
         self.row_pieces = self._row_pieces() if pieces and (row_pieces or any(self._heads_rows.values())) else None
         # load_balance="documents": the two parts, made here (the shard step, on the host), never in forward, and
-        # the split share as the size of an empty tensor: a compiled block reads it as a size it may mark dynamic,
-        # not as a Python constant of this packing (with the parts' own lengths, from their tensors' shapes)
+        # the whole part's length (its spare tokens included) as the size of an empty tensor: a compiled block reads it
+        # as a size it may mark dynamic, not as a Python constant of this packing (the split share: the shard's length
+        # less the whole documents'; a size never 0 or 1 in a compiled runtime, and in a row of one document not the
+        # shard's length, which dynamo would take for the same size)
         self._row_pieces_wanted = row_pieces   # the parts inherit it
         self.parts = (self.split_part(), self.whole_part()) if assignment is not None else None
-        self.split_marker = None if assignment is None else _dynamic(torch.empty(0, assignment.split_share), 1)
+        self.whole_marker = None if assignment is None else \
+            _dynamic(torch.empty(0, assignment.whole_len(rank) + assignment.spare), 1)
 
     def _chunk_pieces(self) -> "tuple[ChunkPieces, ...] | None":
         if self.recurrent_runs is None or self.assignment is not None:
@@ -513,21 +522,27 @@ class CPBatch:
             runs = Runs(a.split_len, (a.split_starts(),))
             part = CPBatch(self.rank, self.size, a.split_layout, a.split_len, self._part_ids(runs), runs=runs,
                            origin=a.sub_row, row_pieces=self._row_pieces_wanted, heads_upto=self._heads_upto,
-                           pow2_pieces=self._pow2_pieces, piece_groups=self._piece_groups)
+                           pow2_pieces=self._pow2_pieces, piece_groups=self._piece_groups,
+                           heads_len=self.seq_len if a.compiled else None)
             part.rng_seed = self.rng_seed
             self._cache["split"] = part
         return self._cache["split"]
 
     def whole_part(self) -> "CPBatch | None":
         """Under ``load_balance="documents"``: this rank's whole documents as a batch of one rank (rank 0 of
-        1: its layers run with no collective); None when the rank holds none. Built once per batch."""
+        1: its layers run with no collective); None when the rank holds none. Built once per batch.
+        A compiled runtime's (:attr:`Assignment.compiled`) runs :data:`~.assignment.SPARE` tokens past them, a document of their
+        own (their row position 0): every rank has a whole part, never of one token (:func:`by_parts`)."""
         a = self.assignment
-        if a is None or not a.whole_len(self.rank):
+        if a is None or not (a.whole_len(self.rank) or a.spare):
             return None
         if "whole" not in self._cache:
-            runs = Runs(a.whole_len(self.rank), (a.whole_starts(self.rank),))
+            n = a.whole_len(self.rank)
+            starts = (*a.whole_starts(self.rank), n) if a.spare and n else a.whole_starts(self.rank) or (0,)
+            runs = Runs(n + a.spare, (starts,))
+            origin = torch.cat([a.local_index(self.rank)[a.split_share:], torch.zeros(a.spare, dtype=torch.long)])
             part = CPBatch(0, 1, "contiguous", runs.seq_len, self._part_ids(runs), runs=runs,
-                           origin=a.local_index(self.rank)[a.split_share:], piece_groups=self._piece_groups)
+                           origin=origin, piece_groups=self._piece_groups)
             part.rng_seed = self.rng_seed
             self._cache["whole"] = part
         return self._cache["whole"]
@@ -646,21 +661,37 @@ def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | No
     ``whole(part, *cut)`` (default ``call``) for this rank's whole documents (the rest, a batch of one rank: no
     collective), each tensor cut along its sequence dim ``dims[i]``; the outputs (a tensor, or a tuple whose first
     element is the output and the rest None) are concatenated along ``out_dim``. Every rank runs the split part
-    first, so the collectives line up. The one place a documents shard is cut into its parts."""
-    n = batch.split_marker.shape[1]   # batch.split_share, as a size (a compiled block does not specialise on it)
+    first, so the collectives line up. The one place a documents shard is cut into its parts.
+    A compiled runtime's whole part (:attr:`CPBatch.spare`) runs its inputs with ``SPARE`` zero tokens past them (a
+    document of their own), whose outputs are dropped."""
+    spare = SPARE if batch.spare else 0
+    w = batch.whole_marker.shape[1] - spare   # this rank's whole documents' tokens, as a size (not specialised)
     outs = []
     for part, split in zip(batch.parts, (True, False)):
         if part is None:
             continue
-        # the split part: the first n tokens; the whole part: the rest (all of them when nothing is split, n = 0)
-        cut = [None if t is None else t.narrow(d, 0, n) if split else t.narrow(d, n, t.shape[d] - n)
-               for t, d in zip(tensors, dims)]
+        # the split part: the first tokens; the whole part: the last w (all of them when nothing is split)
+        # (the whole part with its spare tokens cut from the padded shard: no tensor of w = 0 tokens, whose size dynamo
+        # would specialise)
+        cut = [None if t is None else t.narrow(d, 0, t.shape[d] - w) if split else
+               _spare(t, d, spare).narrow(d, t.shape[d] - w, w + spare) for t, d in zip(tensors, dims)]
         outs.append((call if split or whole is None else whole)(part, *cut))
     first = [o[0] if isinstance(o, tuple) else o for o in outs]
     out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
+    if spare:   # the whole part's spare tokens dropped after the concatenation (no tensor of 0 tokens)
+        out = out.narrow(out_dim, 0, out.shape[out_dim] - spare)
     if isinstance(outs[0], tuple):
         return (out, *[None] * (len(outs[0]) - 1))
     return out
+
+
+def _spare(t: torch.Tensor, dim: int, spare: int) -> torch.Tensor:
+    """``t`` with ``spare`` zero tokens past its end along ``dim`` (:func:`by_parts`' whole part; 0: ``t``)."""
+    if not spare:
+        return t
+    shape = list(t.shape)
+    shape[dim] = spare
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def _dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:
