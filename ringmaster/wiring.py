@@ -137,19 +137,22 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "where every kernel takes the length as a size (gated_deltanet, kda, mamba2, convolutions: one "
                      "more case, none past the budget there); for the kernels that loop in Python such a packing is "
                      "cut in Python and recompiles, and the shard step warns")
+    if cfg.load_balance is LoadBalance.DOCUMENTS:
+        notes.append("load_balance='documents': a compiled runtime's batches keep the same cases (every rank runs a "
+                     "whole part, with 2 spare tokens of their own; something is split where anything can be, at "
+                     "least 2 tokens a rank; the split part's heads choice made by the row's length), and the shard "
+                     "lengths are sizes new per packing: compile the blocks with torch.compile(block, fullgraph=True, "
+                     "dynamic=True) (measured, two-block models, 50 packings, every rank, every step exact: llama 1 "
+                     "graph on Ulysses and both rings, 2 under USP 2x2; a gated-DeltaNet hybrid 3-4; a Mamba2 hybrid "
+                     "5-6, its torch scan's chunk count of 1 a case of its own); without dynamic=True every size that "
+                     "changes for the first time is one graph more")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
-                     "documents, the whole ones) runs as padded pieces, but which parts a rank holds, and the "
-                     "power-of-two piece lengths the model's kernels branch on, are cases of their own (measured, "
-                     "two-block models, 50 packings, Ulysses and Ring: 6-8 graphs for a gated-DeltaNet hybrid, 8-11 "
-                     "Mamba2; 30, Ulysses: 9-11 RG-LRU, 6-7 mLSTM and Mamba1, 7-8 KDA, 10-12 lightning, 12-14 for "
-                     "two RWKV blocks; 50, at 4 ranks, USP 2x2: 9-15 for both hybrids, more ranks holding more "
-                     "combinations), past dynamo's default limit of 8 for some. Compile the blocks with "
-                     "torch.compile(block, fullgraph=True, dynamic=True): no static first graph, and no graph "
-                     "for each size that changes for the first time (measured, 30 packings, Ulysses: 4-5 graphs "
-                     "for a gated-DeltaNet hybrid, 6-7 Mamba2, 7 RG-LRU, 8 lightning); else raise "
-                     "torch._dynamo.config.recompile_limit (16; 32 at 4 ranks or more), or use a static "
-                     "load_balance for compiled hybrids")
+                     "documents, the whole ones) runs as padded pieces; the power-of-two piece lengths a kernel that "
+                     "loops over the tokens in Python runs over, and the model's kernels' branches on them, are "
+                     "cases of their own (measured, 30 packings, Ulysses, dynamic=True: RG-LRU 7 graphs, "
+                     "mLSTM 5, Mamba1 5-6, KDA 4, lightning 6); past dynamo's default limit of 8, raise "
+                     "torch._dynamo.config.recompile_limit, or use a static load_balance for compiled hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
     if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(looped or padded)}) under load_balance='documents' keep compiling "

@@ -194,12 +194,14 @@ def test_wire_for_compile_names_what_does_not_compile():
     other = compile_notes(ok, "sdpa", ["a_new_kind"], "scan")
     assert len(other) == 2 and "recompiles the block" in other[0] and "not shown to compile" in other[1], other
     docs = rm.RingmasterConfig(size=2, backend="ulysses", load_balance="documents").resolve(num_kv_heads=2)
-    assert compile_notes(docs, "sdpa", [], "scan") == []   # its sizes are dynamic: tests above
+    # its sizes are new per packing: compile with dynamic=True (tests above)
+    only = compile_notes(docs, "sdpa", [], "scan")
+    assert len(only) == 1 and "dynamic=True" in only[0] and "spare tokens" in only[0], only
     # every layer pads its pieces neutrally (wire's probe): the split part's pieces a power of two long, cases only
     hybrid_docs = compile_notes(docs, "sdpa", ["mamba1"], "scan", pow2_pieces=True)
-    assert len(hybrid_docs) == 2 and "recompile_limit" in hybrid_docs[1], hybrid_docs
+    assert len(hybrid_docs) == 3 and "recompile_limit" in hybrid_docs[2], hybrid_docs
     # some layer does not: the split part's lone piece fills its row, a graph per new length; a static layout is the fix
     looped = compile_notes(docs, "sdpa", ["rglru", "gated_deltanet"], "scan")
-    assert len(looped) == 3 and "(rglru)" in looped[2] and "only postpones" in looped[2], looped
-    assert "static load_balance" in looped[2], looped
-    assert len(compile_notes(docs, "sdpa", ["rglru", "gated_deltanet"], "scan", pow2_pieces=True)) == 2
+    assert len(looped) == 4 and "(rglru)" in looped[3] and "only postpones" in looped[3], looped
+    assert "static load_balance" in looped[3], looped
+    assert len(compile_notes(docs, "sdpa", ["rglru", "gated_deltanet"], "scan", pow2_pieces=True)) == 3
