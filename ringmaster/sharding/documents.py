@@ -531,8 +531,9 @@ class CPBatch:
     def whole_part(self) -> "CPBatch | None":
         """Under ``load_balance="documents"``: this rank's whole documents as a batch of one rank (rank 0 of
         1: its layers run with no collective); None when the rank holds none. Built once per batch.
-        A compiled runtime's (:attr:`Assignment.compiled`) runs :data:`~.assignment.SPARE` tokens past them, a document of their
-        own (their row position 0): every rank has a whole part, never of one token (:func:`by_parts`)."""
+        A compiled runtime's (:attr:`Assignment.compiled`) runs :data:`~.assignment.SPARE` tokens past them, a
+        document of their own (their row position 0): every rank has a whole part, never of one token
+        (:func:`by_parts`)."""
         a = self.assignment
         if a is None or not (a.whole_len(self.rank) or a.spare):
             return None
