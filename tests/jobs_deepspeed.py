@@ -118,7 +118,7 @@ def zero_parity(ctx, model_name: str, backend: str = "ulysses", stage: int = 3, 
     engine.destroy()
     return {"loss": rel_err(loss, ref_out.loss), "grad": max(grads.values()), "truth": max(truth.values()),
             "missing": missing, "partitioned": partitioned, "params": len(grads),
-            "worst": max(grads, key=grads.get)}
+            "worst": max(grads, key=grads.get), "grads": grads}
 
 
 def mismatched_batches(ctx) -> str:

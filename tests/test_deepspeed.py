@@ -24,6 +24,12 @@ def ds_pool():
     pool.close(force=True)
 
 TOL = 1e-4   # fp32: DeepSpeed's gradient reduction order against plain CP's (measured <= 4e-6)
+# gated DeltaNet's decay gate (g = -exp(A_log) * softplus(a + dt_bias)): the fp32 gradients of A_log and dt_bias are
+# sums over every token that nearly cancel (against the model without CP A_log's error is 2.3e-3 on Ring, 1.2e-4 in
+# heads mode), so DeepSpeed's rounding moves them more: measured against plain CP in heads mode under ZeRO-3, 1.7e-4
+# (A_log) and 1.3e-4 (dt_bias) on one machine, under 1e-4 on another
+TOL_CANCELLING = 1e-3
+CANCELLING = ("A_log", "dt_bias")
 
 CASES = [
     # the crash of issue 43: a hybrid HF built partitioned under zero.Init (Trainer(deepspeed=...), axolotl), wired
@@ -47,7 +53,9 @@ def test_zero_stages_are_exact_under_cp(ds_pool, model, backend, stage, when):
     for r in ds_pool.run(jobs_deepspeed.zero_parity, model, backend, stage, when):
         assert not r["missing"] and r["params"] > 30, r            # every parameter has its gradient
         assert r["partitioned"] == (stage == 3), r                   # ZeRO-3 really partitioned them
-        assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        assert r["loss"] <= TOL, r
+        worse = {n: e for n, e in r["grads"].items() if e > (TOL_CANCELLING if n.endswith(CANCELLING) else TOL)}
+        assert not worse, (worse, r["truth"])
 
 
 def test_mutation_probe_on_partitioned_parameters_crashes(ds_pool):
