@@ -18,7 +18,7 @@ from ..validation import validate_batch
 from . import balancers
 from .carrier import carrier_of
 from .assignment import DOCUMENTS, Assignment, DocumentPolicy, plan_documents, policy_of
-from .documents import BATCH_KWARG, CPBatch, Runs, batch_documents, positions_from_doc_ids
+from .documents import BATCH_KWARG, CPBatch, Runs, batch_documents, pad_tokens, positions_from_doc_ids
 from .positions import row_inputs
 
 CP_SHARD_KEY = "_cp_shard"
@@ -234,11 +234,7 @@ def _gather_documents(local: torch.Tensor, dim: int, group, a: Assignment) -> to
     if local.shape[dim] != a.local_len(rank):
         raise ValueError(f"gather_sequence: this rank's tensor has {local.shape[dim]} tokens along dim {dim}, but its "
                          f"shard of the documents batch has {a.local_len(rank)}")
-    pad = a.max_local_len - local.shape[dim]
-    if pad:
-        shape = list(local.shape)
-        shape[dim] = pad
-        local = torch.cat([local, local.new_zeros(shape)], dim=dim)
+    local = pad_tokens(local, dim, a.max_local_len - local.shape[dim])
     stacked = all_gather(local, group, tag="gather_sequence")
     full = torch.cat([stacked[r].narrow(dim, 0, a.local_len(r)) for r in range(a.size)], dim=dim)
     inverse = a.gathered_order.to(full.device)

@@ -675,7 +675,7 @@ def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | No
         # (the whole part with its spare tokens cut from the padded shard: no tensor of w = 0 tokens, whose size dynamo
         # would specialise)
         cut = [None if t is None else t.narrow(d, 0, t.shape[d] - w) if split else
-               _spare(t, d, spare).narrow(d, t.shape[d] - w, w + spare) for t, d in zip(tensors, dims)]
+               pad_tokens(t, d, spare).narrow(d, t.shape[d] - w, w + spare) for t, d in zip(tensors, dims)]
         outs.append((call if split or whole is None else whole)(part, *cut))
     first = [o[0] if isinstance(o, tuple) else o for o in outs]
     out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
@@ -686,12 +686,13 @@ def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | No
     return out
 
 
-def _spare(t: torch.Tensor, dim: int, spare: int) -> torch.Tensor:
-    """``t`` with ``spare`` zero tokens past its end along ``dim`` (:func:`by_parts`' whole part; 0: ``t``)."""
-    if not spare:
+def pad_tokens(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``t`` with ``n`` zero tokens past its end along ``dim`` (0: ``t``): :func:`by_parts`' spare tokens, and a
+    documents shard padded to the longest for ``gather_sequence``."""
+    if not n:
         return t
     shape = list(t.shape)
-    shape[dim] = spare
+    shape[dim] = n
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
