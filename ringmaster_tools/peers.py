@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .pool import without_deepspeed_shm_comm
+
 
 class Skip(Exception):
     """A system that cannot run here; the message says why."""
@@ -206,6 +208,7 @@ def _local_sdpa(q, k, v, *args, **kwargs):  # [B, S, h, D], for DeepSpeed's Dist
 
 def deepspeed_ulysses(group, P: int, H: int, Hkv: int):
     layer = _import("deepspeed.sequence.layer")
+    without_deepspeed_shm_comm()   # its collectives on the group's backend, no C++ op compiled on a CPU host
     # torch.distributed is already up: DeepSpeed's comm layer wraps it (its documented path for that)
     _import("deepspeed.comm").init_distributed(dist_backend=dist.get_backend(group), auto_mpi_discovery=False,
                                                verbose=False)

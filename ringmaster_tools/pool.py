@@ -8,7 +8,6 @@ a hung pool is killed and must be replaced.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import queue
@@ -183,18 +182,28 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str = "gl
 
 
 def deepspeed_shm_buffers(port: int) -> list[str]:
-    """The shared-memory all-reduce buffers DeepSpeed's CPU communication made for the ranks of the pool on ``port``
-    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 50 MB each; ``_worker`` sets the address)."""
+    """The shared-memory all-reduce buffers DeepSpeed's CPU communication maps for the ranks of the pool on ``port``
+    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 50 MB each, never unlinked; ``_worker`` sets the
+    address): none where :func:`without_deepspeed_shm_comm` ran first."""
     return sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
 
 
-def _remove_deepspeed_shm(port: int) -> None:
-    """Unlink :func:`deepspeed_shm_buffers`: DeepSpeed maps them once per process and never unlinks them, so every
-    pool that ran DeepSpeed (tests/test_deepspeed.py) would leave them in /dev/shm, holding memory until the machine
-    restarts. Called once the ranks have exited."""
-    for path in deepspeed_shm_buffers(port):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def without_deepspeed_shm_comm() -> None:
+    """Call in a CPU rank before DeepSpeed's communication starts (``deepspeed.comm.init_distributed``,
+    ``deepspeed.initialize``, the HF Trainer's ``deepspeed=``): DeepSpeed's collectives then run on the process
+    group's own backend (gloo), as they do on NCCL.
+
+    Otherwise DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (C++, minutes on a small machine,
+    built under a lock file in ``TORCH_EXTENSIONS_DIR``) and maps a buffer per rank in /dev/shm that it never unlinks.
+    A rank killed while it compiles (a pool's timeout) leaves the lock file behind, and every later DeepSpeed rank on
+    the machine waits on it for ever: CI at stop 59, where the first DeepSpeed job of a fresh machine timed out while
+    compiling and every DeepSpeed pool after it hung. The op is an optimisation of DeepSpeed's CPU all-reduce, which
+    ringmaster does not use. Marked incompatible in ``deepspeed.ops.__compatible_ops__`` (the process's one dict,
+    which DeepSpeed's comm layer reads before it builds the op)."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 class LocalPool:
@@ -261,7 +270,6 @@ class LocalPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        _remove_deepspeed_shm(self.port)
 
     def __enter__(self):
         return self

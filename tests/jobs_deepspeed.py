@@ -21,10 +21,14 @@ def _ds_config(stage: int) -> dict:
 
 
 def _launcher_env():
-    """What a launcher sets (DeepSpeed reads them), and its CPU accelerator."""
+    """What a launcher sets (DeepSpeed reads them), and its CPU accelerator, whose collectives run on gloo (no
+    shared-memory op compiled: ``ringmaster_tools.pool.without_deepspeed_shm_comm``)."""
     import torch.distributed as dist
 
+    from ringmaster_tools.pool import without_deepspeed_shm_comm
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    without_deepspeed_shm_comm()
     for key, value in (("LOCAL_RANK", dist.get_rank()), ("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()),
                        ("LOCAL_SIZE", dist.get_world_size())):
         os.environ[key] = str(value)
@@ -234,9 +238,9 @@ def sft_deepspeed(ctx, stage: int = 2, model_type: str = "llama", steps: int = 3
     return {**training_errors(ds_w, losses, ref_w, ref_losses, tiny_model(model_type)), "shards": shards}
 
 
-def shm_buffers(ctx) -> list[str]:
-    """DeepSpeed's communication started on this pool's ranks (its CPU accelerator maps one shared-memory all-reduce
-    buffer per rank): the buffers in /dev/shm named for this pool's port, as ``LocalPool.close`` finds them."""
+def shm_comm(ctx) -> dict:
+    """DeepSpeed's communication started on this pool's ranks as every job here starts it (:func:`_launcher_env`):
+    whether DeepSpeed built its shared-memory all-reduce op, and the buffers in /dev/shm named for this pool's port."""
     import deepspeed
     import torch.distributed as dist
 
@@ -245,4 +249,4 @@ def shm_buffers(ctx) -> list[str]:
     _launcher_env()
     deepspeed.comm.init_distributed(dist_backend="gloo")
     dist.barrier()
-    return deepspeed_shm_buffers(int(os.environ["MASTER_PORT"]))
+    return {"op_built": deepspeed.comm.comm.cdb.shm_comm_op is not None, "buffers": deepspeed_shm_buffers(int(os.environ["MASTER_PORT"]))}
