@@ -191,7 +191,7 @@ def recurrent_kind_compiles(ctx, model_type, P=2, compiler="aot_eager_decomp_par
 
 def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, static_sizes=False, P=2,
                          zero_padding=False, seq_len=64, kind="packed", row_pieces_dropped=False,
-                         rglru_decaying_padding=False, lightning_decaying_padding=False):
+                         rglru_decaying_padding=False, lightning_decaying_padding=False, dynamic=None):
     """A hybrid's recurrent layers over ``steps`` new packings, compiled (``ringmaster_tools.packings``): the chunk
     pieces as data (``recurrent.documents.PiecesSegment``). Mutations: ``whole_map_always``, a chunk cut by
     documents still passes the incoming state through its first piece's map; ``static_sizes``, the pieces' count
@@ -235,7 +235,7 @@ def hybrid_over_packings(ctx, model, backend, steps=20, whole_map_always=False, 
             return type(self)(fn(self.q), fn(self.k), fn(self.v), self.slope, self.block_size)
         lightning.LightningSegment.with_tensors = every_token_live
     try:
-        return packings.over_packings(ctx, model, backend, kind, steps, size=P, seq_len=seq_len)
+        return packings.over_packings(ctx, model, backend, kind, steps, size=P, seq_len=seq_len, dynamic=dynamic)
     finally:
         documents.PiecesSegment.local_map, documents.PiecesSegment._sizes = original, sizes
         CPBatch._row_pieces = row_pieces

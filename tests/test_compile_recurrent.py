@@ -83,6 +83,19 @@ def test_heads_under_documents_compiles(pool):
         assert max(r["loss"]) <= TOL and max(r["grad"]) <= GDN_GRAD_TOL, (r["loss"], r["grad"])
 
 
+def test_hybrid_documents_packings_compile_one_graph_per_block(pool):
+    """``load_balance="documents"`` on a compiled runtime (a gated-DeltaNet hybrid, Ulysses, blocks compiled with
+    ``dynamic=True``): at the first packing rank 0 holds no whole document (its split part is its whole shard, its
+    whole part the spare tokens alone); three packings compile one graph per block, every step exact. Mutations (by
+    hand, 3 graphs each): the split part cut from the shard unpadded (``by_parts``: at the first packing a narrow to
+    the shard's whole length, and the attention block's graph took the whole part's marker as 2), and a pieces index
+    left a view (``sharding.documents._on``: dynamo gave its base's length, unmarked, the hidden states' symbol)."""
+    for r in pool.run(jobs_compile.hybrid_over_packings, "gdn-hybrid", "ulysses-documents", 3, kind="documents",
+                      dynamic=True):
+        assert r["breaks"] == 0 and r["graphs"] == [HYBRID_GRAPHS] * 3, r["graphs"]
+        assert max(r["loss"]) <= TOL and max(r["grad"]) <= GDN_GRAD_TOL, (r["loss"], r["grad"])
+
+
 def test_mutation_heads_without_row_pieces_compile_per_packing(pool):
     """Mutation: heads mode cutting the whole rows' documents in Python (no ``CPBatch.row_pieces``): a graph per
     packing, past the bound above (measured: 4 graphs in 3 packings, 6 in 5)."""

@@ -666,16 +666,18 @@ def by_parts(batch: CPBatch, call: Callable, tensors: Sequence[torch.Tensor | No
     A compiled runtime's whole part (:attr:`CPBatch.spare`) runs its inputs with ``SPARE`` zero tokens past them (a
     document of their own), whose outputs are dropped."""
     spare = SPARE if batch.spare else 0
-    w = batch.whole_marker.shape[1] - spare   # this rank's whole documents' tokens, as a size (not specialised)
+    m = batch.whole_marker.shape[1]   # this rank's whole documents' tokens and the spare ones, as a size
+    # both parts are cut from the shard padded by the spare tokens: the split part its first tokens, the whole part the
+    # last m (all of them when nothing is split). On a compiled runtime neither is then a tensor of 0 tokens nor the
+    # whole of the one it is cut from, sizes dynamo would specialise at the first packing (measured: a rank with no
+    # whole document, its split part the whole shard, specialised the marker to 2 in an attention block's graph)
+    padded = [None if t is None else pad_tokens(t, d, spare) for t, d in zip(tensors, dims)]
     outs = []
     for part, split in zip(batch.parts, (True, False)):
         if part is None:
             continue
-        # the split part: the first tokens; the whole part: the last w (all of them when nothing is split)
-        # (the whole part with its spare tokens cut from the padded shard: no tensor of w = 0 tokens, whose size dynamo
-        # would specialise)
-        cut = [None if t is None else t.narrow(d, 0, t.shape[d] - w) if split else
-               pad_tokens(t, d, spare).narrow(d, t.shape[d] - w, w + spare) for t, d in zip(tensors, dims)]
+        cut = [None if t is None else t.narrow(d, 0, t.shape[d] - m) if split else t.narrow(d, t.shape[d] - m, m)
+               for t, d in zip(padded, dims)]
         outs.append((call if split or whole is None else whole)(part, *cut))
     first = [o[0] if isinstance(o, tuple) else o for o in outs]
     out = first[0] if len(first) == 1 else torch.cat(first, dim=out_dim)
@@ -707,8 +709,12 @@ def _dynamic(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _on(device, values, dtype) -> torch.Tensor:
-    """A small host-built tensor on ``device``: built in host memory, copied without waiting."""
+    """A small host-built tensor on ``device``: built in host memory, copied without waiting. Never a view: dynamo
+    gives a view's base sizes of their own, unmarked, which duck sizing unifies with any equal size of the first
+    packing (a pieces index of ``[1, m]`` with the hidden states' length: one more graph when they differ)."""
     t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if t._is_view():
+        t = t.clone()
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
