@@ -143,9 +143,9 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
                      "least 2 tokens a rank; the split part's heads choice made by the row's length), and the shard "
                      "lengths are sizes new per packing: compile the blocks with torch.compile(block, fullgraph=True, "
                      "dynamic=True) (measured, two-block models, 50 packings, every rank, every step exact: llama 1 "
-                     "graph on Ulysses and both rings, 2 under USP 2x2; a gated-DeltaNet hybrid 3-4; a Mamba2 hybrid "
-                     "5-6, its torch scan's chunk count of 1 a case of its own); without dynamic=True every size that "
-                     "changes for the first time is one graph more")
+                     "graph on Ulysses and both rings, 2 under USP 2x2; a gated-DeltaNet hybrid 2, one per block; a "
+                     "Mamba2 hybrid 3-4, its torch scan's chunk count of 1 a case of its own); without dynamic=True "
+                     "every size that changes for the first time is one graph more")
     if padded and cfg.load_balance is LoadBalance.DOCUMENTS:
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces; the power-of-two piece lengths a kernel that "

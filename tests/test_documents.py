@@ -172,13 +172,15 @@ def test_recurrent_documents_parity_fp64(pool, model_type, P, backend, mix):
 # a compiled runtime's parts (rm.wire(compile=True), run eagerly: what its batches carry is what a compiled block
 # runs): every rank's whole part runs spare tokens past its documents, a spare-only whole part where a rank holds no
 # whole document (all-long), and with the threshold chosen per batch something is split where an eager runtime splits
-# nothing (all-short: the longest document alone; rwkv's token shift, Mamba1's conv halo through the parts)
-COMPILED = [("qwen3_5_text", "uneven", THRESHOLD), ("rwkv", "all-long", THRESHOLD), ("falcon_mamba", "all-short", None)]
+# nothing (all-short: the longest document alone; rwkv's token shift, Mamba1's conv halo through the parts); the
+# attention and gated-DeltaNet hybrid at 4 ranks, the others at 2
+COMPILED = [("qwen3_5_text", "uneven", THRESHOLD, 4), ("rwkv", "all-long", THRESHOLD, 2),
+            ("falcon_mamba", "all-short", None, 2)]
 
 
-@pytest.mark.parametrize("model_type,mix,threshold", COMPILED, ids=[f"{m}-{x}" for m, x, _ in COMPILED])
-def test_compiled_runtime_parts_exact_fp64(pool, model_type, mix, threshold):
-    results = pool.run(jd.documents_parity, 2, model_type, "ulysses", MIXES[mix], threshold, fp64=True,
+@pytest.mark.parametrize("model_type,mix,threshold,P", COMPILED, ids=[f"{m}-{x}-P{P}" for m, x, _, P in COMPILED])
+def test_compiled_runtime_parts_exact_fp64(pool, model_type, mix, threshold, P):
+    results = pool.run(jd.documents_parity, P, model_type, "ulysses", MIXES[mix], threshold, fp64=True,
                        compiled=True)
     assert all(r["split_fraction"] > 0.0 for r in results), [r["split_fraction"] for r in results]
     _check(results, fp64=True)
