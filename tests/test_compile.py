@@ -110,11 +110,11 @@ def test_mutation_documents_without_spare_tokens_compile_a_case_per_part(pool):
 
 def test_mutation_plan_in_the_graph_recompiles_per_packing(pool):
     """Mutation: the compiled Ulysses sdpa tiles plan in Python inside the block again (the step handle
-    unused): the document boundaries specialise the graph, new packings recompile until dynamo's limit. Ten new
-    packings show it past the warm-up the test above allows (measured: 5 graphs after step 5, 7 after step 10, 9 by
-    step 16 and no more in 50: its graphs are what costs)."""
+    unused): the document boundaries specialise the graph, new packings recompile until dynamo's limit. Seven new
+    packings show it past the warm-up the test above allows (measured: 6 graphs after step 5, 7 after steps 6 and 7,
+    8 after step 8, 9 by step 16 and no more in 50: its graphs are what costs)."""
     try:
-        results = pool.run(jobs_compile.over_packings, "llama", "ulysses", "packed", 10, plan_in_python=True)
+        results = pool.run(jobs_compile.over_packings, "llama", "ulysses", "packed", 7, plan_in_python=True)
     except RankError as exc:
         assert "recompile" in str(exc).lower(), exc
         return
