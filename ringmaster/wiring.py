@@ -150,8 +150,8 @@ def compile_notes(cfg: RingmasterPlan, inner: str, recurrent_kinds, strategy: st
         notes.append(f"recurrent layers ({', '.join(padded)}) under load_balance='documents': each part (the split "
                      "documents, the whole ones) runs as padded pieces; the power-of-two piece lengths a kernel that "
                      "loops over the tokens in Python runs over, and the model's kernels' branches on them, are "
-                     "cases of their own (measured, 30 packings, Ulysses, dynamic=True: RG-LRU 7 graphs, "
-                     "mLSTM 5, Mamba1 5-6, KDA 4, lightning 6); past dynamo's default limit of 8, raise "
+                     "cases of their own (measured, 30 packings, Ulysses, dynamic=True: RG-LRU 5-6 graphs, "
+                     "mLSTM 4-5, Mamba1 4-5, KDA 2, lightning 5-6); past dynamo's default limit of 8, raise "
                      "torch._dynamo.config.recompile_limit, or use a static load_balance for compiled hybrids")
     looped = [k for k in padded if k in SPLIT_LENGTH_KINDS]
     if padded and not pow2_pieces and cfg.load_balance is LoadBalance.DOCUMENTS:
