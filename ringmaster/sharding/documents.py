@@ -713,8 +713,7 @@ def _on(device, values, dtype) -> torch.Tensor:
     gives a view's base sizes of their own, unmarked, which duck sizing unifies with any equal size of the first
     packing (a pieces index of ``[1, m]`` with the hidden states' length: one more graph when they differ)."""
     t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if t._is_view():
-        t = t.clone()
     if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+        return t.pin_memory().to(device, non_blocking=True)   # pinning copies: never a view
+    t = t.to(device)
+    return t.clone() if t._is_view() else t
